@@ -1,0 +1,108 @@
+"""spanq: span queries for LLM applications — say which parts of a prompt are order-free.
+
+Build a query with the builder functions, optimize it, and execute it on a backend. Importing this package
+imports neither torch nor vLLM; the embedded span-aware engine is loaded on first use.
+"""
+
+from __future__ import annotations
+
+from .backends import (
+    Backend,
+    BackendCapabilities,
+    CallMetrics,
+    Completion,
+    default_backend,
+    resolve_backend,
+)
+from .errors import (
+    BackendError,
+    BackendUnavailableError,
+    ContextLengthError,
+    GenerationError,
+    ModelNotFoundError,
+    OptimizerError,
+    QueryParseError,
+    QueryValidationError,
+    ReducerParseError,
+    SpanQueryError,
+)
+from .executor import ExecutionResult, aexecute, execute
+from .ir import (
+    Assistant,
+    Chat,
+    Cross,
+    Fragment,
+    Generate,
+    Map,
+    Monad,
+    Node,
+    Plus,
+    Print,
+    Repeat,
+    Retrieve,
+    System,
+    User,
+    assistant,
+    chat,
+    cross,
+    fragment,
+    generate,
+    plus,
+    render,
+    retrieve,
+    system,
+    user,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # builder
+    "system",
+    "user",
+    "assistant",
+    "fragment",
+    "plus",
+    "cross",
+    "generate",
+    "retrieve",
+    "chat",
+    "render",
+    # IR
+    "Node",
+    "System",
+    "User",
+    "Assistant",
+    "Fragment",
+    "Generate",
+    "Plus",
+    "Cross",
+    "Chat",
+    "Retrieve",
+    "Repeat",
+    "Map",
+    "Monad",
+    "Print",
+    # execution
+    "aexecute",
+    "execute",
+    "ExecutionResult",
+    "Backend",
+    "BackendCapabilities",
+    "CallMetrics",
+    "Completion",
+    "default_backend",
+    "resolve_backend",
+    # errors
+    "SpanQueryError",
+    "QueryParseError",
+    "QueryValidationError",
+    "OptimizerError",
+    "BackendError",
+    "BackendUnavailableError",
+    "ModelNotFoundError",
+    "ContextLengthError",
+    "GenerationError",
+    "ReducerParseError",
+    "__version__",
+]
