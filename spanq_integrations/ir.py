@@ -325,7 +325,7 @@ def walk(node: Node, path: str = "$") -> Iterator[tuple[str, Node]]:
             yield from walk(c, f"{path}.{key}[{i}]")
     elif isinstance(node, Chat):
         for i, c in enumerate(node.messages):
-            yield from walk(c, f"{path}.chat[{i}]")
+            yield from walk(c, f"{path}.chat.messages[{i}]")
     elif isinstance(node, Generate):
         yield from walk(node.input, f"{path}.g.input")
     elif isinstance(node, Repeat):

@@ -1,0 +1,100 @@
+"""The span-query optimizer: rewrite rules applied until nothing changes, as in SQLGlot's optimizer.
+
+Each rule is a pure function `rule(node, ctx) -> node` in its own module, tested on its own. `optimize` applies
+a list of rules (by default `DEFAULT_RULES`, in order) pass after pass until a pass changes nothing. Rules
+never rewrite an `Assistant`'s `source`: it records a call that already ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from ..backends.base import BackendCapabilities
+from ..errors import OptimizerError
+from ..ir import Node
+from .bulk_order import bulk_order
+from .context import DEFAULT_CAPABILITIES, OptimizerContext, Retriever
+from .desugar_chat import desugar_chat
+from .desugar_retrieve import desugar_retrieve
+from .distribute_plus import distribute_plus
+from .expand_bulk import expand_bulk
+from .simplify_plus import simplify_plus
+from .tree_reduce import tree_reduce
+
+__all__ = [
+    "DEFAULT_RULES",
+    "MAX_PASSES",
+    "OptimizerContext",
+    "Retriever",
+    "Rule",
+    "apply_rules",
+    "bulk_order",
+    "desugar_chat",
+    "desugar_retrieve",
+    "distribute_plus",
+    "expand_bulk",
+    "optimize",
+    "simplify_plus",
+    "tree_reduce",
+]
+
+Rule = Callable[[Node, OptimizerContext], Node]
+
+DEFAULT_RULES: tuple[Rule, ...] = (
+    desugar_chat,
+    desugar_retrieve,
+    expand_bulk,
+    simplify_plus,
+    distribute_plus,
+    tree_reduce,
+    bulk_order,
+)
+"""Every rule, in the order a pass applies them; tree reduction and bulk ordering act only when opted in."""
+
+MAX_PASSES = 32
+
+
+def optimize(
+    query: Node,
+    capabilities: BackendCapabilities | None = None,
+    *,
+    rules: Sequence[Rule] | None = None,
+    retrievers: Mapping[str, Retriever] | None = None,
+    tree_reduction_k: int | None = None,
+    tree_reduction_instruction: str | None = None,
+    bulk_order: bool = False,
+    max_passes: int = MAX_PASSES,
+) -> Node:
+    """The query rewritten for a backend with `capabilities` (default: an ordinary, span-unaware server).
+
+    `retrievers` are the retrievers `Retrieve` nodes may name; `tree_reduction_k` (>= 2) turns tree reduction
+    on, `tree_reduction_instruction` gives its intermediate judges their own instruction; `bulk_order` reorders
+    a top-level batch for cache reuse. See `OptimizerContext`.
+    """
+    ctx = OptimizerContext(
+        capabilities=capabilities or DEFAULT_CAPABILITIES,
+        retrievers=dict(retrievers or {}),
+        tree_reduction_k=tree_reduction_k,
+        tree_reduction_instruction=tree_reduction_instruction,
+        bulk_order=bulk_order,
+    )
+    return apply_rules(query, ctx, DEFAULT_RULES if rules is None else rules, max_passes=max_passes)
+
+
+def apply_rules(
+    query: Node, ctx: OptimizerContext, rules: Sequence[Rule], *, max_passes: int = MAX_PASSES
+) -> Node:
+    """Apply `rules` in order, pass after pass, until a pass changes nothing; at most `max_passes` passes."""
+    current = query
+    for _ in range(max_passes):
+        rewritten = current
+        for rule in rules:
+            rewritten = rule(rewritten, ctx)
+        if rewritten == current:
+            return current
+        current = rewritten
+    names = ", ".join(getattr(rule, "__name__", repr(rule)) for rule in rules)
+    raise OptimizerError(
+        f"the optimizer did not settle after {max_passes} passes (rules: {names}): some rule keeps rewriting "
+        "its own output; this is a bug in that rule, please report it with the query"
+    )

@@ -1,0 +1,40 @@
+"""Rule 3, join simplification: flatten a `Plus` inside a `Plus` (and a `Cross` inside a `Cross` of the same
+keyword), drop empty joins from their parent join, and replace a single-child join by its child.
+
+These keep the meaning of the query: `plus` is associative and commutative, `cross` associative. An empty join
+at the root, as a generate's input or inside a monad has no parent join to leave, so it stays.
+"""
+
+from __future__ import annotations
+
+from ..ir import Cross, Node, Plus, transform, with_children
+from .context import OptimizerContext
+
+__all__ = ["simplify_plus"]
+
+
+def simplify_plus(node: Node, ctx: OptimizerContext) -> Node:
+    """The tree with flat, non-empty, multi-child joins."""
+    return transform(node, _simplify_join)
+
+
+def _simplify_join(node: Node) -> Node:
+    if not isinstance(node, (Plus, Cross)):
+        return node
+    children: list[Node] = []
+    for child in node.children:  # already simplified: transform works bottom-up
+        if isinstance(child, (Plus, Cross)) and not child.children:
+            continue
+        if _flattens_into(child, node):
+            children.extend(child.children)  # type: ignore[union-attr]
+        else:
+            children.append(child)
+    if len(children) == 1:
+        return children[0]
+    return with_children(node, children)
+
+
+def _flattens_into(child: Node, parent: Plus | Cross) -> bool:
+    if isinstance(parent, Plus):
+        return isinstance(child, Plus)
+    return isinstance(child, Cross) and child.keyword == parent.keyword

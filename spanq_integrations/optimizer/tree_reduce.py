@@ -1,0 +1,85 @@
+"""Rule 5, tree reduction (attention locality): one wide judge over N candidates becomes a k-ary tree of narrow
+judges, so no candidate is lost in the middle of a long context. Opt-in (`tree_reduction_k`); it needs no
+special server.
+
+It applies to a generate whose input is a `plus` of candidates, or a `cross` with exactly one `plus` child
+(the candidates) between a prefix (system prompt, context) and a suffix (the instruction), when there are more
+than k candidates. The candidates are grouped k at a time, in order; each group is judged by a generate with
+the same settings and the same surrounding cross over `plus(group)`; a group of one passes through without a
+call. The next level groups the previous level's judges, until at most k remain, which the original generate
+then reads. N=8, k=2 gives 4 + 2 + 1 = 7 calls in 3 levels.
+
+Monads and prints are effects, not candidates or context: in the candidate `plus` they stay with the root
+judge, in the prefix and suffix they run once, in the root judge's input, not in every intermediate judge.
+With `tree_reduction_instruction` set, the intermediate judges read that user instruction instead of the
+suffix (for example "pick the best candidate and repeat it verbatim"), the root keeps the query's own.
+"""
+
+from __future__ import annotations
+
+from ..ir import Cross, Generate, Monad, Node, Plus, Print, User, transform
+from .context import OptimizerContext
+
+__all__ = ["tree_reduce"]
+
+
+def tree_reduce(node: Node, ctx: OptimizerContext) -> Node:
+    """Rewrite every generate over more than `ctx.tree_reduction_k` candidates into a tree of judges."""
+    k = ctx.tree_reduction_k  # the context has checked that it is None or >= 2
+    if k is None:
+        return node
+    instruction = ctx.tree_reduction_instruction
+    return transform(node, lambda n: _reduce(n, k, instruction) if isinstance(n, Generate) else n)
+
+
+def _is_effect(node: Node) -> bool:
+    return isinstance(node, (Monad, Print))
+
+
+def _split(judge_input: Node) -> tuple[tuple[Node, ...], Plus, tuple[Node, ...]] | None:
+    """(prefix, candidates, suffix) of a judge's input; None when it has no single `plus` of candidates."""
+    if isinstance(judge_input, Plus):
+        return (), judge_input, ()
+    if not isinstance(judge_input, Cross):
+        return None
+    pluses = [(i, c) for i, c in enumerate(judge_input.children) if isinstance(c, Plus)]
+    if len(pluses) != 1:
+        return None
+    ((i, candidates),) = pluses
+    return judge_input.children[:i], candidates, judge_input.children[i + 1 :]
+
+
+def _reduce(g: Generate, k: int, instruction: str | None) -> Generate:
+    split = _split(g.input)
+    if split is None:
+        return g
+    prefix, candidates_plus, suffix = split
+    candidates = [c for c in candidates_plus.children if not _is_effect(c)]
+    if len(candidates) <= k:
+        return g
+
+    judge_prefix = tuple(c for c in prefix if not _is_effect(c))
+    if instruction is None:
+        judge_suffix = tuple(c for c in suffix if not _is_effect(c))
+    else:
+        judge_suffix = (User(text=instruction),)
+    keyword = g.input.keyword if isinstance(g.input, Cross) else "cross"
+
+    def judge(group: list[Node]) -> Node:
+        if len(group) == 1:
+            return group[0]
+        group_plus = candidates_plus.model_copy(update={"children": tuple(group)})
+        if not judge_prefix and not judge_suffix:
+            return g.model_copy(update={"input": group_plus})
+        judge_input = Cross(children=(*judge_prefix, group_plus, *judge_suffix), keyword=keyword)
+        return g.model_copy(update={"input": judge_input})
+
+    level = candidates
+    while len(level) > k:
+        level = [judge(level[start : start + k]) for start in range(0, len(level), k)]
+
+    effects = tuple(c for c in candidates_plus.children if _is_effect(c))
+    root_input: Node = candidates_plus.model_copy(update={"children": (*effects, *level)})
+    if isinstance(g.input, Cross):
+        root_input = g.input.model_copy(update={"children": (*prefix, root_input, *suffix)})
+    return g.model_copy(update={"input": root_input})

@@ -1,0 +1,53 @@
+"""Rule 3: flat, non-empty, multi-child joins."""
+
+from __future__ import annotations
+
+from spanq_integrations.ir import Cross, Fragment, Generate, Monad, Node, Plus, System, User
+from spanq_integrations.optimizer import OptimizerContext, simplify_plus
+
+A, B, C, D = (Fragment(text=t) for t in "abcd")
+S, U = System(text="s"), User(text="u")
+
+
+def simplify(node: Node) -> Node:
+    return simplify_plus(node, OptimizerContext())
+
+
+def test_nested_plus_is_flattened_keeping_the_outer_keyword() -> None:
+    q = Plus(keyword="par", children=(A, Plus(children=(B, Plus(children=(C, D))))))
+    assert simplify(q) == Plus(keyword="par", children=(A, B, C, D))
+
+
+def test_nested_cross_is_flattened_only_with_the_same_keyword() -> None:
+    q = Cross(children=(S, Cross(children=(A, B)), Cross(keyword="seq", children=(C, U))))
+    assert simplify(q) == Cross(children=(S, A, B, Cross(keyword="seq", children=(C, U))))
+
+
+def test_plus_inside_cross_inside_plus_stays_nested() -> None:
+    q = Plus(children=(A, Cross(children=(S, Plus(children=(B, C))))))
+    assert simplify(q) == q
+
+
+def test_empty_joins_are_dropped_from_their_parent() -> None:
+    q = Cross(children=(S, Plus(children=()), Cross(children=()), U))
+    assert simplify(q) == Cross(children=(S, U))
+
+
+def test_single_child_joins_are_replaced_by_their_child() -> None:
+    q = Generate(input=Cross(children=(S, Plus(children=(A,)), Cross(children=(Plus(children=(B, C)),)), U)))
+    assert simplify(q) == Generate(input=Cross(children=(S, A, Plus(children=(B, C)), U)))
+
+
+def test_joins_emptied_by_simplification_disappear_in_one_pass() -> None:
+    q = Cross(children=(S, Plus(children=(Plus(children=()), Cross(children=()))), U))
+    assert simplify(q) == Cross(children=(S, U))
+
+
+def test_empty_joins_without_a_parent_join_stay() -> None:
+    for q in (Plus(children=()), Generate(input=Plus(children=())), Monad(query=Cross(children=()))):
+        assert simplify(q) == q
+
+
+def test_a_simple_tree_is_returned_as_is() -> None:
+    q = Generate(input=Cross(children=(S, Plus(children=(A, B)), U)))
+    assert simplify(q) is q

@@ -1,0 +1,337 @@
+"""spnl JSON: lossless round trips, spnl's own documents loading unchanged, and errors that name the JSON path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+
+from spanq_integrations.errors import QueryParseError, QueryValidationError
+from spanq_integrations.ir import (
+    Assistant,
+    Chat,
+    Cross,
+    Fragment,
+    Generate,
+    Map,
+    Monad,
+    Node,
+    Plus,
+    Print,
+    Repeat,
+    Retrieve,
+    System,
+    User,
+    cross,
+    generate,
+    plus,
+    system,
+    user,
+)
+from spanq_integrations.spnl_json import dumps, from_json, load_file, loads, to_json
+from tests.strategies import span_queries
+
+DATA = Path(__file__).parent / "data"
+
+
+# ------------------------------------------------------------------------------------------------ round trip
+
+
+@settings(max_examples=300, deadline=None)
+@given(span_queries())
+def test_round_trip_is_lossless(query: Node) -> None:
+    assert from_json(to_json(query)) == query
+    assert loads(dumps(query)) == query
+    assert loads(dumps(query, indent=None)) == query
+
+
+def test_written_form_uses_spnl_keys() -> None:
+    q = generate(
+        cross(system("judge"), plus(generate("a"), generate("b")), user("pick")),
+        model="ollama/m",
+        max_tokens=9,
+    )
+    assert to_json(q) == {
+        "g": {
+            "model": "ollama/m",
+            "max_tokens": 9,
+            "temperature": 0.6,
+            "input": {
+                "cross": [
+                    {"system": "judge"},
+                    {
+                        "plus": [
+                            {"g": {"model": "", "max_tokens": 0, "temperature": 0.6, "input": {"user": "a"}}},
+                            {"g": {"model": "", "max_tokens": 0, "temperature": 0.6, "input": {"user": "b"}}},
+                        ]
+                    },
+                    {"user": "pick"},
+                ]
+            },
+        }
+    }
+
+
+def test_extra_generate_fields_are_written_only_when_set() -> None:
+    g = Generate(input=User(text="x"), n=2, stop=("\n",), seed=7)
+    assert to_json(g)["g"] == {
+        "model": "",
+        "max_tokens": 0,
+        "temperature": 0.6,
+        "n": 2,
+        "stop": ["\n"],
+        "seed": 7,
+        "input": {"user": "x"},
+    }
+
+
+def test_spanq_nodes_are_written_in_spnl_style() -> None:
+    source = Generate(input=User(text="q"), model="m")
+    assert to_json(Assistant(text="a", source=source)) == {
+        "assistant": {"text": "a", "source": to_json(source)}
+    }
+    assert to_json(Fragment(text="t")) == {"fragment": "t"}
+    assert to_json(Fragment(text="t", id="d1", metadata={"page": 3})) == {
+        "fragment": {"text": "t", "id": "d1", "metadata": {"page": 3}}
+    }
+    assert to_json(Retrieve(query="q")) == {"retrieve": {"query": "q", "k": 4, "retriever": "default"}}
+    assert to_json(Repeat(n=2, query=source)) == {"repeat": {"n": 2, "query": to_json(source)}}
+    assert to_json(Map(inputs=("a",), model="m")) == {
+        "map": {"metadata": {"model": "m", "max_tokens": 0, "temperature": 0.6}, "inputs": ["a"]}
+    }
+    assert to_json(Chat(messages=(User(text="hi"),))) == {
+        "chat": {"model": "", "max_tokens": 0, "temperature": 0.6, "messages": [{"user": "hi"}]}
+    }
+
+
+def test_empty_joins_are_not_written() -> None:
+    with pytest.raises(QueryValidationError) as e:
+        to_json(Generate(input=Cross(children=(User(text="a"), Plus(children=())))))
+    assert e.value.path == "$.g.input.cross[1]"
+
+
+# ------------------------------------------------------------------------------------------------ spnl forms
+
+
+def test_spnl_defaults_apply_to_absent_settings() -> None:
+    assert loads('{"g": {"model": "ollama/m", "input": {"user": "hi"}}}') == Generate(
+        input=User(text="hi"), model="ollama/m", max_tokens=0, temperature=0.6
+    )
+    assert loads('{"g": {"input": {"user": "hi"}, "max_tokens": null, "temperature": null}}') == Generate(
+        input=User(text="hi")
+    )
+
+
+def test_seq_and_par_keep_their_spelling() -> None:
+    q = loads('{"par": [{"seq": [{"user": "a"}, {"assistant": "b"}]}, {"system": "c"}]}')
+    assert q == Plus(
+        keyword="par",
+        children=(Cross(keyword="seq", children=(User(text="a"), Assistant(text="b"))), System(text="c")),
+    )
+    assert json.loads(dumps(q)) == {"par": [{"seq": [{"user": "a"}, {"assistant": "b"}]}, {"system": "c"}]}
+
+
+@pytest.mark.parametrize(
+    "repeat",
+    [
+        {"n": 3, "g": {"model": "m", "input": {"user": "x"}}},
+        {"n": 3, "query": {"g": {"model": "m", "input": {"user": "x"}}}},
+        {"n": 3, "generate": {"model": "m", "input": {"user": "x"}}},
+    ],
+    ids=["spnl-0.22", "older-spnl", "generate"],
+)
+def test_every_repeat_form_loads(repeat: dict[str, Any]) -> None:
+    assert from_json({"repeat": repeat}) == Repeat(n=3, query=Generate(input=User(text="x"), model="m"))
+
+
+def test_map_monad_print_load() -> None:
+    doc = {
+        "seq": [
+            {"print": "hello"},
+            {"monad": {"g": {"model": "m", "input": {"user": "warm"}, "max_tokens": 1}}},
+            {"map": {"metadata": {"model": "m", "max_tokens": 5, "temperature": 0.0}, "inputs": ["a", "b"]}},
+        ]
+    }
+    assert from_json(doc) == Cross(
+        keyword="seq",
+        children=(
+            Print(text="hello"),
+            Monad(query=Generate(input=User(text="warm"), model="m", max_tokens=1)),
+            Map(inputs=("a", "b"), model="m", max_tokens=5, temperature=0.0),
+        ),
+    )
+
+
+def test_fragment_and_assistant_object_forms_load() -> None:
+    doc = {
+        "plus": [
+            {"fragment": {"text": "t", "id": "d1", "metadata": {"src": "wiki"}}},
+            {"assistant": {"text": "a", "source": {"g": {"model": "m", "input": {"user": "q"}}}}},
+            {"assistant": {"text": "b"}},
+        ]
+    }
+    assert from_json(doc) == Plus(
+        children=(
+            Fragment(text="t", id="d1", metadata={"src": "wiki"}),
+            Assistant(text="a", source=Generate(input=User(text="q"), model="m")),
+            Assistant(text="b"),
+        )
+    )
+
+
+def test_from_json_accepts_text() -> None:
+    assert from_json('{"user": "hi"}') == User(text="hi")
+
+
+def test_spnl_token_query_loads() -> None:
+    assert load_file(DATA / "tok_query.json") == Generate(
+        input=User(text="hello"), model="ibm-granite/granite-3.3-2b-instruct"
+    )
+
+
+def test_spnl_email_judge_loads() -> None:
+    q = load_file(DATA / "email.json")
+    assert isinstance(q, Generate) and q.model == "ollama/granite3.2:2b"
+    assert isinstance(q.input, Cross) and q.input.keyword == "seq"
+    kinds = [type(c) for c in q.input.children]
+    assert kinds == [System, Print, Plus, Print, User]
+    (candidates,) = q.input.children[2].children
+    assert candidates == Repeat(
+        n=4,
+        query=Generate(
+            input=User(
+                text="write an introductory email for a job application, limited to at most 100 characters."
+            ),
+            model="ollama/granite3.2:2b",
+            max_tokens=100,
+            temperature=0.5,
+        ),
+    )
+
+
+def test_spnl_email_policy_judge_loads() -> None:
+    q = load_file(DATA / "email3.json")
+    assert isinstance(q, Generate) and isinstance(q.input, Cross) and q.input.keyword == "cross"
+    repeat = q.input.children[2].children[0]
+    assert isinstance(repeat, Repeat) and repeat.n == 4
+    assert [type(c) for c in repeat.query.input.children] == [System, User]
+    assert loads(dumps(q)) == q
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+def _error(doc: Any) -> QueryParseError:
+    with pytest.raises(QueryParseError) as e:
+        from_json(doc) if not isinstance(doc, str) else loads(doc)
+    return e.value
+
+
+def test_unknown_node_names_the_path_and_the_known_kinds() -> None:
+    e = _error({"g": {"input": {"cross": [{"user": "a"}, {"user": "b"}, {"usr": "c"}]}}})
+    assert e.path == "$.g.input.cross[2]"
+    assert str(e).startswith(
+        '$.g.input.cross[2]: unknown node "usr" (expected one of: assistant, chat, cross,'
+    )
+
+
+def test_malformed_json_names_line_and_column() -> None:
+    e = _error('{\n  "g": {\n    "input": {"user": "a"},,\n  }\n}')
+    assert e.path == "$"
+    assert str(e).startswith("$: invalid JSON at line 3 column 28: ")
+
+
+def test_generate_without_input() -> None:
+    e = _error({"g": {"model": "m"}})
+    assert str(e) == '$.g: missing "input"'
+
+
+@pytest.mark.parametrize("key", ["plus", "cross", "seq", "par"])
+def test_empty_join(key: str) -> None:
+    e = _error({"g": {"input": {"cross": [{"user": "a"}, {key: []}]}}})
+    assert e.path == f"$.g.input.cross[1].{key}"
+    assert "at least one child" in e.message
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"g": {"input": {"user": "a"}, "max_tokens": -1}}, "$.g.max_tokens: must be >= 0, got -1"),
+        (
+            {"g": {"input": {"user": "a"}, "max_tokens": 1.5}},
+            "$.g.max_tokens: expected an integer, got number 1.5",
+        ),
+        (
+            {"g": {"input": {"user": "a"}, "max_tokens": True}},
+            "$.g.max_tokens: expected an integer, got boolean true",
+        ),
+        (
+            {"g": {"input": {"user": "a"}, "temperature": "hot"}},
+            '$.g.temperature: expected a number, got string "hot"',
+        ),
+        ({"g": {"input": {"user": "a"}, "temperature": -0.5}}, "$.g.temperature: must be >= 0, got -0.5"),
+        ({"g": {"input": {"user": "a"}, "model": 3}}, "$.g.model: expected a string, got number 3"),
+        ({"g": {"input": {"user": "a"}, "n": 0}}, "$.g.n: must be >= 1, got 0"),
+        ({"g": {"input": {"user": "a"}, "stop": ["x", 1]}}, "$.g.stop[1]: expected a string, got number 1"),
+        ({"plus": [{"user": 5}]}, "$.plus[0].user: expected a string, got number 5"),
+        ({"repeat": {"n": 0, "g": {"input": {"user": "a"}}}}, "$.repeat.n: must be >= 1, got 0"),
+        (
+            {"repeat": {"n": 2, "query": {"g": {"input": {"user": "a"}, "max_tokens": -3}}}},
+            "$.repeat.query.g.max_tokens: must be >= 0, got -3",
+        ),
+        ({"repeat": {"n": 2, "query": {"user": "a"}}}, '$.repeat.query: expected a "g" node, got "user"'),
+        (
+            {"map": {"metadata": {"model": "m", "max_tokens": -1}, "inputs": ["a"]}},
+            "$.map.metadata.max_tokens: must be >= 0, got -1",
+        ),
+        ({"map": {"inputs": ["a", None]}}, "$.map.inputs[1]: expected a string, got null"),
+        ({"retrieve": {"query": "q", "k": 0}}, "$.retrieve.k: must be >= 1, got 0"),
+        ({"chat": {"messages": []}}, "$.chat.messages: a chat needs at least one message"),
+        ({"fragment": {"text": "t", "metadata": []}}, "$.fragment.metadata: expected an object, got array"),
+        (
+            {"assistant": {"text": "a", "source": {"user": "q"}}},
+            '$.assistant.source: expected a "g" node, got "user"',
+        ),
+    ],
+)
+def test_bad_field_names_its_exact_path(doc: Any, message: str) -> None:
+    assert str(_error(doc)) == message
+
+
+def test_unknown_field_lists_the_known_ones() -> None:
+    e = _error({"g": {"input": {"user": "a"}, "max_token": 5}})
+    assert str(e) == (
+        '$.g: unknown field "max_token" (expected: model, max_tokens, temperature, n, stop, seed, input)'
+    )
+
+
+def test_repeat_needs_exactly_one_generate_form() -> None:
+    e = _error({"repeat": {"n": 2, "g": {"input": {"user": "a"}}, "query": {"g": {"input": {"user": "a"}}}}})
+    assert str(e) == '$.repeat: expected exactly one of "g", "query" or "generate" (got "g", "query")'
+
+
+def test_node_with_two_keys() -> None:
+    e = _error({"plus": [{"user": "a", "system": "b"}]})
+    assert e.path == "$.plus[0]"
+    assert "exactly one key" in e.message and '("user", "system")' in e.message
+
+
+def test_node_that_is_not_an_object() -> None:
+    e = _error('{"cross": ["just text"]}')
+    assert e.path == "$.cross[0]"
+    assert "got string" in e.message
+
+
+def test_deep_nesting_is_a_parse_error() -> None:
+    depth = 100_000
+    e = _error('{"monad": ' * depth + '{"user": "x"}' + "}" * depth)
+    assert e.path == "$"
+
+
+def test_validation_errors_never_escape() -> None:
+    # every field is checked before the node is built; whatever slips through still names its path
+    for doc in ({"g": {"input": {"user": "a"}, "seed": "x"}}, {"retrieve": {"query": 1}}, {"print": None}):
+        assert isinstance(_error(doc), QueryParseError)
