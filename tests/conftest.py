@@ -28,3 +28,13 @@ def default_model() -> Path:
     from spanq_backend.models import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_backend(tiny_model):
+    """One span-aware embedded backend on the tiny model, shared by every test of the session."""
+    from spanq_backend.embedded import EmbeddedBackend
+
+    backend = EmbeddedBackend(str(tiny_model), max_model_len=2048, max_num_seqs=8)
+    yield backend
+    backend.close()

@@ -1,0 +1,386 @@
+"""What the HTTP backends share: streaming a chat-completion SSE response, and mapping HTTP errors to spanq's.
+
+`OpenAIBackend` (any OpenAI-compatible server) and `SpanBackend` (a `spanq serve` server) both receive
+`chat.completion.chunk` events over Server-Sent Events and both map failures to the typed errors of
+`spanq_integrations.errors`; this module is the one place that does either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from ..errors import (
+    BackendError,
+    BackendUnavailableError,
+    ContextLengthError,
+    ModelNotFoundError,
+    OptimizerError,
+    QueryParseError,
+    QueryValidationError,
+    ReducerParseError,
+    SpanQueryError,
+)
+from .base import Backend, TokenCallback
+
+__all__ = [
+    "ChunkStream",
+    "HTTPBackend",
+    "StreamResult",
+    "error_from_payload",
+    "iter_sse_data",
+    "normalize_base_url",
+]
+
+# Messages that servers use for "the prompt does not fit the context window" (vLLM, OpenAI, llama.cpp).
+CONTEXT_LENGTH_MARKERS = (
+    "maximum context length",
+    "longer than the maximum",
+    "context_length_exceeded",
+    "exceeds the available context size",
+)
+
+
+def normalize_base_url(url: str) -> str:
+    """The server's root URL: no trailing slash and no trailing `/v1` (both spellings are accepted)."""
+    url = url.strip().rstrip("/")
+    url = url.removesuffix("/v1")
+    if not url.startswith(("http://", "https://")):
+        raise BackendError(f"backend URL {url!r} must start with http:// or https://")
+    return url
+
+
+# --------------------------------------------------------------------------------------------- SSE
+
+
+async def iter_sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The `data` payload of each Server-Sent Event in `lines` (multi-line data joined by newlines).
+
+    Comments (`: ...`) and other fields (`event:`, `id:`, `retry:`) are skipped; an event ends at a blank line.
+    A trailing event without its blank line is still yielded.
+    """
+    data: list[str] = []
+    async for line in lines:
+        line = line.rstrip("\r\n")
+        if not line:
+            if data:
+                yield "\n".join(data)
+                data = []
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        if name == "data":
+            data.append(value.removeprefix(" "))
+    if data:
+        yield "\n".join(data)
+
+
+@dataclass
+class StreamResult:
+    """What one streamed call produced, as the client measured it."""
+
+    texts: list[str]
+    finish_reasons: list[str | None]
+    usage: dict[str, Any]
+    ttft_s: float | None
+    wall_s: float
+    chunks: int
+    model: str = ""
+
+
+@dataclass
+class ChunkStream:
+    """Accumulates `chat.completion.chunk` events: the text of each choice, finish reasons, usage and TTFT.
+
+    `started` is the `time.perf_counter()` at which the request was sent; TTFT is the time from then to the
+    first non-empty content delta of any choice.
+    """
+
+    started: float
+    n: int = 1
+    on_token: TokenCallback | None = None
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    finish_reasons: dict[int, str | None] = field(default_factory=dict)
+    usage: dict[str, Any] = field(default_factory=dict)
+    model: str = ""
+    chunks: int = 0
+    done: bool = False  # `data: [DONE]` seen
+    first_content_at: float | None = None
+
+    async def feed(self, payload: str, *, where: str) -> None:
+        """Take one SSE data payload; raise the mapped error if the server sent an error event."""
+        if payload.strip() == "[DONE]":
+            self.done = True
+            return
+        try:
+            chunk = json.loads(payload)
+        except ValueError as e:
+            raise BackendError(f"{where} sent a stream event that is not JSON: {payload[:200]!r}") from e
+        if not isinstance(chunk, dict):
+            raise BackendError(f"{where} sent a stream event that is not a JSON object: {payload[:200]!r}")
+        self.chunks += 1
+        if "error" in chunk:  # vLLM reports failures after the headers as an error event
+            raise error_from_payload(chunk, status=None, where=where)
+        self.model = chunk.get("model") or self.model
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            index = int(choice.get("index", 0))
+            piece = (choice.get("delta") or {}).get("content") or ""
+            if piece:
+                if self.first_content_at is None:
+                    self.first_content_at = time.perf_counter()
+                self.texts.setdefault(index, []).append(piece)
+                if index == 0 and self.on_token is not None:
+                    maybe = self.on_token(piece)
+                    if inspect.isawaitable(maybe):
+                        await maybe
+            if choice.get("finish_reason") is not None:
+                self.finish_reasons[index] = choice["finish_reason"]
+
+    @property
+    def complete(self) -> bool:
+        """Whether the stream ended properly: `[DONE]`, or a finish reason for every choice."""
+        return self.done or all(i in self.finish_reasons for i in range(self.n))
+
+    def result(self) -> StreamResult:
+        count = max([self.n, *(i + 1 for i in self.texts), *(i + 1 for i in self.finish_reasons)])
+        return StreamResult(
+            texts=["".join(self.texts.get(i, ())) for i in range(count)],
+            finish_reasons=[self.finish_reasons.get(i) for i in range(count)],
+            usage=self.usage,
+            ttft_s=None if self.first_content_at is None else self.first_content_at - self.started,
+            wall_s=time.perf_counter() - self.started,
+            chunks=self.chunks,
+            model=self.model,
+        )
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+# Error type names a `spanq serve` server sends in `{"error": {"type": ...}}`, and the classes they become.
+_PATH_ERRORS: dict[str, type[QueryParseError | QueryValidationError]] = {
+    "QueryParseError": QueryParseError,
+    "QueryValidationError": QueryValidationError,
+}
+_MESSAGE_ERRORS: dict[str, type[SpanQueryError]] = {
+    "SpanQueryError": SpanQueryError,
+    "OptimizerError": OptimizerError,
+    "ReducerParseError": ReducerParseError,
+    "BackendError": BackendError,
+    "GenerationError": BackendError,  # its cause stayed on the server; the executor adds the client-side path
+    "BackendUnavailableError": BackendUnavailableError,
+    "ModelNotFoundError": ModelNotFoundError,
+    "ContextLengthError": ContextLengthError,
+}
+
+
+def _split_path(message: str) -> tuple[str, str]:
+    """`"$.g.input: bad"` → `("$.g.input", "bad")`; a message without a leading path gets path `$`."""
+    head, sep, rest = message.partition(": ")
+    if sep and head.startswith("$") and " " not in head:
+        return head, rest
+    return "$", message
+
+
+def _error_fields(body: Any) -> tuple[str, str, Any]:
+    """(message, type, code) of an error body in the OpenAI shape, or of any other JSON/text body."""
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            message = err.get("message") or err.get("detail") or json.dumps(err)
+            return str(message), str(err.get("type") or ""), err.get("code")
+        if isinstance(err, str):  # Ollama's native shape: {"error": "..."}
+            return err, "", None
+        if "detail" in body:  # FastAPI's default shape
+            return str(body["detail"]), "", None
+    return (body if isinstance(body, str) else json.dumps(body)).strip(), "", None
+
+
+def is_model_not_found(status: int | None, message: str, error_type: str = "", code: Any = None) -> bool:
+    if error_type == "ModelNotFoundError" or code == "model_not_found":
+        return True
+    text = message.lower()
+    return status == 404 and "model" in text and ("does not exist" in text or "not found" in text)
+
+
+def error_from_payload(body: Any, *, status: int | None, where: str) -> SpanQueryError:
+    """The typed error for an error answer (`body`: parsed JSON or text; `status`: None inside a stream)."""
+    message, error_type, code = _error_fields(body)
+    if status is None and isinstance(code, int):
+        status = code
+    if error_type in _PATH_ERRORS:
+        path, rest = _split_path(message)
+        return _PATH_ERRORS[error_type](path, rest)
+    if is_model_not_found(status, message, error_type, code):
+        return ModelNotFoundError(f"{where}: {message}")
+    if error_type == "ContextLengthError" or any(m in message.lower() for m in CONTEXT_LENGTH_MARKERS):
+        return ContextLengthError(
+            f"{where}: {message} — shorten the prompt, lower max_tokens, or split the input "
+            "(tree reduction: tree_reduction_k)"
+        )
+    if error_type in _MESSAGE_ERRORS:
+        return _MESSAGE_ERRORS[error_type](f"{where}: {message}")
+    if status in (502, 503, 504):
+        return BackendUnavailableError(f"{where} is unavailable (HTTP {status}): {message}")
+    label = f"HTTP {status}" if status is not None else "an error in the stream"
+    return BackendError(f"{where} answered {label}: {message}")
+
+
+def _parse_body(raw: bytes) -> Any:
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _unreachable(url: str, e: Exception) -> BackendUnavailableError:
+    reason = str(e) or type(e).__name__
+    return BackendUnavailableError(f"cannot reach {url}: {reason} — is the server running?")
+
+
+# Connection failures before any byte came back: safe to retry, the server never saw (or never answered) it.
+_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+
+
+# --------------------------------------------------------------------------------------------- base class
+
+
+class HTTPBackend(Backend):
+    """A backend that talks to a server over HTTP with one pooled `httpx.AsyncClient`."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 600,
+        max_retries: int = 2,
+        headers: dict[str, str] | None = None,
+        max_concurrency: int = 8,
+    ):
+        self.base_url = normalize_base_url(base_url)
+        self.max_retries = max(0, max_retries)
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0)),
+            headers=headers or {},
+            limits=httpx.Limits(max_connections=max(max_concurrency, 1) + 2),
+        )
+        self._served_models: list[str] | None = None
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    # ----------------------------------------------------------------------------------------- requests
+
+    async def _with_retries(self, send: Callable[[], Awaitable[Any]], url: str) -> Any:
+        """Run `send()`, retrying connection failures that happened before any byte came back."""
+        attempt = 0
+        while True:
+            try:
+                return await send()
+            except _RETRYABLE as e:
+                if attempt >= self.max_retries:
+                    raise _unreachable(url, e) from e
+            except httpx.TimeoutException as e:  # connected, but no answer in time
+                raise BackendUnavailableError(
+                    f"{url} did not answer in time ({e or type(e).__name__}): the server may be overloaded; "
+                    "raise the backend's timeout"
+                ) from e
+            except httpx.TransportError as e:
+                raise _unreachable(url, e) from e
+            await asyncio.sleep(0.25 * 2**attempt)
+            attempt += 1
+
+    async def _get_json(self, path: str) -> Any:
+        url = f"{self.base_url}{path}"
+        response = await self._with_retries(lambda: self._client.get(path), url)
+        if response.status_code >= 400:
+            raise error_from_payload(_parse_body(response.content), status=response.status_code, where=url)
+        try:
+            return response.json()
+        except ValueError as e:
+            raise BackendError(
+                f"{url} answered with something that is not JSON: {response.text[:200]!r}"
+            ) from e
+
+    async def _post_json(self, path: str, body: dict[str, Any], *, model: str = "") -> Any:
+        url = f"{self.base_url}{path}"
+        response = await self._with_retries(lambda: self._client.post(path, json=body), url)
+        if response.status_code >= 400:
+            raise await self._http_error(response.status_code, response.content, url, model)
+        try:
+            return response.json()
+        except ValueError as e:
+            raise BackendError(
+                f"{url} answered with something that is not JSON: {response.text[:200]!r}"
+            ) from e
+
+    async def served_models(self) -> list[str]:
+        """The model ids the server lists under GET /v1/models (fetched once, then cached)."""
+        if self._served_models is None:
+            listing = await self._get_json("/v1/models")
+            data = listing.get("data") if isinstance(listing, dict) else None
+            self._served_models = [
+                str(m.get("id")) for m in data or () if isinstance(m, dict) and m.get("id")
+            ]
+        return self._served_models
+
+    async def _http_error(self, status: int, raw: bytes, url: str, model: str) -> SpanQueryError:
+        error = error_from_payload(_parse_body(raw), status=status, where=url)
+        if isinstance(error, ModelNotFoundError):
+            try:
+                served = ", ".join(await self.served_models()) or "(none)"
+            except SpanQueryError as e:
+                served = f"(the list could not be read: {e})"
+            asked = f"model {model!r}" if model else "the requested model"
+            error = ModelNotFoundError(
+                f"{url} does not serve {asked}: it serves {served}. Pass one of those as the model."
+            )
+        return error
+
+    async def _stream_chunks(
+        self, path: str, body: dict[str, Any], *, n: int = 1, on_token: TokenCallback | None, model: str = ""
+    ) -> StreamResult:
+        """POST `body` to `path` and read its SSE `chat.completion.chunk` stream to the end."""
+        url = f"{self.base_url}{path}"
+        started = time.perf_counter()
+        stream = ChunkStream(started=started, n=n, on_token=on_token)
+
+        async def send() -> httpx.Response:
+            request = self._client.build_request(
+                "POST", path, json=body, headers={"Accept": "text/event-stream"}
+            )
+            return await self._client.send(request, stream=True)
+
+        response: httpx.Response = await self._with_retries(send, url)
+        try:
+            if response.status_code >= 400:
+                raw = await response.aread()
+                raise await self._http_error(response.status_code, raw, url, model)
+            try:
+                async for payload in iter_sse_data(response.aiter_lines()):
+                    await stream.feed(payload, where=url)
+                    if stream.done:
+                        break
+            except httpx.TransportError as e:  # dropped connection, incomplete chunked body, read timeout
+                raise BackendUnavailableError(
+                    f"the stream from {url} broke after {stream.chunks} chunks: {e or type(e).__name__}"
+                ) from e
+        finally:
+            await response.aclose()
+        if not stream.complete:
+            raise BackendUnavailableError(
+                f"the stream from {url} broke after {stream.chunks} chunks: it ended without [DONE] or a "
+                "finish reason (the server may have crashed or dropped the connection)"
+            )
+        return stream.result()

@@ -1,0 +1,122 @@
+"""`OpenAIBackend`: run span queries on any unmodified OpenAI-compatible server (vLLM, llama.cpp, Ollama, OpenAI).
+
+Such a server knows nothing of spans: each `Generate`'s input is flattened into ordinary chat messages
+(`flatten.to_chat_messages`) and sent to `/v1/chat/completions` as a stream. Tree reduction still helps there;
+span-level cache reuse does not happen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..flatten import to_chat_messages
+from ..ir import Generate
+from ._http import HTTPBackend
+from .base import BackendCapabilities, CallMetrics, Completion, TokenCallback
+
+__all__ = ["PROVIDER_PREFIXES", "OpenAIBackend", "server_model_name"]
+
+# spnl writes models as "provider/name"; these providers are not part of the name a server knows.
+PROVIDER_PREFIXES = ("ollama/", "openai/", "vllm/", "spnl/")
+
+
+def server_model_name(model: str) -> str:
+    """The name to send to the server: "vllm/tiny" → "tiny"; "HuggingFaceTB/SmolLM2" stays as it is."""
+    for prefix in PROVIDER_PREFIXES:
+        if model.startswith(prefix):
+            return model[len(prefix) :]
+    return model
+
+
+class OpenAIBackend(HTTPBackend):
+    """A client of an OpenAI-compatible chat-completions server.
+
+    `base_url` may end in `/v1` or not. `model` is used for calls that name none; when neither names one, the
+    first model the server lists (GET /v1/models) is used. Connection failures before any byte came back are
+    retried `max_retries` times; every other failure raises a typed `BackendError`.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 600,
+        max_retries: int = 2,
+        max_concurrency: int = 8,
+        headers: dict[str, str] | None = None,
+    ):
+        all_headers = dict(headers or {})
+        if api_key:
+            all_headers.setdefault("Authorization", f"Bearer {api_key}")
+        super().__init__(
+            base_url,
+            timeout=timeout,
+            max_retries=max_retries,
+            headers=all_headers,
+            max_concurrency=max_concurrency,
+        )
+        self.model = server_model_name(model) if model else None
+        self.capabilities = BackendCapabilities(
+            name="openai", span_aware=False, max_concurrency=max_concurrency
+        )
+
+    def __repr__(self) -> str:
+        return f"OpenAIBackend({self.base_url!r}, model={self.model!r})"
+
+    async def model_for(self, call: Generate) -> str:
+        """The model a call runs on: its own, else this backend's default, else the server's first."""
+        if call.model:
+            return server_model_name(call.model)
+        if self.model:
+            return self.model
+        served = await self.served_models()
+        if not served:
+            from ..errors import ModelNotFoundError
+
+            raise ModelNotFoundError(f"{self.base_url}/v1/models lists no models: name one with model=...")
+        return served[0]
+
+    def request_body(self, call: Generate, model: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+        """The JSON body of the chat-completions request for `call`."""
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": call.temperature,
+        }
+        if call.max_tokens:
+            body["max_tokens"] = call.max_tokens
+        if call.n != 1:
+            body["n"] = call.n
+        if call.stop:
+            body["stop"] = list(call.stop)
+        if call.seed is not None:
+            body["seed"] = call.seed
+        return body
+
+    async def generate(
+        self, call: Generate, *, path: str = "$", on_token: TokenCallback | None = None
+    ) -> Completion:
+        messages = to_chat_messages(call.input, f"{path}.g.input")
+        model = await self.model_for(call)
+        result = await self._stream_chunks(
+            "/v1/chat/completions",
+            self.request_body(call, model, messages),
+            n=call.n,
+            on_token=on_token,
+            model=model,
+        )
+        usage = result.usage
+        details = usage.get("prompt_tokens_details") or {}
+        metrics = CallMetrics(
+            path=path,
+            model=model,
+            ttft_s=result.ttft_s,
+            wall_s=result.wall_s,
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            cached_tokens=int(details.get("cached_tokens") or 0),
+            generated_tokens=int(usage.get("completion_tokens") or 0),
+        )
+        return Completion(texts=result.texts, finish_reasons=result.finish_reasons, metrics=metrics)

@@ -1,0 +1,257 @@
+"""The `spanq` command: show a query's optimized plan, run a query, or start the server / the benchmarks.
+
+    spanq plan FILE [--span-aware/--no-span-aware] [--tree-k K] [--json]
+    spanq run  FILE [--backend URL|embedded] [--model NAME] [--tree-k K] [--json]
+    spanq serve ...      (the span-aware server; needs the backend extra)
+    spanq bench ...      (the benchmarks; needs the backend extra)
+
+FILE is a query in spnl JSON, or `-` for stdin. A bad input prints one line, `spanq: error: ...`, and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .backends.base import BackendCapabilities, CallMetrics
+from .errors import SpanQueryError
+from .ir import Chat, Generate, Map, Node, render, transform
+
+__all__ = ["main"]
+
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+# Subcommands that live in the server package; each module has `<name>_main(argv) -> int`.
+DELEGATED = {"serve": "spanq_backend.server", "bench": "spanq_backend.bench"}
+BACKEND_EXTRA_HINT = "pip install 'spanq[backend]'"
+
+
+class CommandError(Exception):
+    """A user-facing failure of the command line (bad file, missing extra); printed as one line."""
+
+
+# --------------------------------------------------------------------------------------------- input
+
+
+def read_query(file: str) -> Node:
+    """The query in `file` (spnl JSON; `-` reads stdin)."""
+    from .spnl_json import loads
+
+    if file == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            with open(file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise CommandError(f"cannot read {file}: {reason}") from e
+    return loads(text)
+
+
+def with_model(query: Node, model: str) -> Node:
+    """`query` with every call (generate, chat, map) running on `model`."""
+
+    def set_model(node: Node) -> Node:
+        if isinstance(node, (Generate, Chat, Map)) and node.model != model:
+            return node.model_copy(update={"model": model})
+        return node
+
+    return transform(query, set_model)
+
+
+# --------------------------------------------------------------------------------------------- output
+
+
+def metrics_table(calls: Sequence[CallMetrics], totals: dict[str, float]) -> str:
+    """A plain-text table of per-call metrics, with a totals row."""
+    header = ("path", "model", "TTFT ms", "prompt", "cached", "generated", "padded", "wall ms")
+    rows = [
+        (
+            c.path,
+            c.model or "-",
+            "-" if c.ttft_s is None else f"{c.ttft_s * 1000:.1f}",
+            str(c.prompt_tokens),
+            str(c.cached_tokens),
+            str(c.generated_tokens),
+            str(c.padded_tokens),
+            f"{c.wall_s * 1000:.1f}",
+        )
+        for c in calls
+    ]
+    rows.append(
+        (
+            f"total ({int(totals['calls'])} calls)",
+            "",
+            "",
+            str(int(totals["prompt_tokens"])),
+            str(int(totals["cached_tokens"])),
+            str(int(totals["generated_tokens"])),
+            str(int(totals["padded_tokens"])),
+            f"{totals['wall_s'] * 1000:.1f}",
+        )
+    )
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        # text columns left-aligned, numbers right-aligned
+        return "  ".join(
+            c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), rule, *(line(r) for r in rows[:-1]), rule, line(rows[-1])])
+
+
+# --------------------------------------------------------------------------------------------- commands
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .optimizer import optimize
+
+    query = read_query(args.file)
+    capabilities = BackendCapabilities(
+        name="span" if args.span_aware else "openai", span_aware=args.span_aware
+    )
+    plan = optimize(query, capabilities, tree_reduction_k=args.tree_k)
+    if args.json:
+        from .spnl_json import to_json
+
+        print(json.dumps(to_json(plan), indent=2, ensure_ascii=False))
+    else:
+        print(render(plan))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .executor import execute
+
+    query = read_query(args.file)
+    if args.model:
+        query = with_model(query, args.model)
+    streamed: list[str] = []
+
+    def echo(piece: str) -> None:
+        streamed.append(piece)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    try:
+        result = execute(
+            query,
+            args.backend,
+            tree_reduction_k=args.tree_k,
+            on_token=None if args.json else echo,
+        )
+    except ModuleNotFoundError as e:
+        if args.backend not in (None, "embedded"):
+            raise
+        raise CommandError(
+            f"the embedded backend needs the backend extra ({BACKEND_EXTRA_HINT}; missing module {e.name!r}), "
+            "or pass --backend URL of a running server"
+        ) from e
+    if args.json:
+        from .spnl_json import to_json
+
+        report: dict[str, Any] = {
+            "answer": result.answer,
+            "result": to_json(result.tree),
+            "calls": [c.model_dump() for c in result.calls],
+            "totals": result.totals(),
+        }
+        print(json.dumps(report, indent=2, ensure_ascii=False))
+        return 0
+    if streamed:
+        print()
+    else:
+        print(result.answer)
+    print()
+    print(metrics_table(result.calls, result.totals()))
+    return 0
+
+
+def delegate(name: str, argv: list[str]) -> int:
+    """Run `spanq serve` / `spanq bench` from the server package, imported only now."""
+    module_name = DELEGATED[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise CommandError(
+            f"spanq {name} needs the backend extra: {BACKEND_EXTRA_HINT} (missing module {e.name!r})"
+        ) from e
+    return int(getattr(module, f"{name}_main")(argv) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spanq", description="Span queries: say which parts of a prompt are order-free."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    plan = commands.add_parser("plan", help="print the optimized plan of a query")
+    plan.add_argument("file", metavar="FILE", help="a query in spnl JSON, or - for stdin")
+    plan.add_argument(
+        "--span-aware",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan for a span-aware backend (default) or for a plain OpenAI-compatible one",
+    )
+    plan.add_argument(
+        "--tree-k", type=int, metavar="K", help="tree reduction: judges read at most K children"
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as spnl JSON")
+    plan.set_defaults(handler=cmd_plan)
+
+    run = commands.add_parser("run", help="run a query and print its answer and per-call metrics")
+    run.add_argument("file", metavar="FILE", help="a query in spnl JSON, or - for stdin")
+    run.add_argument(
+        "--backend",
+        metavar="URL|embedded",
+        help="an OpenAI-compatible server URL, spanq+http://host:port for `spanq serve`, "
+        "or embedded (default)",
+    )
+    run.add_argument("--model", metavar="NAME", help="run every call on this model (overrides the file's)")
+    run.add_argument("--tree-k", type=int, metavar="K", help="tree reduction: judges read at most K children")
+    run.add_argument("--json", action="store_true", help="print the result, calls and totals as JSON")
+    run.set_defaults(handler=cmd_run)
+
+    for name, help_text in (("serve", "start the span-aware server"), ("bench", "run the benchmarks")):
+        commands.add_parser(name, help=f"{help_text} (needs the backend extra; see `spanq {name} --help`)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if args_list and args_list[0] in DELEGATED:
+            return delegate(args_list[0], args_list[1:])
+        try:
+            args = build_parser().parse_args(args_list)
+        except SystemExit as e:  # --help, or a usage error argparse already printed
+            return e.code if isinstance(e.code, int) else EXIT_ERROR
+        if args.tree_k is not None and args.tree_k < 2:
+            raise CommandError("--tree-k must be at least 2")
+        return args.handler(args)
+    except KeyboardInterrupt:
+        print("spanq: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (SpanQueryError, CommandError) as e:
+        if os.environ.get("SPANQ_DEBUG"):
+            raise
+        print(f"spanq: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as e:  # a bug, not bad input: one line still, the traceback on request
+        if os.environ.get("SPANQ_DEBUG"):
+            raise
+        print(f"spanq: error: {type(e).__name__}: {e} (set SPANQ_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,215 @@
+"""The `spanq` command line: plan, run, and the one-line errors on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from spanq_integrations.cli import main
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# A judge over three retrieved documents, written the way spnl writes queries.
+SPNL_QUERY = {
+    "g": {
+        "model": "spnl/tiny",
+        "max_tokens": 6,
+        "temperature": 0,
+        "input": {
+            "seq": [
+                {"system": "Answer from the documents."},
+                {
+                    "par": [
+                        {"user": "The hall in Ashby is red."},
+                        {"user": "The hall in Brill is blue."},
+                        {"user": "The hall in Calne is green."},
+                    ]
+                },
+                {"user": "What colour is the hall in Brill?"},
+            ]
+        },
+    }
+}
+
+
+@pytest.fixture
+def query_file(tmp_path) -> Path:
+    path = tmp_path / "judge.json"
+    path.write_text(json.dumps(SPNL_QUERY))
+    return path
+
+
+def spanq_command() -> list[str]:
+    """The installed console script when there is one, else the module."""
+    script = Path(sys.executable).parent / "spanq"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "spanq_integrations.cli"]
+
+
+# --------------------------------------------------------------------------------------------- plan
+
+
+def test_plan_prints_the_tree(query_file, capsys):
+    assert main(["plan", str(query_file), "--no-span-aware"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("generate(model=spnl/tiny")
+    assert "par (order-free, 3)" in out and "What colour is the hall in Brill?" in out
+
+
+def test_plan_json_reads_back(query_file, capsys):
+    from spanq_integrations.spnl_json import from_json
+
+    assert main(["plan", str(query_file), "--json"]) == 0
+    plan = from_json(json.loads(capsys.readouterr().out))
+    assert plan.model == "spnl/tiny"
+
+
+def test_plan_reads_stdin(query_file, capsys, monkeypatch):
+    with open(query_file) as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        assert main(["plan", "-", "--no-span-aware"]) == 0
+    assert "generate(" in capsys.readouterr().out
+
+
+def test_plan_as_a_subprocess(query_file):
+    done = subprocess.run(
+        [*spanq_command(), "plan", str(query_file), "--no-span-aware"],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "par (order-free, 3)" in done.stdout
+
+
+# --------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (None, "cannot read"),
+        ("{not json", "spanq: error:"),
+        ('{"g": {"input": {"usr": "typo"}}}', "$.g.input"),
+        ("[]", "spanq: error:"),
+    ],
+    ids=["missing-file", "malformed-json", "unknown-node", "not-an-object"],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, content, expected):
+    path = tmp_path / "query.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spanq: error:") and expected in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_input_in_a_subprocess_has_no_traceback(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"plus": [{"bogus": 1}]}')
+    done = subprocess.run(
+        [*spanq_command(), "plan", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("spanq: error:") and "Traceback" not in done.stderr
+
+
+def test_backend_down_is_exit_2(query_file, capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["run", str(query_file), "--backend", f"http://127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spanq: error:") and "cannot reach" in err and "Traceback" not in err
+
+
+def test_usage_error_is_exit_2(capsys):
+    assert main(["plan"]) == 2
+    assert main(["frobnicate"]) == 2
+
+
+# --------------------------------------------------------------------------------------------- serve and bench
+
+
+def test_serve_delegates_to_the_backend_package(monkeypatch):
+    seen: list[list[str]] = []
+    fake = types.ModuleType("spanq_backend.server")
+    fake.serve_main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "spanq_backend.server", fake)
+    assert main(["serve", "--port", "8000", "--model", "tiny"]) == 0
+    assert seen == [["--port", "8000", "--model", "tiny"]]
+
+
+def test_bench_without_the_backend_extra_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "spanq_backend.bench", None)  # makes the import fail
+    assert main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert "spanq bench needs the backend extra: pip install 'spanq[backend]'" in err
+
+
+# --------------------------------------------------------------------------------------------- run
+
+
+@pytest.mark.vllm
+def test_run_prints_the_answer_and_a_metrics_table(query_file, stock_vllm_server, capsys):
+    assert main(["run", str(query_file), "--backend", stock_vllm_server, "--model", "tiny"]) == 0
+    out = capsys.readouterr().out
+    answer, _, table = out.partition("\n\n")
+    assert answer.strip()
+    header, _, *rows = table.strip().splitlines()
+    assert header.split() == [
+        "path",
+        "model",
+        "TTFT",
+        "ms",
+        "prompt",
+        "cached",
+        "generated",
+        "padded",
+        "wall",
+        "ms",
+    ]
+    assert rows[0].startswith("$ ") and " tiny " in rows[0]
+    assert rows[-1].startswith("total (1 calls)")
+
+
+@pytest.mark.vllm
+def test_run_json(query_file, stock_vllm_server, capsys):
+    assert (
+        main(["run", str(query_file), "--backend", f"{stock_vllm_server}/v1", "--json", "--model", "tiny"])
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert report["answer"] and report["totals"]["calls"] == 1
+    assert report["calls"][0]["prompt_tokens"] > 0 and report["calls"][0]["model"] == "tiny"
+    assert "assistant" in report["result"]
+
+
+@pytest.mark.vllm
+def test_run_as_a_subprocess(query_file, stock_vllm_server):
+    done = subprocess.run(
+        [*spanq_command(), "run", str(query_file), "--backend", stock_vllm_server, "--model", "vllm/tiny"],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=300,
+        env={**os.environ, "SPANQ_DEBUG": ""},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "TTFT ms" in done.stdout and "total (1 calls)" in done.stdout

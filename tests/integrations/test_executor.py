@@ -1,0 +1,197 @@
+"""The executor: closure of the tree and per-call metrics on a real server; ordering, bounds and cancellation.
+
+Everything about the model runs on the stock vLLM server. The executor's scheduling (concurrency bound, order of
+`cross` children, cancellation) is checked with a scripted backend defined here, which tests the executor only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from spanq_integrations import (
+    Assistant,
+    Backend,
+    BackendCapabilities,
+    BackendError,
+    CallMetrics,
+    Completion,
+    Generate,
+    GenerationError,
+    Plus,
+    aexecute,
+    cross,
+    execute,
+    generate,
+    plus,
+    system,
+    user,
+)
+from spanq_integrations.backends.openai import OpenAIBackend
+from spanq_integrations.flatten import block_text
+from spanq_integrations.ir import walk
+
+
+class ScriptedBackend(Backend):
+    """Answers each call by the text of its input: "fail…" raises, "slow…" sleeps long, anything else briefly."""
+
+    def __init__(self, max_concurrency: int = 8, failure: Exception | None = None):
+        self.capabilities = BackendCapabilities(name="scripted", max_concurrency=max_concurrency)
+        self.failure = failure or BackendError("scripted failure")
+        self.events: list[tuple[str, str]] = []
+        self.inputs: list[Generate] = []
+        self.streamed_paths: list[str] = []
+        self.cancelled: list[str] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def generate(self, call, *, path="$", on_token=None):
+        text = block_text(call.input)
+        self.inputs.append(call)
+        self.events.append(("start", path))
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if text.startswith("fail"):
+                await asyncio.sleep(0.05)
+                raise self.failure
+            await asyncio.sleep(30 if text.startswith("slow") else 0.02)
+            if on_token is not None:
+                self.streamed_paths.append(path)
+                on_token(f"out({text})")
+        except asyncio.CancelledError:
+            self.cancelled.append(path)
+            raise
+        finally:
+            self.in_flight -= 1
+        self.events.append(("end", path))
+        return Completion(texts=[f"out({text})"], metrics=CallMetrics(path=path, model="scripted"))
+
+
+def other_tasks() -> list[asyncio.Task]:
+    return [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+
+
+# --------------------------------------------------------------------------------------------- scheduling
+
+
+@pytest.mark.parametrize("bound, expected", [(2, 2), (8, 6)])
+async def test_plus_siblings_run_concurrently_within_the_bound(bound, expected):
+    backend = ScriptedBackend(max_concurrency=bound)
+    query = plus(*[generate(user(f"q{i}")) for i in range(6)])
+    result = await aexecute(query, backend, optimize=False)
+    assert backend.max_in_flight == expected
+    assert sorted(c.path for c in result.calls) == [f"$.plus[{i}]" for i in range(6)]
+
+
+async def test_max_concurrency_argument_overrides_the_backend():
+    backend = ScriptedBackend(max_concurrency=8)
+    await aexecute(
+        plus(*[generate(user(f"q{i}")) for i in range(5)]), backend, optimize=False, max_concurrency=1
+    )
+    assert backend.max_in_flight == 1
+
+
+async def test_cross_children_run_in_order():
+    backend = ScriptedBackend()
+    await aexecute(
+        cross(generate(user("a")), generate(user("b")), generate(user("c"))), backend, optimize=False
+    )
+    paths = [f"$.cross[{i}]" for i in range(3)]
+    assert backend.events == [(kind, p) for p in paths for kind in ("start", "end")]
+
+
+async def test_outer_generate_reads_the_closed_inner_outputs():
+    backend = ScriptedBackend()
+    query = generate(cross(system("judge"), plus(generate(user("x")), generate(user("y")))))
+    result = await aexecute(query, backend, optimize=False)
+    outer = backend.inputs[-1]
+    assert [e for e in backend.events if e[1] == "$"] == [("start", "$"), ("end", "$")]
+    assert backend.events.index(("start", "$")) > max(
+        backend.events.index(("end", p)) for p in ("$.g.input.cross[1].plus[0]", "$.g.input.cross[1].plus[1]")
+    )
+    assert not any(isinstance(n, Generate) for _, n in walk(outer.input))
+    assert block_text(outer.input) == "judge\n\nout(x)\n\nout(y)"
+    assert result.tree == Assistant(text="out(judge\n\nout(x)\n\nout(y))", source=outer)
+
+
+async def test_on_token_streams_only_the_answer():
+    backend = ScriptedBackend()
+    pieces: list[str] = []
+    query = generate(cross(plus(generate(user("x")), generate(user("y"))), user("pick")))
+    result = await aexecute(query, backend, optimize=False, on_token=pieces.append)
+    assert backend.streamed_paths == ["$"]
+    assert "".join(pieces) == result.answer
+
+
+@pytest.mark.parametrize(
+    "failure, error_type",
+    [(BackendError("server said no"), BackendError), (RuntimeError("bug"), GenerationError)],
+)
+async def test_a_failing_call_names_its_path_and_cancels_running_siblings(failure, error_type):
+    backend = ScriptedBackend(failure=failure)
+    query = generate(
+        cross(
+            system("judge"), plus(generate(user("slow 1")), generate(user("fail")), generate(user("slow 2")))
+        )
+    )
+    with pytest.raises(error_type) as info:
+        await aexecute(query, backend, optimize=False)
+    assert "$.g.input.cross[1].plus[1]" in str(info.value)
+    assert sorted(backend.cancelled) == ["$.g.input.cross[1].plus[0]", "$.g.input.cross[1].plus[2]"]
+    assert ("start", "$") not in backend.events  # the judge never ran
+    assert other_tasks() == []
+
+
+async def test_sync_execute_works_inside_a_running_event_loop():
+    backend = ScriptedBackend()
+    result = execute(plus(generate(user("a")), generate(user("b"))), backend, optimize=False)
+    assert isinstance(result.tree, Plus) and [c.text for c in result.tree.children] == ["out(a)", "out(b)"]
+
+
+# --------------------------------------------------------------------------------------------- the real server
+
+
+def judge_query(max_tokens: int = 8) -> Generate:
+    candidates = [
+        generate(
+            cross(system("Write one line."), user(f"Describe a {thing}.")),
+            max_tokens=max_tokens,
+            temperature=0,
+        )
+        for thing in ("river", "mountain", "city")
+    ]
+    return generate(
+        cross(system("You judge answers."), plus(*candidates), user("Which description is best?")),
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+
+
+@pytest.mark.vllm
+async def test_judge_over_three_generations_closes_the_tree(stock_vllm_server):
+    async with OpenAIBackend(stock_vllm_server, model="tiny") as backend:
+        result = await aexecute(judge_query(), backend, optimize=False)
+    tree = result.tree
+    assert isinstance(tree, Assistant) and tree.text and tree.source is not None
+    candidates = [n for _, n in walk(tree.source.input) if isinstance(n, Assistant)]
+    assert len(candidates) == 3  # the judge's input holds the three generated candidates
+    for node in (tree, *candidates):
+        assert isinstance(node.source, Generate)
+        assert not any(isinstance(n, Generate) for _, n in walk(node.source.input))  # closed inputs
+    inner_paths = [f"$.g.input.cross[1].plus[{i}]" for i in range(3)]
+    assert sorted(c.path for c in result.calls) == ["$", *inner_paths]
+    assert result.calls[-1].path == "$"  # the judge finishes last
+    judge_call = result.calls[-1]
+    assert judge_call.prompt_tokens > max(c.prompt_tokens for c in result.calls[:-1])
+    assert all(c.ttft_s is not None and 0 < c.ttft_s <= c.wall_s for c in result.calls)
+    assert result.answer == tree.text
+    assert result.totals()["calls"] == 4
+
+
+@pytest.mark.vllm
+def test_sync_execute_on_a_server_url(stock_vllm_server):
+    result = execute(judge_query(max_tokens=4), f"{stock_vllm_server}/v1", optimize=False)
+    assert result.answer and len(result.calls) == 4
+    assert {c.model for c in result.calls} == {"tiny"}
