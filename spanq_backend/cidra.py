@@ -1,0 +1,60 @@
+"""CIDRA planning: concurrent requests that need one cached block at different positions.
+
+A cached span block holds keys rotated for one position. When the scheduler admits a request whose
+prefix-cache hit includes a block that running requests read at another position, rotating that block in
+place would corrupt them. The planner decides, per hit block:
+- *in place*: nobody running reads the block, or they read it at the position this request needs — the
+  runner rotates it (if needed) before the forward pass;
+- *duplicate*: the block is in use at another position — the scheduler gives this request a private copy
+  (vLLM's copy-on-write path: a block from the pool, counted against KV capacity before the request is
+  admitted, copied before the forward pass, freed with the request), which the runner then rotates.
+
+With vLLM's block tables every request reads blocks through its own indirection, so relocation never has
+to move a block's contents into another block's slot: every rotation is in place on a block this request
+owns or shares at one position. The reposition graph is therefore a set of self-loops once duplicates are
+split off — the cycles that a slot-permuting CIDRA must break (strongly connected components) cannot arise,
+and all rotations of a step are independent and run as one batch (`relocation.KVRelocator`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["CidraPlanner", "StepPlan"]
+
+
+@dataclass
+class StepPlan:
+    """What one admission needs: hit-block indices to duplicate (the rest are used in place)."""
+
+    duplicate: list[int] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class CidraPlanner:
+    """Tracks at which position running requests read each block, and plans admissions against it.
+
+    `users_of(block_id)` says how many running requests hold the block (vLLM's ref count): positions recorded
+    for blocks nobody holds any more are stale and ignored.
+    """
+
+    block_size: int
+    users_of: Callable[[int], int]
+    in_use_at: dict[int, int] = field(default_factory=dict)  # block id -> position its readers need
+    duplicates_planned: int = 0
+
+    def plan(self, hit_block_ids: Sequence[int]) -> StepPlan:
+        """Decide, for a request about to read `hit_block_ids` as its logical blocks 0..n-1."""
+        dup = []
+        for j, b in enumerate(hit_block_ids):
+            want = j * self.block_size
+            if self.users_of(b) > 0 and self.in_use_at.get(b, want) != want:
+                dup.append(j)
+        self.duplicates_planned += len(dup)
+        return StepPlan(duplicate=dup)
+
+    def admitted(self, block_ids: Sequence[int], first_index: int = 0) -> None:
+        """The request now holds `block_ids` as its logical blocks `first_index...` (after duplication)."""
+        for j, b in enumerate(block_ids, start=first_index):
+            self.in_use_at[b] = j * self.block_size

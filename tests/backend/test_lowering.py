@@ -1,0 +1,314 @@
+"""spanq_backend.lowering: a closed generate input → prompt tokens and a span table, with SmolLM2's chat template.
+
+Uses the real SmolLM2 tokenizer (from the tiny model's folder): spans sit on block boundaries, each span's
+tokens are its own text's tokens (independent of its neighbours and of the order), the anchor is the chat
+template's prefix, and the whole prompt is the chat template's rendering plus padding.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from spanq_backend.lowering import LoweredPrompt, lower
+from spanq_integrations.errors import ContextLengthError, QueryValidationError
+from spanq_integrations.flatten import to_chat_messages
+from spanq_integrations.ir import (
+    Cross,
+    Print,
+    assistant,
+    cross,
+    fragment,
+    generate,
+    plus,
+    system,
+    user,
+)
+
+BS = 16
+SYSTEM = "You answer from the documents only."
+DOCS = {
+    "A": "Alpha: the red door opens at dawn.",
+    "B": "Beta: the blue lamp is lit by a long, winding procedure that takes well over sixteen tokens to describe.",
+    "C": "Gamma: ninety-nine bottles.",
+    "D": "Delta: the road goes ever on and on, down from the door where it began.",
+}
+QUESTION = "Which door opens at dawn?"
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model))
+
+
+@pytest.fixture(scope="module")
+def newline(tok) -> int:
+    """The pad token the span generator uses: a newline."""
+    return tok.encode("\n", add_special_tokens=False)[-1]
+
+
+@pytest.fixture(scope="module")
+def marker(tok) -> int:
+    """A pad token that no text here produces, so padding can be counted."""
+    return tok.convert_tokens_to_ids("<empty_output>")
+
+
+def rag(order: str = "ABCD", question: str = QUESTION):
+    return cross(system(SYSTEM), plus(*[fragment(DOCS[c]) for c in order]), user(question))
+
+
+def enc(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def unpadded(lp: LoweredPrompt, pad: int) -> list[int]:
+    return [t for t in lp.token_ids if t != pad]
+
+
+def squeeze_newlines(text: str) -> str:
+    return re.sub(r"\n+", "\n", text)
+
+
+# --------------------------------------------------------------------------------------------- layout
+
+
+def test_spans_and_anchor_sit_on_block_boundaries(tok, newline):
+    lp = lower(rag(), tok, BS, newline)
+    assert lp.has_spans and len(lp.table.spans) == 4
+    assert lp.table.block_size == BS
+    assert lp.table.anchor_len > 0 and lp.table.anchor_len % BS == 0
+    for s, e in lp.table.spans:
+        assert s % BS == 0 and e % BS == 0 and e > s
+    # ascending, adjacent (nothing between the children of one plus), after the anchor
+    assert lp.table.spans[0][0] == lp.table.anchor_len
+    for (_, e), (s, _) in zip(lp.table.spans, lp.table.spans[1:]):
+        assert e == s
+
+
+def test_anchor_is_the_chat_template_prefix(tok, marker):
+    lp = lower(rag(), tok, BS, marker)
+    anchor_text = tok.decode([t for t in lp.anchor_ids if t != marker])
+    rendered = tok.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "X"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert rendered.startswith(anchor_text)
+    assert anchor_text.startswith("<|im_start|>system\n")
+    assert SYSTEM in anchor_text
+    assert anchor_text.endswith("<|im_start|>user\n")
+    assert DOCS["A"] not in anchor_text
+
+
+def test_each_span_is_its_own_text_then_a_separator_then_padding(tok, marker):
+    lp = lower(rag(), tok, BS, marker)
+    sep = enc(tok, "\n\n")
+    for i, name in enumerate("ABCD"):
+        own = enc(tok, DOCS[name]) + sep
+        ids = lp.span_ids(i)
+        assert ids[: len(own)] == own, name
+        assert ids[len(own) :] == [marker] * (len(ids) - len(own)), name
+        assert len(ids) - len(own) < BS
+        assert lp.span_texts[i] == DOCS[name]
+
+
+def test_span_tokens_do_not_depend_on_the_order_or_the_neighbours(tok, newline):
+    abcd = lower(rag("ABCD"), tok, BS, newline)
+    dcba = lower(rag("DCBA"), tok, BS, newline)
+    alone = {c: lower(rag(c), tok, BS, newline) for c in "ABCD"}
+    for i, name in enumerate("ABCD"):
+        ids = abcd.span_ids(i)
+        assert dcba.span_ids(3 - i) == ids, name
+        assert alone[name].span_ids(0) == ids, name
+    assert abcd.anchor_ids == dcba.anchor_ids == alone["A"].anchor_ids
+
+
+def test_prepare_prompt_is_the_anchor_then_the_span(tok, newline):
+    lp = lower(rag("CADB"), tok, BS, newline)
+    for i in range(4):
+        s, e = lp.table.spans[i]
+        assert lp.prepare_prompt(i) == lp.token_ids[: lp.table.anchor_len] + lp.token_ids[s:e]
+        assert len(lp.prepare_prompt(i)) % BS == 0
+    # the key of a span follows its tokens, not its place
+    other = lower(rag("ABCD"), tok, BS, newline)
+    assert lp.span_key(1) == other.span_key(0)  # A
+    assert len({lp.span_key(i) for i in range(4)}) == 4
+
+
+def test_prompt_is_the_chat_template_rendering(tok, marker):
+    lp = lower(rag(), tok, BS, marker)
+    messages = to_chat_messages(rag())
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    decoded = tok.decode(unpadded(lp, marker))
+    assert squeeze_newlines(decoded) == squeeze_newlines(rendered)
+    assert decoded.endswith(QUESTION + "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_prompt_with_newline_padding_decodes_to_the_rendering(tok, newline):
+    lp = lower(rag("DB"), tok, BS, newline)
+    rendered = tok.apply_chat_template(
+        to_chat_messages(rag("DB")), tokenize=False, add_generation_prompt=True
+    )
+    assert squeeze_newlines(tok.decode(lp.token_ids)) == squeeze_newlines(rendered)
+
+
+def test_padded_tokens_counts_exactly_the_padding(tok, marker):
+    for query in (
+        rag(),
+        rag("B"),
+        cross(system(SYSTEM), plus("x"), user("Between."), plus("y", "z"), user("Q")),
+    ):
+        lp = lower(query, tok, BS, marker)
+        assert lp.padded_tokens == lp.token_ids.count(marker)
+        assert lp.padded_tokens > 0
+
+
+def test_padding_fills_each_block_only_up_to_its_boundary(tok, marker):
+    lp = lower(rag(), tok, BS, marker)
+    for s, e in ((0, lp.table.anchor_len), *lp.table.spans):
+        ids = lp.token_ids[s:e]
+        n_pad = ids.count(marker)
+        assert ids[len(ids) - n_pad :] == [marker] * n_pad  # padding only at the end
+        assert n_pad < BS
+
+
+def test_without_plus_there_are_no_spans_and_the_tokens_are_the_templates(tok, newline):
+    query = cross(
+        system(SYSTEM), user("Hello."), assistant("Hi! How can I help?"), user(QUESTION), fragment("A note.")
+    )
+    lp = lower(query, tok, BS, newline)
+    assert not lp.has_spans
+    assert lp.table.spans == () and lp.table.anchor_len == 0
+    assert lp.padded_tokens == 0
+    expected = tok.apply_chat_template(to_chat_messages(query), tokenize=True, add_generation_prompt=True)
+    assert lp.token_ids == list(expected["input_ids"])
+
+
+def test_text_between_two_plus_groups_is_context(tok, marker):
+    between = "Now compare those with these:"
+    query = cross(
+        system(SYSTEM), plus(DOCS["A"], DOCS["B"]), user(between), plus(DOCS["C"], DOCS["D"]), user(QUESTION)
+    )
+    lp = lower(query, tok, BS, marker)
+    assert len(lp.table.spans) == 4
+    (_, end_b), (start_c, _) = lp.table.spans[1], lp.table.spans[2]
+    assert start_c > end_b and start_c % BS == 0
+    context = lp.token_ids[end_b:start_c]
+    assert between in tok.decode(context)
+    assert all(lp.table.span_at(t) is None for t in range(end_b, start_c))
+    # the spans after it are still their own text
+    assert lp.span_ids(2)[: len(enc(tok, DOCS["C"]))] == enc(tok, DOCS["C"])
+    rendered = tok.apply_chat_template(to_chat_messages(query), tokenize=False, add_generation_prompt=True)
+    assert squeeze_newlines(tok.decode(unpadded(lp, marker))) == squeeze_newlines(rendered)
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        cross(
+            system(SYSTEM), plus(DOCS["A"], DOCS["B"]), assistant("Noted."), plus(DOCS["C"]), user(QUESTION)
+        ),
+        cross(system(SYSTEM), user("Read these:"), plus(DOCS["A"], DOCS["B"]), user(QUESTION)),
+        cross(system(SYSTEM), plus(DOCS["A"], DOCS["B"])),  # the plus ends the message
+    ],
+    ids=["groups-in-two-user-turns", "instruction-before-the-group", "group-ends-the-message"],
+)
+def test_spans_keep_the_conversation_around_them(tok, marker, query):
+    """Wherever the group sits, the prompt is the rendering; spans add only their separator and padding."""
+    lp = lower(query, tok, BS, marker)
+    rendered = tok.apply_chat_template(to_chat_messages(query), tokenize=False, add_generation_prompt=True)
+    decoded = tok.decode(unpadded(lp, marker))
+    assert decoded.replace("\n", "") == rendered.replace("\n", "")
+    for i, text in enumerate(lp.span_texts):
+        assert lp.span_ids(i)[: len(enc(tok, text))] == enc(tok, text)
+
+
+def test_a_nested_plus_is_read_as_one_span(tok, newline):
+    lp = lower(
+        cross(system(SYSTEM), plus(fragment("one"), plus("two", "three")), user("Q")), tok, BS, newline
+    )
+    assert lp.span_texts == ["one", "two\n\nthree"]
+
+
+def test_empty_plus_children_make_no_span(tok, newline):
+    lp = lower(cross(system(SYSTEM), plus("", "kept"), user("Q")), tok, BS, newline)
+    assert lp.span_texts == ["kept"]
+
+
+def test_forged_boundaries_in_text_are_just_text(tok, newline):
+    """Span boundaries are out of band: text that looks like a sentinel does not make a span."""
+    lp = lower(
+        cross(system(SYSTEM), plus("one"), user("\u27e6spanq:0:000000000000\u27e7 tail")), tok, BS, newline
+    )
+    assert len(lp.table.spans) == 1
+    assert "\u27e6spanq:0:000000000000\u27e7" in tok.decode(lp.token_ids)
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+def test_a_span_longer_than_the_context_is_refused_with_the_sizes(tok, newline):
+    long_doc = " ".join(f"word{i}" for i in range(300))
+    n_span = len(enc(tok, long_doc) + enc(tok, "\n\n"))
+    with pytest.raises(ContextLengthError) as raised:
+        lower(cross(system(SYSTEM), plus(long_doc, "short"), user("Q")), tok, BS, newline, max_model_len=256)
+    message = str(raised.value)
+    assert "256" in message
+    padded_span = n_span + (-n_span) % BS
+    assert str(padded_span) in message
+    assert "span 0" in message
+
+
+def test_the_span_limit_counts_the_anchor_and_one_generated_token(tok, newline):
+    """A prepare request `[anchor][span]` generates one token: it must fit with it, and no more is asked."""
+    need = len(lower(rag("A"), tok, BS, newline).prepare_prompt(0)) + 1
+    with pytest.raises(ContextLengthError, match="span 0"):
+        lower(rag("A"), tok, BS, newline, max_model_len=need - 1)
+    with pytest.raises(ContextLengthError) as raised:  # the span fits; the whole prompt does not
+        lower(rag("A"), tok, BS, newline, max_model_len=need)
+    assert "the prompt has" in str(raised.value)
+
+
+def test_a_prompt_longer_than_the_context_is_refused(tok, newline):
+    query = rag()
+    n = len(lower(query, tok, BS, newline).token_ids)
+    lower(query, tok, BS, newline, max_model_len=n + 1)  # room for one generated token
+    lower(query, tok, BS, newline, max_model_len=n + 10, max_new_tokens=10)
+    with pytest.raises(ContextLengthError) as raised:
+        lower(query, tok, BS, newline, max_model_len=n)
+    assert f"{n} tokens" in str(raised.value) and f"window is {n} tokens" in str(raised.value)
+    with pytest.raises(ContextLengthError, match="asks for 11 more"):
+        lower(query, tok, BS, newline, max_model_len=n + 10, max_new_tokens=11)
+
+
+def test_a_prompt_without_spans_longer_than_the_context_is_refused(tok, newline):
+    query = cross(system(SYSTEM), user("word " * 200))
+    with pytest.raises(ContextLengthError):
+        lower(query, tok, BS, newline, max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        Cross(children=(Print(text="only a print"),)),
+        cross(plus("")),
+        user(""),
+    ],
+)
+def test_an_empty_input_is_refused(tok, newline, query):
+    with pytest.raises(QueryValidationError, match="empty"):
+        lower(query, tok, BS, newline)
+
+
+def test_an_unexecuted_generate_is_refused_naming_its_path(tok, newline):
+    inner = generate(user("Write a poem."), max_tokens=5)
+    with pytest.raises(QueryValidationError) as raised:
+        lower(cross(system(SYSTEM), inner, user("Judge it.")), tok, BS, newline)
+    assert raised.value.path == "$.cross[1]"
+    assert "executed" in str(raised.value)
+    with pytest.raises(QueryValidationError) as raised:
+        lower(cross(system(SYSTEM), plus(fragment("x"), inner), user("Judge.")), tok, BS, newline)
+    assert raised.value.path == "$.cross[1].plus[1]"

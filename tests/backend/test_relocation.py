@@ -1,0 +1,462 @@
+"""spanq_backend.relocation and kv_layout: which cached blocks must move, and moving them in a CPU KV cache.
+
+`BlockPositionTracker` is fed scheduler-like events and must give exactly the moves a cache hit at another
+position needs. `KVRelocator` works on synthetic KV caches written by vLLM's own CPU cache kernel, in the K
+layout `discover_cpu_k_layout` finds: moved K equals RoPE at the new position, V and other blocks stay bit for bit.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from spanq_backend.relocation import BlockPositionTracker, KLayout, KVRelocator, Move
+from spanq_backend.rerope import RopeSpec, rerope_
+
+BS = 32
+HEAD_DIM = 64
+
+
+# --------------------------------------------------------------------------------------------- the tracker
+
+
+def positions(tracker: BlockPositionTracker, blocks: list[int]) -> list[int]:
+    return [tracker.position[b] for b in blocks]
+
+
+def test_computed_blocks_record_their_positions():
+    t = BlockPositionTracker(BS)
+    assert t.new_request("prep-a", [1, 2, 3, 4], 0) == []
+    assert positions(t, [1, 2, 3, 4]) == [0, BS, 2 * BS, 3 * BS]
+    assert t.users[3] == {"prep-a"}
+
+
+def test_hits_at_another_position_yield_exactly_the_moves():
+    """Prepare `[anchor][A]` and `[anchor][B]`, then run `[anchor][B][A][tail]` with every span hit."""
+    t = BlockPositionTracker(BS)
+    t.new_request("prep-a", [1, 2, 10, 11], 0)  # anchor 1,2; A = 10,11 at positions 2..3 (blocks)
+    t.new_request("prep-b", [1, 2, 20], 0)  # B = 20 at block 2
+    t.finish("prep-a")
+    t.finish("prep-b")
+
+    moves = t.new_request("main", [1, 2, 20, 10, 11, 30], 5 * BS)
+
+    assert moves == [Move(10, BS), Move(11, BS)]
+    assert positions(t, [1, 2, 20, 10, 11, 30]) == [0, BS, 2 * BS, 3 * BS, 4 * BS, 5 * BS]
+    assert t.conflicts == 0
+
+
+def test_moves_are_relative_to_where_the_block_is_now():
+    t = BlockPositionTracker(BS)
+    t.new_request("prep", [1, 10], 0)
+    t.finish("prep")
+    assert t.new_request("r1", [1, 5, 6, 10], 4 * BS) == [Move(10, 2 * BS)]
+    t.finish("r1")
+    # later moved back forward: the delta is from the block's current position, not its first one
+    assert t.new_request("r2", [1, 10], 2 * BS) == [Move(10, -2 * BS)]
+    assert t.position[10] == BS
+
+
+def test_hits_at_the_same_position_need_no_move():
+    t = BlockPositionTracker(BS)
+    t.new_request("a", [1, 2, 3], 0)
+    assert t.new_request("b", [1, 2, 3, 4], 3 * BS) == []
+    assert t.conflicts == 0  # shared at the same position: no conflict
+
+
+def test_blocks_past_the_hit_are_recomputed_not_moved():
+    """A block id reused for new content (evicted, reallocated) takes the position it is computed at."""
+    t = BlockPositionTracker(BS)
+    t.new_request("old", [7, 8, 9], 0)
+    t.finish("old")
+    moves = t.new_request("new", [1, 2, 3, 9, 8], BS)  # only block 1 is a hit; 9 and 8 are recomputed
+    assert moves == []
+    assert positions(t, [9, 8]) == [3 * BS, 4 * BS]
+
+
+def test_extend_request_places_new_blocks_at_the_next_logical_indices():
+    t = BlockPositionTracker(BS)
+    t.new_request("r", [1, 2], 0)
+    t.extend_request("r", [5])
+    t.extend_request("r", [])
+    t.extend_request("r", [9, 4])
+    assert positions(t, [1, 2, 5, 9, 4]) == [0, BS, 2 * BS, 3 * BS, 4 * BS]
+    assert all("r" in t.users[b] for b in (1, 2, 5, 9, 4))
+
+
+def test_extend_request_never_moves_even_a_known_block():
+    t = BlockPositionTracker(BS)
+    t.new_request("a", [3], 0)
+    t.finish("a")
+    t.new_request("r", [1, 2], 0)
+    t.extend_request("r", [3])  # block 3 is recomputed here by r
+    assert t.position[3] == 2 * BS
+
+
+def test_finish_releases_the_request_from_its_blocks():
+    t = BlockPositionTracker(BS)
+    t.new_request("a", [1, 2], 0)
+    t.new_request("b", [1, 2, 3], 2 * BS)
+    t.finish("a")
+    assert t.users[1] == {"b"} and 3 in t.users
+    t.finish("b")
+    assert 1 not in t.users and 2 not in t.users and 3 not in t.users
+    t.finish("b")  # finishing twice is harmless
+    t.finish("never-seen")
+    # positions outlive the requests: the blocks stay cached
+    assert positions(t, [1, 2, 3]) == [0, BS, 2 * BS]
+
+
+def test_a_resumed_request_is_placed_again():
+    """vLLM replaces a resumed request's blocks: the old ones are released, the new hits may move."""
+    t = BlockPositionTracker(BS)
+    t.new_request("p", [1, 10], 0)
+    t.finish("p")
+    t.new_request("r", [1, 2, 3], 0)
+    moves = t.new_request("r", [1, 4, 10, 5], 3 * BS)  # resumed: new blocks, 1/4/10 hit
+    assert moves == [Move(10, BS)]
+    assert 2 not in t.users and 3 not in t.users
+    assert t.users[10] == {"r"}
+    assert positions(t, [1, 4, 10, 5]) == [0, BS, 2 * BS, 3 * BS]
+
+
+def test_conflicts_count_moves_of_blocks_another_running_request_reads_elsewhere():
+    t = BlockPositionTracker(BS)
+    t.new_request("a", [1, 10, 11], 0)  # running, reads 10 at block 1
+    moves = t.new_request("b", [1, 2, 10], 3 * BS)  # wants 10 at block 2 while a runs
+    assert moves == [Move(10, BS)]
+    assert t.conflicts == 1
+    t.finish("a")
+    t.finish("b")
+    t.new_request("c", [1, 10], 2 * BS)  # nobody else reads it now
+    assert t.conflicts == 1
+
+
+def test_no_conflict_with_the_request_itself_when_resumed():
+    t = BlockPositionTracker(BS)
+    t.new_request("p", [1, 10], 0)
+    t.finish("p")
+    t.new_request("r", [1, 10], 2 * BS)
+    t.new_request("r", [1, 2, 10], 3 * BS)  # resumed with 10 one block later
+    assert t.conflicts == 0
+
+
+def test_a_copied_block_encodes_its_sources_position_and_moves_from_there():
+    """CIDRA's duplicate: the copy's keys are the source's, so a hit on the copy moves it from there."""
+    t = BlockPositionTracker(BS)
+    t.new_request("p", [1, 10], 0)
+    t.new_request("a", [1, 2, 10], 3 * BS)  # running, reads 10 at block 2
+    assert t.position[10] == 2 * BS
+    t.copied(10, 20)
+    assert t.position[20] == 2 * BS
+    moves = t.new_request("b", [1, 20], 2 * BS)  # b reads its private copy at block 1
+    assert moves == [Move(20, -BS)]
+    assert t.position[10] == 2 * BS  # a's block is untouched
+
+
+# --------------------------------------------------------------------------------------------- the relocator
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from vllm import _custom_ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return SimpleNamespace(write=_custom_ops.cpu_attn_reshape_and_cache, isa=_get_attn_isa)
+
+
+def write_cache(
+    ops, kv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_ids: list[int]
+) -> None:
+    """Write `[blocks, heads, BS, D]` keys and values into blocks of a CPU_ATTN cache with vLLM's kernel."""
+    nb, heads, bs, two_d = kv.shape
+    d = two_d // 2
+    key_cache, value_cache = kv.view(nb, heads, 2 * bs, d).chunk(2, dim=2)
+    k = keys.permute(0, 2, 1, 3).reshape(-1, heads, d).contiguous()  # [tokens, heads, D]
+    v = values.permute(0, 2, 1, 3).reshape(-1, heads, d).contiguous()
+    slots = torch.cat([torch.arange(bs) + b * bs for b in block_ids]).long()
+    ops.write(k, v, key_cache, value_cache, slots, ops.isa(kv.dtype, bs, d))
+
+
+def plain_spec(n: int = 4096) -> RopeSpec:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    freqs = torch.arange(n, dtype=torch.float32)[:, None] * inv_freq[None]
+    return RopeSpec.from_cos_sin_cache(torch.cat([freqs.cos(), freqs.sin()], -1), HEAD_DIM, HEAD_DIM, True)
+
+
+@pytest.fixture(scope="module")
+def layout(ops):
+    from spanq_backend.kv_layout import discover_cpu_k_layout
+
+    kv = torch.zeros(4, 2, BS, 2 * HEAD_DIM)
+    return discover_cpu_k_layout(SimpleNamespace(kv_caches=[kv]), BS, HEAD_DIM)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    "dtype, bs, head_dim",
+    [
+        (torch.float32, 32, 64),  # isa "vec"
+        (torch.float32, 32, 80),  # isa "vec16"
+        (torch.float32, 16, 64),  # isa "vec16"
+        (torch.float32, 128, 128),
+        (torch.bfloat16, 32, 64),  # SmolLM2's own dtype
+    ],
+    ids=["fp32-32x64", "fp32-32x80", "fp32-16x64", "fp32-128x128", "bf16-32x64"],
+)
+def test_discovered_layout_reads_back_what_the_kernel_wrote(ops, dtype, bs, head_dim):
+    """The layout maps (token, dim) to where vLLM's own kernel put it, for the cache dtypes models use."""
+    from spanq_backend.kv_layout import discover_cpu_k_layout
+
+    heads = 2
+    kv = torch.zeros(3, heads, bs, 2 * head_dim, dtype=dtype)
+    layout = discover_cpu_k_layout(SimpleNamespace(kv_caches=[kv]), bs, head_dim)
+    assert layout.flat_index.shape == (bs, head_dim)
+    assert sorted(layout.flat_index.reshape(-1).tolist()) == list(range(bs * head_dim))
+    keys = torch.randn(1, heads, bs, head_dim).to(dtype)
+    write_cache(ops, kv, keys, torch.zeros_like(keys), [1])
+    k_region = kv[1].reshape(heads, -1)[:, : bs * head_dim]
+    assert torch.equal(k_region[:, layout.flat_index], keys[0])
+
+
+def test_row_major_layout_is_token_major():
+    layout = KLayout.row_major(4, 3)
+    assert layout.flat_index.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+
+
+def logical_k(kv: torch.Tensor, layout: KLayout, block: int) -> torch.Tensor:
+    heads = kv.shape[1]
+    return kv[block].reshape(heads, -1)[:, : BS * HEAD_DIM][:, layout.flat_index]  # [heads, BS, D]
+
+
+def v_region(kv: torch.Tensor, block: int) -> torch.Tensor:
+    return kv[block].reshape(kv.shape[1], -1)[:, BS * HEAD_DIM :]
+
+
+@pytest.fixture
+def caches(ops):
+    """Two layers, 6 blocks, 2 KV heads, filled with random K/V by vLLM's kernel; and the K/V written."""
+    gen = torch.Generator().manual_seed(1)
+    layers = []
+    for _ in range(2):
+        kv = torch.zeros(6, 2, BS, 2 * HEAD_DIM)
+        keys = torch.randn(6, 2, BS, HEAD_DIM, generator=gen)
+        values = torch.randn(6, 2, BS, HEAD_DIM, generator=gen)
+        write_cache(ops, kv, keys, values, list(range(6)))
+        layers.append(SimpleNamespace(kv=kv, keys=keys, values=values))
+    return layers
+
+
+@pytest.mark.vllm
+def test_relocating_one_block_rotates_its_keys_and_nothing_else(ops, layout, caches):
+    spec = plain_spec()
+    before = [c.kv.clone() for c in caches]
+    relocator = KVRelocator([c.kv for c in caches], layout, spec)
+
+    relocator.apply([Move(2, 96)])
+
+    for c, old in zip(caches, before):
+        expected = rerope_(c.keys[2].clone(), 96, spec)
+        torch.testing.assert_close(logical_k(c.kv, layout, 2), expected, rtol=0, atol=1e-5)
+        assert torch.equal(v_region(c.kv, 2), v_region(old, 2))
+        for b in (0, 1, 3, 4, 5):
+            assert torch.equal(c.kv[b], old[b]), b
+    assert relocator.moved_blocks == 1
+
+
+@pytest.mark.vllm
+def test_relocation_equals_writing_the_moved_keys_with_the_kernel(ops, layout, caches):
+    """Layout-independent check: the cache after a move is the cache vLLM writes for the re-roped keys."""
+    spec = plain_spec()
+    deltas = {1: 32, 3: -64, 4: 32, 5: 1000}
+    KVRelocator([c.kv for c in caches], layout, spec).apply([Move(b, d) for b, d in deltas.items()])
+    for c in caches:
+        expected = torch.zeros_like(c.kv)
+        moved_keys = c.keys.clone()
+        for b, d in deltas.items():
+            rerope_(moved_keys[b], d, spec)
+        write_cache(ops, expected, moved_keys, c.values, list(range(6)))
+        torch.testing.assert_close(c.kv, expected, rtol=0, atol=1e-5)
+        for b in range(6):
+            assert torch.equal(v_region(c.kv, b), v_region(expected, b))
+        assert torch.equal(c.kv[0], expected[0]) and torch.equal(c.kv[2], expected[2])
+
+
+@pytest.mark.vllm
+def test_zero_moves_touch_nothing(layout, caches):
+    before = [c.kv.clone() for c in caches]
+    relocator = KVRelocator([c.kv for c in caches], layout, plain_spec())
+    relocator.apply([])
+    relocator.apply([Move(1, 0), Move(4, 0)])
+    for c, old in zip(caches, before):
+        assert torch.equal(c.kv, old)
+    assert relocator.moved_blocks == 0
+
+
+@pytest.mark.vllm
+def test_two_moves_of_one_block_add_up(layout, caches):
+    """Two requests placed in one step can move the same block twice: the block must end at the sum."""
+    spec = plain_spec()
+    KVRelocator([c.kv for c in caches], layout, spec).apply([Move(3, 64), Move(3, 64)])
+    for c in caches:
+        torch.testing.assert_close(
+            logical_k(c.kv, layout, 3), rerope_(c.keys[3].clone(), 128, spec), rtol=0, atol=1e-5
+        )
+
+
+@pytest.mark.vllm
+def test_tracker_moves_applied_by_the_relocator_put_keys_at_the_new_position(layout, caches):
+    """End to end without vLLM's engine: computed at one place, hit at another, moved, equals fresh RoPE there."""
+    spec = plain_spec()
+    tracker = BlockPositionTracker(BS)
+    tracker.new_request("prep", [0, 1, 2], 0)  # block 2 = a span computed at logical block 2
+    tracker.finish("prep")
+    moves = tracker.new_request("main", [0, 5, 4, 2, 3], 4 * BS)  # the span now sits at logical block 3
+    assert moves == [Move(2, BS)]
+    KVRelocator([c.kv for c in caches], layout, spec).apply(moves)
+    for c in caches:
+        torch.testing.assert_close(
+            logical_k(c.kv, layout, 2), rerope_(c.keys[2].clone(), BS, spec), rtol=0, atol=1e-5
+        )
+
+
+def test_relocator_with_a_token_major_layout():
+    """Without vLLM: a cache whose K region is token-major, described by `KLayout.row_major`."""
+    bs, heads = 4, 3
+    spec = plain_spec()
+    kv = torch.randn(5, heads, bs, 2 * HEAD_DIM, generator=torch.Generator().manual_seed(3))
+    before = kv.clone()
+    k_of = lambda t, b: t.view(5, heads, 2, bs, HEAD_DIM)[b, :, 0]
+    relocator = KVRelocator([kv], KLayout.row_major(bs, HEAD_DIM), spec)
+
+    relocator.apply([Move(1, 7), Move(4, -3)])
+
+    torch.testing.assert_close(k_of(kv, 1), rerope_(k_of(before, 1).clone(), 7, spec), rtol=0, atol=1e-5)
+    torch.testing.assert_close(k_of(kv, 4), rerope_(k_of(before, 4).clone(), -3, spec), rtol=0, atol=1e-5)
+    for b in (0, 2, 3):
+        assert torch.equal(kv[b], before[b])
+    assert torch.equal(
+        kv.view(5, heads, 2, bs, HEAD_DIM)[:, :, 1], before.view(5, heads, 2, bs, HEAD_DIM)[:, :, 1]
+    )
+    assert relocator.moved_blocks == 2
+
+
+def gptj_spec(n: int = 4096) -> RopeSpec:
+    plain = plain_spec(n)
+    return RopeSpec.from_cos_sin_cache(plain.cos_sin_cache, HEAD_DIM, HEAD_DIM, False)
+
+
+def layout_of(kind: str, bs: int) -> KLayout:
+    if kind == "row_major":
+        index = torch.arange(bs * HEAD_DIM).view(bs, HEAD_DIM)
+    elif kind == "transposed":  # dim d of token t at d * bs + t, CPU attention's "vec" layout
+        index = torch.arange(bs * HEAD_DIM).view(HEAD_DIM, bs).t()
+    else:  # any other permutation
+        index = torch.randperm(bs * HEAD_DIM, generator=torch.Generator().manual_seed(5)).view(bs, HEAD_DIM)
+    return KLayout(bs, HEAD_DIM, index)
+
+
+@pytest.mark.parametrize("kind", ["row_major", "transposed", "permuted"])
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_relocator_in_any_layout(kind, neox, dtype):
+    """Synthetic caches in a given K layout: each moved block's keys are re-roped by their net delta."""
+    bs, heads, nb = 8, 2, 7
+    spec = plain_spec() if neox else gptj_spec()
+    layout = layout_of(kind, bs)
+    gen = torch.Generator().manual_seed(7)
+    logical = [torch.randn(nb, heads, bs, HEAD_DIM, generator=gen).to(dtype) for _ in range(2)]
+    caches = []
+    for keys in logical:
+        kv = torch.randn(nb, heads, bs, 2 * HEAD_DIM, generator=gen).to(dtype)
+        k_region = kv.view(nb, heads, -1)[:, :, : bs * HEAD_DIM]
+        k_region[:, :, layout.flat_index.reshape(-1)] = keys.reshape(nb, heads, -1)
+        caches.append(kv)
+    before = [kv.clone() for kv in caches]
+    moves = [Move(1, 40), Move(3, -7), Move(5, 40), Move(3, 2), Move(6, 5), Move(6, -5), Move(0, 0)]
+    net = {1: 40, 3: -5, 5: 40}
+
+    KVRelocator(caches, layout, spec).apply(moves)
+
+    for kv, old, keys in zip(caches, before, logical):
+        k_now = kv.view(nb, heads, -1)[:, :, : bs * HEAD_DIM][:, :, layout.flat_index]
+        for b in range(nb):
+            if b in net:
+                expected = rerope_(keys[b].clone(), net[b], spec)
+                tol = 1e-5 if dtype == torch.float32 else 1e-2
+                torch.testing.assert_close(k_now[b], expected, rtol=tol, atol=tol)
+            else:
+                assert torch.equal(kv[b], old[b]), b
+        v_now, v_old = (
+            kv.view(nb, heads, -1)[:, :, bs * HEAD_DIM :],
+            old.view(nb, heads, -1)[:, :, bs * HEAD_DIM :],
+        )
+        assert torch.equal(v_now, v_old)
+
+
+def test_relocator_moves_many_blocks():
+    """More blocks than one chunk of work: every one of them moves, and only those."""
+    bs, heads, nb = 32, 2, 400
+    spec = plain_spec()
+    layout = layout_of("transposed", bs)
+    kv = torch.randn(nb, heads, bs, 2 * HEAD_DIM, generator=torch.Generator().manual_seed(9))
+    before = kv.clone()
+    moved = list(range(3, nb, 2))
+    relocator = KVRelocator([kv], layout, spec)
+    relocator.apply([Move(b, 32 * (b % 5 + 1)) for b in moved])
+    k_of = lambda t: t.view(nb, heads, -1)[:, :, : bs * HEAD_DIM][:, :, layout.flat_index]
+    expected = k_of(before).clone()
+    for b in moved:
+        rerope_(expected[b], 32 * (b % 5 + 1), spec)
+    torch.testing.assert_close(k_of(kv), expected, rtol=0, atol=1e-5)
+    assert torch.equal(kv[0::2], before[0::2]) and torch.equal(kv[1:3], before[1:3])
+    assert relocator.moved_blocks == len(moved)
+
+
+# --------------------------------------------------------------------------------------------- the runner hook
+
+
+class _Rope(torch.nn.Module):
+    """The attributes `rope_spec_of_model` reads from a vLLM rotary embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cos_sin_cache", plain_spec(256).cos_sin_cache)
+        self.rotary_dim = self.head_size = HEAD_DIM
+        self.is_neox_style = True
+
+
+def _stock_step():
+    return SimpleNamespace(
+        finished_req_ids=set(),
+        scheduled_new_reqs=[SimpleNamespace(req_id="stock", block_ids=([1, 2],), num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        ),
+        kv_cache_block_copies=None,
+    )
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    "model, dtype",
+    [(_Rope(), torch.float32), (torch.nn.Linear(2, 2), torch.float32), (_Rope(), torch.bfloat16)],
+    ids=["fp32-rope-model", "no-rope-model", "bf16-cache"],
+)
+def test_stock_steps_run_on_a_runner_whose_keys_cannot_move(monkeypatch, model, dtype):
+    """Invariant 7: with the plugin installed, a model spanq cannot relocate still serves stock requests."""
+    from spanq_backend import vllm_plugin
+
+    monkeypatch.setattr(vllm_plugin, "_runtimes", {})
+    ran = []
+    execute_model = vllm_plugin._wrap_execute_model(lambda self, step, *a, **k: ran.append(step) or "output")
+    runner = SimpleNamespace(
+        kv_caches=[torch.zeros(4, 2, BS, 2 * HEAD_DIM, dtype=dtype)],
+        cache_config=SimpleNamespace(block_size=BS),
+        get_model=lambda: model,
+    )
+    step = _stock_step()
+    assert execute_model(runner, step) == "output"
+    assert ran == [step]

@@ -1,0 +1,438 @@
+"""Span-aware block hashing (spanq_backend.span_hashing, the plugin's hasher) and the span table it reads.
+
+Hashes are vLLM's real ones (`hash_block_tokens` with sha256), compared with vLLM's stock request block hasher
+run on real `vllm.v1.request.Request` objects: a span hashes the same wherever it sits and the same as in its
+prepare request `[anchor][span]`; what follows a `plus` group depends on which spans, in which order; a request
+without span metadata hashes exactly as stock vLLM (DESIGN.md invariants 3 and 7).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from spanq_backend import vllm_plugin
+from spanq_backend.span_hashing import span_block_hashes
+from spanq_backend.span_table import EXTRA_ARGS_KEY, SpanTable, SpanTableError
+
+pytestmark = [pytest.mark.vllm]
+
+BS = 16
+_ids = itertools.count(1)
+
+
+def block_tokens(n_blocks: int, base: int) -> list[int]:
+    return list(range(base, base + n_blocks * BS))
+
+
+ANCHOR = block_tokens(2, 1000)
+SPANS = {
+    "A": block_tokens(2, 2000),
+    "B": block_tokens(1, 3000),
+    "C": block_tokens(3, 4000),
+    "D": block_tokens(1, 5000),
+}
+TAIL = list(range(9000, 9000 + BS + 5))  # one full block and a partial one
+ANCHOR_BLOCKS = len(ANCHOR) // BS
+
+
+def layout(
+    order: str, spans: dict[str, list[int]] = SPANS, tail: list[int] = TAIL
+) -> tuple[list[int], SpanTable]:
+    """`[anchor][spans in order][tail]` and its span table."""
+    tokens = list(ANCHOR)
+    table = []
+    for name in order:
+        table.append((len(tokens), len(tokens) + len(spans[name])))
+        tokens += spans[name]
+    return tokens + tail, SpanTable(BS, tuple(table)).validate(len(tokens) + len(tail))
+
+
+def blocks_of(table: SpanTable, i: int) -> slice:
+    s, e = table.spans[i]
+    return slice(s // BS, e // BS)
+
+
+@pytest.fixture(scope="module")
+def hashing():
+    """vLLM's sha256 block hashing, initialized as EngineCore does."""
+    from types import SimpleNamespace
+
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    kcu.init_none_hash(hash_fn)
+
+    def hash_block(parent, tokens, extra):
+        return kcu.hash_block_tokens(hash_fn, parent, tokens, extra)
+
+    return SimpleNamespace(
+        fn=hash_fn,
+        block=hash_block,
+        stock=kcu.get_request_block_hasher(BS, hash_fn),
+        plugin=vllm_plugin._make_hasher_factory(kcu.get_request_block_hasher)(BS, hash_fn),
+    )
+
+
+def request(
+    tokens, hasher, table: SpanTable | None = None, cache_salt: str | None = None, extra: dict | None = None
+):
+    """A real vLLM request, built as EngineCore builds it (the hasher runs in the constructor)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    extra_args = dict(extra or {})
+    if table is not None:
+        extra_args[EXTRA_ARGS_KEY] = table.to_extra_args()
+    params = SamplingParams(max_tokens=64, extra_args=extra_args or None)
+    return Request(f"r{next(_ids)}", list(tokens), params, None, cache_salt=cache_salt, block_hasher=hasher)
+
+
+def stock_hashes(hashing, tokens, cache_salt: str | None = None) -> list:
+    return list(request(tokens, hashing.stock, cache_salt=cache_salt).block_hashes)
+
+
+def span_hashes(hashing, tokens, table) -> list:
+    return span_block_hashes(tokens, table, hashing.block)
+
+
+# --------------------------------------------------------------------------------------------- (a) spans
+
+
+def test_a_span_hashes_the_same_wherever_it_sits(hashing):
+    first, t_first = layout("ABCD")
+    third, t_third = layout("CDAB")
+    h_first, h_third = span_hashes(hashing, first, t_first), span_hashes(hashing, third, t_third)
+    a_first, a_third = h_first[blocks_of(t_first, 0)], h_third[blocks_of(t_third, 2)]
+    assert len(a_first) == len(SPANS["A"]) // BS == 2
+    assert a_first == a_third
+
+
+def test_every_span_hashes_as_its_prepare_request(hashing):
+    for order in ("ABCD", "DCBA", "BDAC"):
+        tokens, table = layout(order)
+        hashes = span_hashes(hashing, tokens, table)
+        for i, name in enumerate(order):
+            prepare = stock_hashes(hashing, ANCHOR + SPANS[name])
+            assert hashes[blocks_of(table, i)] == prepare[ANCHOR_BLOCKS:], (order, name)
+
+
+def test_span_hashes_depend_on_the_anchor(hashing):
+    tokens, table = layout("AB")
+    other_anchor = [t + 1 if k == 5 else t for k, t in enumerate(tokens)]
+    h, h_other = span_hashes(hashing, tokens, table), span_hashes(hashing, other_anchor, table)
+    assert h[blocks_of(table, 0)] != h_other[blocks_of(table, 0)]
+    assert h[blocks_of(table, 1)] != h_other[blocks_of(table, 1)]
+
+
+def test_a_span_is_not_hashed_as_it_would_be_in_context(hashing):
+    tokens, table = layout("ABCD")
+    assert (
+        span_hashes(hashing, tokens, table)[blocks_of(table, 1)]
+        != stock_hashes(hashing, tokens)[blocks_of(table, 1)]
+    )
+
+
+# --------------------------------------------------------------------------------------------- (b) after a group
+
+
+def test_the_block_after_a_plus_group_depends_on_the_order(hashing):
+    abcd, t_abcd = layout("ABCD")
+    dcba, t_dcba = layout("DCBA")
+    after = t_abcd.spans[-1][1] // BS
+    h_abcd, h_dcba = span_hashes(hashing, abcd, t_abcd), span_hashes(hashing, dcba, t_dcba)
+    assert len(h_abcd) == after + 1  # the tail's full block; its partial block is not hashed
+    assert h_abcd[after] != h_dcba[after]
+    assert h_abcd[:ANCHOR_BLOCKS] == h_dcba[:ANCHOR_BLOCKS]
+    # the same order gives the same hash (so the tail itself can be reused)
+    again, t_again = layout("ABCD")
+    assert span_hashes(hashing, again, t_again) == h_abcd
+
+
+def test_the_block_after_a_plus_group_depends_on_each_span_content(hashing):
+    tokens, table = layout("ABCD")
+    after = table.spans[-1][1] // BS
+    base = span_hashes(hashing, tokens, table)[after]
+    for name in "ABCD":
+        changed = dict(SPANS)
+        changed[name] = list(SPANS[name])
+        changed[name][0] += 7  # the first token of the span, far from its key block for multi-block spans
+        t2, table2 = layout("ABCD", spans=changed)
+        assert span_hashes(hashing, t2, table2)[after] != base, name
+
+
+def test_the_block_after_a_plus_group_depends_on_which_spans(hashing):
+    tokens, table = layout("ABC", tail=SPANS["D"] + TAIL)  # D is context here, not a span
+    abcd, t_abcd = layout("ABCD")
+    assert tokens == abcd
+    h, h_abcd = span_hashes(hashing, tokens, table), span_hashes(hashing, abcd, t_abcd)
+    assert h[-1] != h_abcd[-1]
+
+
+def test_context_between_two_plus_groups_chains_on_the_first_group(hashing):
+    """`[anchor] A B [ctx] C D [tail]`: ctx depends on A, B and their order; C and D still hash as spans."""
+    ctx = block_tokens(1, 7000)
+
+    def build(first: str, second: str):
+        tokens, spans = list(ANCHOR), []
+        for name in first:
+            spans.append((len(tokens), len(tokens) + len(SPANS[name])))
+            tokens += SPANS[name]
+        ctx_block = len(tokens) // BS
+        tokens += ctx
+        for name in second:
+            spans.append((len(tokens), len(tokens) + len(SPANS[name])))
+            tokens += SPANS[name]
+        table = SpanTable(BS, tuple(spans)).validate(len(tokens) + len(TAIL))
+        return span_hashes(hashing, tokens + TAIL, table), ctx_block, table
+
+    h_ab, ctx_ab, table = build("AB", "CD")
+    h_ba, ctx_ba, _ = build("BA", "CD")
+    h_ab_dc, _, table_dc = build("AB", "DC")
+    assert ctx_ab == ctx_ba
+    assert h_ab[ctx_ab] != h_ba[ctx_ba]
+    assert h_ab[ctx_ab] == h_ab_dc[ctx_ab]
+    assert h_ab[-1] != h_ab_dc[-1]  # the block after the second group depends on its order
+    prepare_c = stock_hashes(hashing, ANCHOR + SPANS["C"])[ANCHOR_BLOCKS:]
+    assert h_ab[blocks_of(table, 2)] == prepare_c
+    assert h_ab_dc[blocks_of(table_dc, 3)] == prepare_c
+
+
+# --------------------------------------------------------------------------------------------- (c) the prefix
+
+
+def test_context_before_the_first_span_hashes_exactly_as_stock(hashing):
+    tokens, table = layout("ABCD")
+    assert (
+        span_hashes(hashing, tokens, table)[:ANCHOR_BLOCKS] == stock_hashes(hashing, tokens)[:ANCHOR_BLOCKS]
+    )
+
+
+def test_no_anchor_spans_chain_from_the_start(hashing):
+    tokens = SPANS["A"] + SPANS["B"] + TAIL
+    table = SpanTable(BS, ((0, 32), (32, 48))).validate(len(tokens))
+    hashes = span_hashes(hashing, tokens, table)
+    assert hashes[2:3] == stock_hashes(hashing, SPANS["B"])  # B hashes as a prompt of its own
+    assert hashes[0:2] == stock_hashes(hashing, SPANS["A"])
+
+
+# --------------------------------------------------------------------------------------------- (d) the plugin
+
+
+def test_plugin_hasher_is_stock_for_requests_without_spans(hashing):
+    tokens, _ = layout("ABCD")
+    tokens = tokens + list(range(20))  # several full blocks and a partial one
+    for salt, extra in ((None, None), ("salty", None), (None, {"other": 1})):
+        stock = request(tokens, hashing.stock, cache_salt=salt, extra=extra)
+        plugin = request(tokens, hashing.plugin, cache_salt=salt, extra=extra)
+        assert len(plugin.block_hashes) == len(tokens) // BS
+        assert plugin.block_hashes == stock.block_hashes
+        stock.append_output_token_ids(list(range(40)))
+        plugin.append_output_token_ids(list(range(40)))
+        assert plugin.block_hashes == stock.block_hashes
+
+
+def test_plugin_hasher_treats_an_empty_span_list_as_stock(hashing):
+    tokens, _ = layout("ABCD")
+    plugin = request(tokens, hashing.plugin, table=SpanTable(BS, ()))
+    assert plugin.block_hashes == stock_hashes(hashing, tokens)
+
+
+def test_plugin_hasher_gives_span_hashes_for_requests_with_a_span_table(hashing):
+    tokens, table = layout("DCBA")
+    req = request(tokens, hashing.plugin, table=table)
+    assert req.sampling_params.extra_args[EXTRA_ARGS_KEY] == table.to_extra_args()
+    assert req.block_hashes == span_hashes(hashing, tokens, table)
+    assert req.block_hashes != stock_hashes(hashing, tokens)
+    for i, name in enumerate("DCBA"):
+        assert (
+            req.block_hashes[blocks_of(table, i)]
+            == stock_hashes(hashing, ANCHOR + SPANS[name])[ANCHOR_BLOCKS:]
+        )
+
+
+def test_plugin_span_hashes_keep_the_cache_salt(hashing):
+    """A salted request's spans match its salted prepare requests, and nothing unsalted."""
+    tokens, table = layout("BA")
+    salted = request(tokens, hashing.plugin, table=table, cache_salt="tenant-1")
+    unsalted = request(tokens, hashing.plugin, table=table)
+    prepare_a = stock_hashes(hashing, ANCHOR + SPANS["A"], cache_salt="tenant-1")
+    assert salted.block_hashes[blocks_of(table, 1)] == prepare_a[ANCHOR_BLOCKS:]
+    assert salted.block_hashes[blocks_of(table, 1)] != unsalted.block_hashes[blocks_of(table, 1)]
+
+
+def test_plugin_hasher_ignores_a_table_it_cannot_trust(hashing):
+    """A table for another block size, or one that does not fit the prompt, is ignored: stock hashes."""
+    tokens, _ = layout("AB")
+    stock = request(tokens, hashing.stock).block_hashes
+    assert request(tokens, hashing.plugin, table=SpanTable(32, ((32, 64),))).block_hashes == stock
+    past_the_end = SpanTable(BS, ((BS, len(tokens) + 2 * BS),))
+    assert request(tokens, hashing.plugin, table=past_the_end).block_hashes == stock
+
+
+# --------------------------------------------------------------------------------------------- (e) incremental
+
+
+def test_incremental_hashing_equals_one_pass(hashing):
+    tokens, table = layout("CADB")
+    output = list(range(100, 100 + 3 * BS + 7))
+    req = request(tokens, hashing.plugin, table=table)
+    req.append_output_token_ids(output[:5])
+    req.append_output_token_ids(output[5 : 5 + BS + 3])
+    for t in output[5 + BS + 3 :]:
+        req.append_output_token_ids([t])
+    one_pass = span_hashes(hashing, tokens + output, table)
+    assert len(one_pass) == (len(tokens) + len(output)) // BS
+    assert req.block_hashes == one_pass
+    # and a request whose prompt already held those tokens hashes the same
+    assert request(tokens + output, hashing.plugin, table=table).block_hashes == one_pass
+
+
+def test_span_block_hashes_continues_from_done(hashing):
+    tokens, table = layout("ABCD")
+    everything = span_hashes(hashing, tokens, table)
+    for k in range(len(everything) + 1):
+        done = everything[:k]
+        assert done + span_block_hashes(tokens, table, hashing.block, done=done) == everything, k
+
+
+def test_generated_blocks_chain_on_the_prompt(hashing):
+    """Generated blocks after a plus group differ by span order too (their KV attended to it)."""
+    out = list(range(100, 100 + 2 * BS))
+    abcd, t_abcd = layout("ABCD")
+    dcba, t_dcba = layout("DCBA")
+    h1, h2 = span_hashes(hashing, abcd + out, t_abcd), span_hashes(hashing, dcba + out, t_dcba)
+    assert h1[-2:] != h2[-2:]
+    assert h1[-1] != h2[-1]
+
+
+# --------------------------------------------------------------------------------------------- re-keying
+
+
+@pytest.fixture
+def rekey(hashing, monkeypatch):
+    monkeypatch.setattr(vllm_plugin, "_hash_fn", hashing.fn)
+    return vllm_plugin._rekey_missed_spans
+
+
+def test_rekeying_leaves_hit_blocks_and_requests_without_spans_alone(hashing, rekey):
+    tokens, table = layout("ABCD")
+    req = request(tokens, hashing.plugin, table=table)
+    before = list(req.block_hashes)
+    all_spans_hit = table.spans[-1][1]
+    assert rekey(req, all_spans_hit) == 0
+    assert req.block_hashes == before
+    plain = request(tokens, hashing.plugin)
+    before = list(plain.block_hashes)
+    assert rekey(plain, 0) == 0
+    assert plain.block_hashes == before
+
+
+def test_blocks_from_the_first_missed_span_are_rekeyed_in_place(hashing, rekey):
+    tokens, table = layout("ABCD")
+    req = request(tokens, hashing.plugin, table=table)
+    hashes = req.block_hashes  # vLLM holds this very list
+    before = list(hashes)
+    hit = table.spans[1][0]  # anchor and A hit; B missed
+    j0 = hit // BS
+    assert rekey(req, hit) == len(before) - j0
+    assert req.block_hashes is hashes and len(hashes) == len(before)
+    assert hashes[:j0] == before[:j0]
+    stock = stock_hashes(hashing, tokens)
+    for j in range(j0, len(before)):
+        assert hashes[j] != before[j] and hashes[j] != stock[j], j
+    # a second lookup of the same request changes nothing more
+    again = list(hashes)
+    assert rekey(req, hit) == 0
+    assert hashes == again
+
+
+def test_rekeyed_blocks_depend_on_every_span_before_them(hashing, rekey):
+    """Blocks computed in context attended to all spans before them; their keys must say so.
+
+    `[anchor] A B [tail]` with A hit and B computed in context, and `[anchor] C A B [tail]` with C and A hit
+    and B computed in context: B's KV differs (it attended to C too, at other positions), so the re-keyed
+    hashes must differ, or a later lookup of one (after preemption) reads the other's KV.
+    """
+    short, t_short = layout("AB")
+    long, t_long = layout("CAB")
+    r_short = request(short, hashing.plugin, table=t_short)
+    r_long = request(long, hashing.plugin, table=t_long)
+    rekey(r_short, t_short.spans[1][0])
+    rekey(r_long, t_long.spans[2][0])
+    b_short = r_short.block_hashes[blocks_of(t_short, 1)]
+    b_long = r_long.block_hashes[blocks_of(t_long, 2)]
+    assert b_short != b_long
+
+
+# --------------------------------------------------------------------------------------------- (f) the table
+
+
+def test_span_table_round_trips_through_extra_args():
+    table = SpanTable(BS, ((32, 64), (64, 80)))
+    extra = {EXTRA_ARGS_KEY: table.to_extra_args()}
+    assert SpanTable.from_extra_args(extra) == table
+    # msgpack turns tuples into lists on the way to the engine core
+    assert (
+        SpanTable.from_extra_args({EXTRA_ARGS_KEY: {"v": 1, "block_size": BS, "spans": [[32, 64], [64, 80]]}})
+        == table
+    )
+    assert table.anchor_len == 32
+    assert [table.span_at(t) for t in (0, 31, 32, 63, 64, 79, 80)] == [None, None, 0, 0, 1, 1, None]
+
+
+def test_from_extra_args_without_a_table_is_none():
+    assert SpanTable.from_extra_args(None) is None
+    assert SpanTable.from_extra_args({}) is None
+    assert SpanTable.from_extra_args({"kv_transfer_params": {}}) is None
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        None,
+        "spans",
+        [[0, 16]],
+        {"v": 2, "block_size": BS, "spans": []},
+        {"block_size": BS, "spans": []},
+        {"v": 1, "spans": [[0, 16]]},
+        {"v": 1, "block_size": BS},
+        {"v": 1, "block_size": "sixteen", "spans": []},
+        {"v": 1, "block_size": BS, "spans": [[0, 16, 32]]},
+        {"v": 1, "block_size": BS, "spans": [16]},
+        {"v": 1, "block_size": BS, "spans": 16},
+        {"v": 1, "block_size": BS, "spans": [["a", 16]]},
+    ],
+)
+def test_from_extra_args_refuses_malformed_tables(raw):
+    with pytest.raises(SpanTableError):
+        SpanTable.from_extra_args({EXTRA_ARGS_KEY: raw})
+
+
+@pytest.mark.parametrize(
+    "spans, prompt_len, words",
+    [
+        (((8, 32),), 64, "not aligned"),
+        (((16, 40),), 64, "not aligned"),
+        (((16, 48), (32, 64)), 64, "overlaps"),
+        (((32, 48), (16, 32)), 64, "overlaps"),  # not ascending
+        (((16, 16),), 64, "overlaps"),  # empty
+        (((48, 80),), 64, "outside the prompt"),
+        (((-16, 16),), 64, "outside the prompt"),
+    ],
+)
+def test_validate_refuses_bad_layouts(spans, prompt_len, words):
+    with pytest.raises(SpanTableError, match=words):
+        SpanTable(BS, spans).validate(prompt_len)
+
+
+def test_validate_refuses_a_bad_block_size():
+    with pytest.raises(SpanTableError, match="block_size must be positive"):
+        SpanTable(0, ()).validate(10)
+
+
+def test_validate_accepts_adjacent_spans_up_to_the_prompt_end():
+    table = SpanTable(BS, ((16, 32), (32, 64)))
+    assert table.validate(64) is table
