@@ -33,6 +33,19 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.engine.llm_engine", "LLMEngine", "from_engine_args, add_request, step, abort_request"),
     ("vllm.engine.arg_utils", "EngineArgs", "model, dtype, block_size, enable_prefix_caching, max_model_len"),
     ("vllm.sampling_params", "SamplingParams", "extra_args carries the span table out of band"),
+    ("vllm.sampling_params", "RequestOutputKind", "DELTA outputs for streaming"),
+    ("vllm.inputs", "TokensPrompt", "prompts given as token ids"),
+    # spanq serve: vLLM's own OpenAI server with one more route
+    ("vllm.entrypoints.launchers.api_server.entry", "build_app", "module global build_and_serve looks up; wrapped to add the route"),
+    ("vllm.entrypoints.launchers.api_server.entry", "run_server", "(args) runs the server"),
+    ("vllm.entrypoints.launchers.cli_args", "make_arg_parser", "vllm serve's argument parser"),
+    ("vllm.entrypoints.launchers.cli_args", "validate_parsed_serve_args", "vllm serve's argument checks"),
+    ("vllm.entrypoints.serve.utils.api_utils", "with_cancellation", "aborts a route's work when the client leaves"),
+    ("vllm.entrypoints.serve.utils.api_utils", "cli_env_setup", "environment set-up of vllm serve"),
+    ("vllm.utils.argparse_utils", "FlexibleArgumentParser", "vllm's argparse"),
+    ("vllm.exceptions", "VLLMClientError", "engine refusals of a request"),
+    ("vllm.logger", "configure_logging_from_args", "logging as vllm serve does it"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.generate", "the server's engine client: (prompt, params, request_id)"),
 )
 
 _SIGNATURES = {

@@ -1,0 +1,309 @@
+"""`spanq serve` on the tiny model: stock OpenAI routes, `POST /v1/query/execute` and `SpanBackend` against it.
+
+One server for the module, started as `python -m spanq_integrations.cli serve` in its own process group; its
+log tail is printed if a test fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from spanq_integrations import (
+    Assistant,
+    ContextLengthError,
+    ModelNotFoundError,
+    cross,
+    fragment,
+    generate,
+    plus,
+    system,
+    user,
+)
+from spanq_integrations.backends.span import SpanBackend
+from spanq_integrations.spnl_json import from_json, to_json
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+START_TIMEOUT_S = 300
+EXECUTE = "/v1/query/execute"
+
+DOCS = {
+    c: f"Document {c}. "
+    + " ".join(
+        f"The {w} of {c} is {i}."
+        for i, w in enumerate(["key", "door", "lamp", "road", "tree", "bell", "cup"] * 3)
+    )
+    for c in "ABCD"
+}
+
+
+def rag_query(order: str, max_tokens: int = 6):
+    return generate(
+        cross(
+            system("Answer from the documents."),
+            plus(*[fragment(DOCS[c]) for c in order]),
+            user("Which door?"),
+        ),
+        max_tokens=max_tokens,
+        temperature=0.0,
+    )
+
+
+# --------------------------------------------------------------------------------------------- the server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _log_tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class Server:
+    def __init__(self, url: str, log: Path, served_name: str):
+        self.url = url
+        self.log = log
+        self.served_name = served_name
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, tmp_path_factory, request) -> Iterator[Server]:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("spanq-serve") / "server.log"
+    command = [
+        sys.executable,
+        "-m",
+        "spanq_integrations.cli",
+        "serve",
+        "--model",
+        str(tiny_model),
+        "--port",
+        str(port),
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    failed_before = request.session.testsfailed
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                pytest.fail(f"spanq serve exited with {proc.returncode}:\n{_log_tail(log)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"spanq serve did not answer within {START_TIMEOUT_S} s:\n{_log_tail(log)}")
+            time.sleep(1)
+        yield Server(url, log, tiny_model.name)
+    finally:
+        _stop(proc)
+        if request.session.testsfailed > failed_before:
+            reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"\n--- spanq serve log (tail of {log}) ---\n{_log_tail(log)}")
+
+
+def _gauge(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.search(rf"^vllm:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
+    assert found, f"/metrics has no vllm:{name}"
+    return float(found.group(1))
+
+
+# --------------------------------------------------------------------------------------------- tests
+
+
+def test_stock_chat_completions_still_work(server: Server):
+    answer = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"model": server.served_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert isinstance(body["choices"][0]["message"]["content"], str)
+    assert body["usage"]["completion_tokens"] == 4
+    models = httpx.get(f"{server.url}/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [server.served_name]
+
+
+def test_reordered_fragments_are_served_from_the_span_cache(server: Server, tiny_model: Path):
+    from spanq_backend.lowering import lower
+    from spanq_backend.span_generation import load_chat_tokenizer
+
+    async def scenario():
+        async with SpanBackend(server.url) as backend:
+            first = await backend.generate(rag_query("ABCD"))
+            second = await backend.generate(rag_query("DCBA"))
+            return first, second
+
+    first, second = asyncio.run(scenario())
+    tokenizer = load_chat_tokenizer(tiny_model)
+    lowered = lower(
+        rag_query("DCBA").input, tokenizer, 32, tokenizer.encode("\n", add_special_tokens=False)[-1]
+    )
+    span_tokens = sum(e - s for s, e in lowered.table.spans)
+    assert len(lowered.table.spans) == 4
+    assert first.metrics.prepared_spans == 4, "all four fragments were new"
+    assert second.metrics.prepared_spans == 0, "the second query found every fragment cached"
+    assert second.metrics.cached_tokens >= span_tokens, (
+        f"cached {second.metrics.cached_tokens} tokens; the fragments are {span_tokens}"
+    )
+    assert second.metrics.prompt_tokens == len(lowered.token_ids)
+    assert second.metrics.model == server.served_name
+    assert second.metrics.ttft_s is not None and second.text
+
+
+def test_execute_without_streaming_returns_the_closed_tree_and_usage(server: Server):
+    query = rag_query("BADC")
+    answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(query), timeout=120)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    tree = from_json(body["result"])
+    assert isinstance(tree, Assistant) and tree.source is not None
+    assert tree.text == body["answer"] and body["answer"]
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 6
+    assert usage["prompt_tokens"] > usage["prompt_tokens_details"]["cached_tokens"] > 0
+    assert usage["padded_tokens"] > 0 and "prepared_spans" in usage
+    (call,) = body["calls"]
+    assert call["path"] == "$" and call["prompt_tokens"] == usage["prompt_tokens"]
+
+    async def remote():
+        async with SpanBackend(server.url) as backend:
+            return await backend.execute_remote(query)
+
+    result = asyncio.run(remote())
+    assert result.answer == body["answer"]  # temperature 0, the same spans
+    assert result.calls[0].cached_tokens > 0
+
+
+def test_a_malformed_body_is_a_400_naming_the_json_path(server: Server):
+    bad = {"g": {"model": "", "input": {"cross": [{"user": "hi"}, {"usr": "typo"}]}}}
+    answer = httpx.post(f"{server.url}{EXECUTE}", json=bad, timeout=30)
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["type"] == "QueryParseError"
+    assert error["message"].startswith("$.g.input.cross[1]: ")
+    not_json = httpx.post(f"{server.url}{EXECUTE}?stream=true", content=b"{oops", timeout=30)
+    assert not_json.status_code == 400 and not_json.json()["error"]["type"] == "QueryParseError"
+
+
+def test_an_unknown_model_is_a_404(server: Server):
+    query = generate(user("Hi"), model="gpt-17-ultra", max_tokens=2)
+    answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(query), timeout=30)
+    assert answer.status_code == 404
+    assert answer.json()["error"]["type"] == "ModelNotFoundError"
+
+    async def through_client():
+        async with SpanBackend(server.url) as backend:
+            await backend.generate(query)
+
+    with pytest.raises(ModelNotFoundError, match=server.served_name):
+        asyncio.run(through_client())
+
+
+def test_an_over_long_prompt_is_a_400_context_length_error(server: Server):
+    query = generate(user("word " * 6000), max_tokens=2)
+    answer = httpx.post(f"{server.url}{EXECUTE}?stream=true", json=to_json(query), timeout=60)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["type"] == "ContextLengthError"
+
+    async def through_client():
+        async with SpanBackend(server.url) as backend:
+            await backend.generate(query)
+
+    with pytest.raises(ContextLengthError):
+        asyncio.run(through_client())
+
+
+def test_concurrent_queries_needing_the_same_fragments_at_other_positions_all_finish(server: Server):
+    orders = ("CABD", "DBCA", "BDAC", "ACDB")
+
+    async def scenario():
+        async with SpanBackend(server.url) as backend:
+            return await asyncio.gather(*(backend.generate(rag_query(o)) for o in orders))
+
+    completions = asyncio.run(asyncio.wait_for(scenario(), timeout=300))
+    for c in completions:
+        assert c.metrics.cached_tokens > 0 and c.metrics.generated_tokens == 6
+
+
+def _wait_until_idle(url: str, idle_usage: float) -> None:
+    deadline = time.monotonic() + 30
+    while (_gauge(url, "num_requests_running"), _gauge(url, "kv_cache_usage_perc")) != (0, idle_usage):
+        assert time.monotonic() < deadline, "the aborted request still holds the engine's blocks"
+        time.sleep(0.5)
+
+
+LONG_RUN = generate(
+    cross(
+        system("Write a long story."), plus(fragment("alpha " * 120), fragment("beta " * 120)), user("Go.")
+    ),
+    max_tokens=3000,
+    temperature=0.0,
+)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server: Server):
+    idle_usage = _gauge(server.url, "kv_cache_usage_perc")
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", f"{server.url}{EXECUTE}?stream=true", json=to_json(LONG_RUN)) as response,
+    ):
+        assert response.status_code == 200
+        lines = response.iter_lines()  # keep a reference: dropping the iterator closes the connection
+        first = next(lines)
+        assert json.loads(first.removeprefix("data: "))["object"] == "chat.completion.chunk"
+        deadline = time.monotonic() + 10  # the gauges follow the engine's stats, a step or so behind
+        while _gauge(server.url, "num_requests_running") < 1:
+            assert time.monotonic() < deadline, "the running request never showed in /metrics"
+            time.sleep(0.2)
+    _wait_until_idle(server.url, idle_usage)  # closing the stream aborted the engine requests
+    answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(rag_query("ABCD", max_tokens=2)), timeout=60)
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_client_that_gives_up_on_a_plain_request_frees_its_blocks(server: Server):
+    idle_usage = _gauge(server.url, "kv_cache_usage_perc")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}{EXECUTE}", json=to_json(LONG_RUN), timeout=httpx.Timeout(60, read=2))
+    _wait_until_idle(server.url, idle_usage)
+    answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(rag_query("DCBA", max_tokens=2)), timeout=60)
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
