@@ -1,0 +1,152 @@
+"""Isolation (DESIGN.md invariant 1): KV computed in context is never stored under a span's key.
+
+Provoked twice: prepared span blocks are evicted before the request that reads them runs (a small KV cache
+and filler requests), and two requests race on the same new spans. In both cases the request still answers
+(its spans computed in context), and afterwards the spans' keys still lead to isolated KV only: a later
+query over the same fragments matches the independent HF span-attention reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import pytest
+import torch
+
+from hf_reference import load_hf_model, span_reference_logprobs
+from spanq_integrations import BackendError, cross, fragment, generate, plus, system, user
+
+pytestmark = [pytest.mark.vllm]
+
+TOL = 2e-4
+
+
+def docs(tag: str) -> dict[str, str]:
+    return {c: f"Note {c}{tag}. " + " ".join(f"{c.lower()}{tag} item {i} is {i * 7 % 11}." for i in range(15)) for c in "ABCD"}
+
+
+def query(d: dict[str, str], order: str):
+    return generate(
+        cross(system("Answer from the notes."), plus(*[fragment(d[c]) for c in order]), user("Which item is 3?")),
+        max_tokens=5,
+        temperature=0.0,
+    )
+
+
+@pytest.fixture(scope="module")
+def small_engine(tiny_model):
+    """An engine with 48 KV blocks of 32 tokens: a few requests are enough to evict prepared spans."""
+    from spanq_backend.engine import SpanEngine
+
+    eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=1024, max_num_seqs=4, num_blocks=48)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model):
+    return load_hf_model(tiny_model)
+
+
+async def run_plain(engine, lowered, with_table: bool = True):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
+    outs, _ = await engine.run_tokens(lowered.token_ids, params, {}, lowered.table if with_table else None)
+    toks, lps = [], []
+    for o in outs:
+        for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or []):
+            toks.append(t)
+            lps.append(lp[t].logprob)
+    return outs[-1].num_cached_tokens or 0, toks, torch.tensor(lps, dtype=torch.float64)
+
+
+async def prepare_costs(engine, lowered) -> list[int]:
+    """Tokens each span's prepare request had to compute (0: found in the cache)."""
+    from vllm import SamplingParams
+
+    costs = []
+    for i in range(len(lowered.table.spans)):
+        ids = lowered.prepare_prompt(i) + [engine.pad_token_id]
+        outs, _ = await engine.run_tokens(ids, SamplingParams(max_tokens=1, temperature=0.0), {})
+        costs.append(len(ids) - 1 - (outs[-1].num_cached_tokens or 0))
+    return costs
+
+
+def assert_matches_reference(hf_model, lowered, toks, lps):
+    ref = span_reference_logprobs(hf_model, lowered.token_ids, lowered.table.spans, toks).double()
+    assert torch.allclose(lps, ref, atol=TOL), f"max |diff| = {(lps - ref).abs().max():.2e}"
+
+
+def test_spans_evicted_before_use_are_computed_in_context_and_not_cached_as_spans(small_engine, hf_model):
+    engine = small_engine
+    d = docs("e")
+
+    async def scenario():
+        lowered = engine.lower(query(d, "ABCD"))
+        await engine.prepare(lowered)
+        # Filler requests take over the small cache: the prepared span blocks are evicted.
+        for k in range(3):
+            filler = engine.lower(generate(user(f"filler {k} " + "word " * 700), max_tokens=1))
+            await run_plain(engine, filler, with_table=False)
+        cached, _, _ = await run_plain(engine, lowered)  # reads spans that are gone: computed in context
+        after = await prepare_costs(engine, lowered)
+        second = engine.lower(query(d, "DCBA"))
+        await engine.prepare(second)
+        return lowered, cached, after, second, await run_plain(engine, second)
+
+    lowered, cached, after, second, (cached2, toks, lps) = asyncio.run(scenario())
+    span_end = lowered.table.spans[-1][1]
+    assert cached < span_end, "the spans were evicted, so the request could not find them"
+    assert all(c > 0 for c in after), f"a span's key led to KV computed in context: prepare costs {after}"
+    assert cached2 >= span_end
+    assert_matches_reference(hf_model, second, toks, lps)
+
+
+def test_requests_racing_on_new_spans_leave_only_isolated_kv(small_engine, hf_model):
+    engine = small_engine
+    d = docs("r")
+
+    async def scenario():
+        first = engine.lower(query(d, "ABCD"))
+        # The request reads the spans while their prepare requests run beside it, in the same steps.
+        racing = await asyncio.gather(run_plain(engine, first), engine.prepare(first))
+        second = engine.lower(query(d, "BADC"))
+        await engine.prepare(second)
+        return racing, second, await run_plain(engine, second)
+
+    racing, second, (cached2, toks, lps) = asyncio.run(scenario())
+    assert cached2 >= second.table.spans[-1][1]
+    assert_matches_reference(hf_model, second, toks, lps)
+
+
+def test_concurrent_queries_over_the_same_new_spans_match_the_reference(small_engine, hf_model):
+    engine = small_engine
+    d = docs("c")
+
+    async def one(order):
+        lowered = engine.lower(query(d, order))
+        await engine.prepare(lowered)
+        return lowered, await run_plain(engine, lowered)
+
+    async def scenario():
+        return await asyncio.gather(one("ABCD"), one("DBCA"))
+
+    for lowered, (_, toks, lps) in asyncio.run(scenario()):
+        assert_matches_reference(hf_model, lowered, toks, lps)
+
+
+def test_a_model_whose_keys_cannot_move_is_refused_before_vllm_starts(tiny_model, tmp_path):
+    from spanq_backend.engine import SpanEngine
+
+    yarn = tmp_path / "tiny-yarn"
+    shutil.copytree(tiny_model, yarn)
+    cfg = json.loads((yarn / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 100000.0,
+                              "original_max_position_embeddings": 2048}
+    (yarn / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(BackendError, match="yarn"):
+        SpanEngine(model=str(yarn))
