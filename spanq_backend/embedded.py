@@ -23,6 +23,7 @@ class EmbeddedBackend(Backend):
         self.capabilities = BackendCapabilities(
             name="embedded" if spans else "embedded-stock",
             span_aware=spans,
+            prepares_spans=spans,
             max_concurrency=self.engine.config.max_num_seqs,
         )
 

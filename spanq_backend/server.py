@@ -102,7 +102,7 @@ class EngineClientBackend(Backend):
             default_max_tokens=default_max_tokens,
         )
         self.capabilities = BackendCapabilities(
-            name="spanq-serve", span_aware=True, max_concurrency=max_concurrency
+            name="spanq-serve", span_aware=True, prepares_spans=True, max_concurrency=max_concurrency
         )
 
     def check_model(self, model: str, path: str = "$") -> None:

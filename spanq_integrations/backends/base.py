@@ -22,6 +22,7 @@ class BackendCapabilities(BaseModel):
 
     name: str
     span_aware: bool = False
+    prepares_spans: bool = False  # the backend puts each span in the cache itself, under the right anchor
     max_concurrency: int = 8
 
 

@@ -60,7 +60,9 @@ class SpanBackend(HTTPBackend):
             max_concurrency=max_concurrency,
         )
         self.model = model or None
-        self.capabilities = BackendCapabilities(name="span", span_aware=True, max_concurrency=max_concurrency)
+        self.capabilities = BackendCapabilities(
+            name="span", span_aware=True, prepares_spans=True, max_concurrency=max_concurrency
+        )
 
     def __repr__(self) -> str:
         return f"SpanBackend({self.base_url!r}, model={self.model!r})"

@@ -12,7 +12,9 @@ The monad contributes nothing to the prompt; being the first child of the input'
 rest of the input is closed and so before the reading call. Placing it there (rather than around the reading
 generate) keeps the generate where it was, so nested generation and tree reduction still see it. A span-aware
 backend prepares spans on its own as well: the prepare calls buy parallelism, not correctness. A `Retrieve`
-that no generate reads gets no prepare calls.
+that no generate reads gets no prepare calls. Backends whose capabilities say `prepares_spans` (spanq's own:
+they prepare every span in parallel, after the reading prompt's exact anchor) get none either: a prepare call
+of the fragment alone would compute its KV under another anchor, work the reading call cannot use.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def _lower(node: Node, ctx: OptimizerContext) -> tuple[Node, list[Fragment]]:
         return Plus(children=tuple(fragments)), fragments
     if isinstance(node, Generate):
         new_input, fragments = _lower(node.input, ctx)
-        if fragments and ctx.capabilities.span_aware:
+        if fragments and ctx.capabilities.span_aware and not ctx.capabilities.prepares_spans:
             new_input = _with_prepare_calls(new_input, fragments, node.model)
         return with_children(node, [new_input]), []
     children = children_of(node)

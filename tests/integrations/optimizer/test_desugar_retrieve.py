@@ -167,3 +167,10 @@ def test_a_failing_retriever_is_named() -> None:
 
     with pytest.raises(OptimizerError, match=r"retriever \"default\" failed on 'q': index offline"):
         desugar_retrieve(Retrieve(query="q"), OptimizerContext(retrievers={"default": broken}))
+
+
+def test_a_backend_that_prepares_spans_itself_gets_no_prepare_calls() -> None:
+    own = BackendCapabilities(name="embedded", span_aware=True, prepares_spans=True)
+    q = Generate(input=Cross(children=(S, Retrieve(query="x", k=2), U)), model="m")
+    result = desugar_retrieve(q, OptimizerContext(capabilities=own, retrievers={"default": corpus}))
+    assert result == Generate(input=Cross(children=(S, Plus(children=(DOCS[0], DOCS[1])), U)), model="m")
