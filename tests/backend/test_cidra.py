@@ -140,3 +140,49 @@ def test_eight_orders_in_one_batch_match_solo_runs(tiny_backend):
         assert t_tok == a_tok, order
         assert max(abs(x - y) for x, y in zip(t_lp, a_lp)) < 1e-4, order
         assert t_cached == a_cached > 0
+
+
+@pytest.mark.vllm
+def test_duplicates_that_do_not_fit_defer_requests_instead_of_corrupting_them(tiny_model):
+    """64 KV blocks: the shared spans plus one order's private copies fit, six orders at once do not.
+    The scheduler counts the copies before admitting a request, so the others wait; every output still
+    equals the same request run alone."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from spanq_backend import vllm_plugin
+    from spanq_backend.engine import SpanEngine
+    from test_span_correctness import rag_query
+
+    engine = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=1024, max_num_seqs=8, num_blocks=64)
+    try:
+        async def run(call):
+            lw = engine.lower(call)
+            params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
+            outs, _ = await engine.run_tokens(lw.token_ids, params, {}, lw.table)
+            toks, lps = [], []
+            for o in outs:
+                for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or []):
+                    toks.append(t)
+                    lps.append(lp[t].logprob)
+            return toks, lps
+
+        orders = ["ABCD", "DCBA", "BADC", "CDAB", "ACBD", "DBCA"]
+        blocks_per_request = len(engine.lower(rag_query("ABCD")).token_ids) // 32 + 1
+        assert 64 < blocks_per_request * len(orders), "the test must overflow the cache"
+
+        async def scenario():
+            await engine.prepare(engine.lower(rag_query("ABCD")))
+            before = vllm_plugin.stats()
+            together = await asyncio.gather(*(run(rag_query(o)) for o in orders))
+            after = vllm_plugin.stats()
+            alone = [await run(rag_query(o)) for o in orders]
+            return together, alone, after["duplicates"] - before["duplicates"]
+
+        together, alone, duplicates = asyncio.run(scenario())
+        assert duplicates > 0
+        for order, (t_tok, t_lp), (a_tok, a_lp) in zip(orders, together, alone):
+            assert t_tok == a_tok, order
+            assert max(abs(x - y) for x, y in zip(t_lp, a_lp)) < 1e-4, order
+    finally:
+        engine.close()
