@@ -137,7 +137,7 @@ class KVRelocator:
         net: dict[int, int] = {}
         for m in moves:
             net[m.block_id] = net.get(m.block_id, 0) + m.delta
-        net = {b: d for b, d in net.items() if d}
+        net = {b: net[b] for b in sorted(net) if net[b]}  # by block id: neighbours in the cache form runs
         if not net or not self.kv_caches:
             return
         spec = self.spec
@@ -170,15 +170,31 @@ class KVRelocator:
         chunk = len(net) if device.type != "cpu" else max(1, min(len(net), _CPU_CHUNK_BYTES // per_block))
         # Reused scratch (fresh CPU buffers cost page faults on every step): one chunk of K, and x1 * sin.
         scratch = getattr(self, "_scratch", None)
-        if scratch is None or scratch[0].shape[0] < chunk or scratch[0].dtype != first.dtype or scratch[0].device != device:
+        if scratch is None or scratch[0].shape[0] < chunk or (scratch[0].dtype, scratch[0].device) != (
+            first.dtype, device
+        ):
             scratch = self._scratch = (
                 torch.empty(chunk, heads, bs * hd, dtype=first.dtype, device=device),
                 torch.empty(chunk * heads * bs * (spec.rotary_dim // 2), dtype=work, device=device),
             )
-        for region in self._k_regions():
-            for lo in range(0, len(net), chunk):
+        block_ids = list(net)
+        runs = [_runs(block_ids[lo : lo + chunk]) for lo in range(0, len(net), chunk)]
+        row_ids = None  # moved blocks' K rows in a `[blocks * heads * 2, bs * hd]` view (K, V alternate)
+        for kv, region in zip(self.kv_caches, self._k_regions()):
+            for lo, chunk_runs in zip(range(0, len(net), chunk), runs):
                 sel = ids[lo : lo + chunk]
-                flat = torch.index_select(region, 0, sel, out=scratch[0][: len(sel)])
+                flat = scratch[0][: len(sel)]
+                contiguous_runs = len(chunk_runs) * 4 <= len(sel)  # mostly consecutive blocks
+                if contiguous_runs:
+                    for at, first_block, length in chunk_runs:
+                        flat[at : at + length].copy_(region[first_block : first_block + length])
+                elif kv.is_contiguous():  # whole-row gather: index_select's memcpy path
+                    if row_ids is None:
+                        row_ids = ((ids[:, None] * heads + torch.arange(heads, device=device)) * 2).flatten()
+                    chunk_rows = row_ids[lo * heads : (lo + len(sel)) * heads]
+                    torch.index_select(kv.view(-1, bs * hd), 0, chunk_rows, out=flat.view(-1, bs * hd))
+                else:
+                    torch.index_select(region, 0, sel, out=flat)
                 if kind == "row_major":
                     keys, axis = flat.unflatten(-1, (bs, hd)), -1
                 elif kind == "transposed":
@@ -189,8 +205,24 @@ class KVRelocator:
                 _rotate_(keys, c, s, axis, spec, scratch[1])
                 if index is not None:
                     flat[:, :, index] = keys.flatten(-2)
-                region.index_copy_(0, sel, flat)
+                if contiguous_runs:  # plain copies into slices
+                    for at, first_block, length in chunk_runs:
+                        region[first_block : first_block + length].copy_(flat[at : at + length])
+                else:
+                    region.index_copy_(0, sel, flat)
         self.moved_blocks += len(net)
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive ids in a sorted list: (offset in the list, first id, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            at, first, length = runs[-1]
+            runs[-1] = (at, first, length + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs
 
 
 def _rotate_(

@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from hf_reference import load_hf_model, span_reference_logprobs
+from spanq_backend.bench.hf_span import load_hf_model, span_reference_logprobs
 from spanq_integrations import BackendError, cross, fragment, generate, plus, system, user
 
 pytestmark = [pytest.mark.vllm]

@@ -13,7 +13,7 @@ import asyncio
 import pytest
 import torch
 
-from hf_reference import full_attention_logprobs, load_hf_model, span_reference_logprobs
+from spanq_backend.bench.hf_span import full_attention_logprobs, load_hf_model, span_reference_logprobs
 from spanq_integrations import cross, fragment, generate, plus, system, user
 from spanq_integrations.executor import aexecute
 

@@ -1,0 +1,230 @@
+"""`spanq bench`: every benchmark runs at its smallest size, prints its table, and writes JSON and a PNG with the
+fields docs/benchmarks.md describes. The benchmarks that need engines share one pair (stock + spans) on the
+tiny model and are marked slow; the rest (dispatch, workloads, statistics, ReRoPE, the HF span reference) are
+quick."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from spanq_backend.bench import BENCHMARKS, bench_main
+from spanq_backend.bench.common import format_table, make_documents, percentile, summarize
+
+
+def read_report(out: Path, stem: str) -> dict:
+    path = out / f"{stem}.json"
+    assert path.is_file(), f"no {path.name} in {sorted(p.name for p in out.iterdir())}"
+    assert (out / f"{stem}.png").stat().st_size > 1000
+    report = json.loads(path.read_text())
+    assert {"benchmark", "config", "environment", "rows", "summary"} <= set(report)
+    assert report["rows"], "the benchmark measured nothing"
+    return report
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from spanq_backend.span_generation import load_chat_tokenizer
+
+    return load_chat_tokenizer(tiny_model)
+
+
+# --------------------------------------------------------------------------------------------- dispatch
+
+
+def test_bench_lists_every_benchmark_and_refuses_unknown_ones(capsys):
+    assert bench_main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("rag", "nested", "bulk", "quality", "rerope", "haystack"):
+        assert name in BENCHMARKS and name in listed
+    assert bench_main([]) == 2
+    assert bench_main(["no-such-bench"]) == 2
+    assert "unknown benchmark" in capsys.readouterr().err
+
+
+def test_spanq_cli_delegates_to_the_benchmarks(capsys):
+    from spanq_integrations.cli import main
+
+    assert main(["bench", "--help"]) == 0
+    assert "rerope" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------- plumbing
+
+
+def test_documents_are_deterministic_distinct_and_within_their_token_budget(tokenizer):
+    docs = make_documents(tokenizer, 6, 80, seed=3)
+    assert docs == make_documents(tokenizer, 6, 80, seed=3)
+    assert len(set(docs)) == 6
+    assert make_documents(tokenizer, 2, 80, seed=4) != docs[:2]
+    sizes = [len(tokenizer.encode(d, add_special_tokens=False)) for d in docs]
+    assert all(60 <= n <= 80 for n in sizes), sizes
+
+
+def test_statistics_and_table():
+    assert percentile([1, 2, 3, 4, 5], 50) == 3
+    assert percentile([1, 2], 90) == pytest.approx(1.9)
+    s = summarize([4.0, 1.0, 3.0, 2.0])
+    assert (s["n"], s["median"], s["min"], s["max"], s["mean"]) == (4, 2.5, 1.0, 4.0, 2.5)
+    assert summarize([])["n"] == 0
+    table = format_table(["name", "ms"], [["a", 1.23456], ["bb", float("nan")]])
+    assert table.splitlines()[2].split() == ["a", "1.23"] and table.splitlines()[3].split() == ["bb", "-"]
+
+
+def test_bulk_workload_is_skewed_deterministic_and_ordered_for_locality(tokenizer):
+    from spanq_backend.bench.bulk import bulks, make_workload
+
+    opts = {"pool": 40, "queries": 60, "k": 3, "frag_tokens": 24, "zipf": 1.1, "seed": 5}
+    w = make_workload(tokenizer, **opts)
+    assert w == make_workload(tokenizer, **opts)
+    assert all(len(q) == 3 == len(set(q)) for q in w.queries)
+    reads = [f for q in w.queries for f in q]
+    assert reads.count(0) > 3 * max(1, reads.count(30)), "fragment 0 is the most popular"
+    arrival = [b for batch in bulks(w, 20, "arrival", 1) for b in batch]
+    local = bulks(w, 20, "locality", 1)
+    assert [len(b) for b in local] == [20, 20, 20]
+    assert sorted(map(repr, arrival)) == sorted(repr(q) for b in local for q in b), "a permutation per bulk"
+
+
+def test_quality_items_hold_their_answer_in_exactly_one_document():
+    from spanq_backend.bench.quality import make_items, names_color
+
+    items = make_items(5, 4, seed=1)
+    assert items == make_items(5, 4, seed=1)
+    for item in items:
+        assert len(item.docs) == 4 and item.color in item.docs[item.target]
+        holders = [d for d in item.docs if f"{item.town} is a small town" in d]
+        assert holders == [item.docs[item.target]]
+        assert names_color(item.gold, item.color)
+    assert not names_color("It is painted redwood.", "red")
+
+
+def test_hf_span_reference_behaves_as_span_attention(tiny_model):
+    """bench/hf_span.py (also the tests' reference): no spans is full attention; spans change the numbers;
+    a stand-alone span differs from one after the anchor; a prompt may end with a span; KL is sane."""
+    import torch
+
+    from spanq_backend.bench import hf_span
+
+    model = hf_span.load_hf_model(tiny_model)
+    rng = random.Random(0)
+    ids = [rng.randrange(1000, 5000) for _ in range(172)]
+    spans = [(32, 64), (64, 128), (128, 160)]
+    cont = [11, 12, 13]
+    full = hf_span.full_attention_next_token_logprobs(model, ids, cont)
+    torch.testing.assert_close(hf_span.span_attention_next_token_logprobs(model, ids, [], cont), full)
+    span = hf_span.span_attention_next_token_logprobs(model, ids, spans, cont)
+    assert float((span - full).abs().max()) > 1e-3
+    alone = hf_span.span_reference_logprobs(model, ids, spans, cont, anchors=[32, 0, 32])
+    assert float((alone - hf_span.span_reference_logprobs(model, ids, spans, cont)).abs().max()) > 1e-4
+    ends = hf_span.span_reference_logprobs(model, ids[:160], spans, cont)
+    assert ends.shape == (3,) and bool(torch.isfinite(ends).all())
+    kl = hf_span.kl_divergence(full, span)
+    assert kl.shape == (3,) and bool((kl >= -1e-9).all()) and float(kl.max()) > 0
+    assert float(hf_span.kl_divergence(full, full).abs().max()) < 1e-9
+
+
+# --------------------------------------------------------------------------------------------- rerope (torch)
+
+
+def test_rerope_bench_writes_throughput_beside_a_copy_and_planning_cost(tmp_path, capsys):
+    from spanq_backend.bench.rerope import main
+
+    argv = ["--shapes", "tiny", "--moved", "4", "--reps", "2", "--num-blocks", "32", "--no-decode",
+            "--requests", "4", "--spans", "4", "--out", str(tmp_path), "--no-progress"]
+    assert main(argv) == 0
+    assert "tok/ms" in capsys.readouterr().out
+    report = read_report(tmp_path, "rerope-tiny")
+    assert {r["pattern"] for r in report["rows"]} == {"scattered", "runs"}
+    for row in report["rows"]:
+        assert row["relocate_tokens_per_ms"] > 0 and row["copy_tokens_per_ms"] > 0
+        assert row["fraction_of_copy"] > 0 and row["tokens"] == 4 * 32
+    assert report["summary"]["max_abs_error_vs_rerope"] < 1e-4
+    planning = report["summary"]["planning"]
+    assert planning["requests"] == 4 and planning["total_us_per_step"] > 0
+
+
+# --------------------------------------------------------------------------------------------- engine benches
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    """One stock and one span-aware engine on the tiny model, shared by the engine benchmarks."""
+    from spanq_backend.bench.common import close_backend, make_backend, warm_up
+
+    stock = make_backend(str(tiny_model), spans=False, max_model_len=4096, max_num_seqs=8)
+    spans = make_backend(str(tiny_model), spans=True, max_model_len=4096, max_num_seqs=8)
+    warm_up(stock)
+    warm_up(spans)
+    yield stock, spans
+    close_backend(spans)
+    close_backend(stock)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_rag_bench(engines, tmp_path, capsys):
+    from spanq_backend.bench.rag import MODES, main
+
+    argv = ["--model", "tiny", "--docs", "1,2", "--doc-tokens", "48", "--reps", "1", "--out", str(tmp_path),
+            "--no-progress"]
+    assert main(argv, backends=engines) == 0
+    assert "spans warm" in capsys.readouterr().out
+    report = read_report(tmp_path, "rag-tiny")
+    assert {r["mode"] for r in report["rows"]} == set(MODES)
+    two = report["summary"]["2"]
+    for mode in MODES:
+        assert two[mode]["median"] > 0
+    assert two["speedup_warm_vs_stock_reordered"] > 0
+    warm = [r for r in report["rows"] if r["mode"] == "spans_warm" and r["docs"] == 2]
+    assert warm[0]["prepared_spans"] == 0, "the warm run found both documents cached"
+    cold = [r for r in report["rows"] if r["mode"] == "spans_cold" and r["docs"] == 2]
+    assert cold[0]["prepared_spans"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_nested_bench(engines, tmp_path):
+    from spanq_backend.bench.nested import main
+
+    argv = ["--model", "tiny", "--fan-out", "1,3", "--temperatures", "0,0.5", "--inner-tokens", "8", "--reps", "1",
+            "--out", str(tmp_path), "--no-progress"]
+    assert main(argv, backends=engines) == 0
+    report = read_report(tmp_path, "nested-tiny")
+    entry = report["summary"]["t=0.5,n=3"]
+    assert entry["stock"]["n"] == entry["spans"]["n"] == 1
+    assert {"speedup_p50", "speedup_p90", "speedup_p99"} <= set(entry)
+    assert report["summary"]["t=0,n=3"]["distinct_candidates"] == 1, "greedy inner calls agree"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_bulk_bench(engines, tmp_path):
+    from spanq_backend.bench.bulk import main
+
+    argv = ["--model", "tiny", "--queries", "6", "--pool", "8", "--k", "2", "--frag-tokens", "24", "--bulk", "1,0",
+            "--out", str(tmp_path), "--no-progress"]
+    assert main(argv, backends=engines) == 0
+    report = read_report(tmp_path, "bulk-tiny")
+    assert set(report["summary"]) == {"1/arrival", "6/arrival", "6/locality"}
+    for entry in report["summary"].values():
+        assert 0 <= entry["span_hit_rate"] <= 1 and 0 <= entry["stock_token_hit_rate"] <= 1
+        assert entry["speedup_mean_ttft"] > 0
+    assert all(r["calls"] == 6 for r in report["rows"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_quality_bench(engines, tmp_path):
+    from spanq_backend.bench.quality import main
+
+    argv = ["--model", "tiny", "--items", "2", "--docs", "3", "--max-tokens", "4", "--out", str(tmp_path),
+            "--no-progress"]
+    assert main(argv, backends=engines) == 0
+    report = read_report(tmp_path, "quality-tiny")
+    summary = report["summary"]
+    assert summary["items"] == 2 and 0 <= summary["spans_exact_match"] <= 1
+    assert summary["kl_mean"]["mean"] >= 0 and summary["padding_overhead"] > 0
