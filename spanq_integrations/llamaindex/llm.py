@@ -1,0 +1,371 @@
+"""`SpanQueryLLM`: a LlamaIndex `LLM` that runs on spanq — the embedded span-aware engine (the default), a
+`spanq serve` server, or any OpenAI-compatible server.
+
+Each chat or completion call becomes one span-query `Generate` (system / user / assistant messages in a
+`cross`) executed by `spanq_integrations.executor.aexecute`; LlamaIndex's instrumentation events and callbacks
+fire as for any LLM. `run_query` and friends execute a whole span query on the same backend: that is how
+`SpanQuerySynthesizer` hands retrieved nodes to the model as order-free spans.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    CachePoint,
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+    TextBlock,
+    ThinkingBlock,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.llm import LLM
+
+from ..backends import Backend, resolve_backend
+from ..errors import QueryValidationError, SpanQueryError
+from ..executor import ExecutionResult, aexecute
+from ..ir import Generate, Node, assistant, cross, generate, system, user
+from .background_loop import AsyncQueryStream, QueryStream, background_loop
+from .usage import METADATA_KEY, usage_of
+
+__all__ = ["DEFAULT_CONTEXT_WINDOW", "SpanQueryLLM", "messages_to_nodes"]
+
+DEFAULT_CONTEXT_WINDOW = 4096
+"""The embedded engine's default `max_model_len`; pass `context_window=` for a server with another."""
+
+_SYSTEM_ROLES = (MessageRole.SYSTEM, MessageRole.DEVELOPER)
+_ASSISTANT_ROLES = (MessageRole.ASSISTANT, MessageRole.CHATBOT, MessageRole.MODEL)
+_BACKEND_SCHEMES = ("http://", "https://", "spanq+http://", "spanq+https://")
+_CALL_OPTIONS = ("max_tokens", "temperature", "stop", "seed")
+_BACKEND_LOCK = threading.Lock()  # guards resolving a backend (rare); module-level so LLMs stay copyable
+
+
+def _message_text(message: ChatMessage, where: str) -> str:
+    parts: list[str] = []
+    for block in message.blocks:
+        if isinstance(block, TextBlock):
+            parts.append(block.text)
+        elif not isinstance(block, (ThinkingBlock, CachePoint)):
+            raise QueryValidationError(
+                where, f"SpanQueryLLM reads text only, got a {type(block).__name__}: pass text content"
+            )
+    return "\n".join(parts)
+
+
+def messages_to_nodes(messages: Sequence[ChatMessage]) -> list[Node]:
+    """LlamaIndex chat messages as span-query messages: system (and developer), user, assistant."""
+    if not messages:
+        raise QueryValidationError("messages", "a chat call needs at least one message")
+    nodes: list[Node] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        role = MessageRole(message.role)
+        text = _message_text(message, where)
+        if role in _SYSTEM_ROLES:
+            nodes.append(system(text))
+        elif role == MessageRole.USER:
+            nodes.append(user(text))
+        elif role in _ASSISTANT_ROLES:
+            nodes.append(assistant(text))
+        else:
+            raise QueryValidationError(
+                where,
+                f"role {role.value!r} is not supported: SpanQueryLLM does not call tools or functions "
+                "(is_function_calling_model is False); send system, user and assistant messages",
+            )
+    return nodes
+
+
+def _check_backend_spec(spec: Any) -> None:
+    if spec is None or isinstance(spec, Backend):
+        return
+    if isinstance(spec, str) and (spec == "embedded" or spec.startswith(_BACKEND_SCHEMES)):
+        return
+    raise SpanQueryError(
+        f"unknown backend {spec!r}: pass None (the embedded span-aware engine), a spanq Backend, "
+        "'spanq+http://host:port' for a `spanq serve` server, or an http(s):// URL of an OpenAI-compatible server"
+    )
+
+
+class SpanQueryLLM(LLM):
+    """A LlamaIndex LLM on spanq.
+
+    `backend`: None (or "embedded") runs the shared embedded span-aware engine on the default model, started on
+    first use; "spanq+http://host:port" a `spanq serve` server; any other "http(s)://…" URL an OpenAI-compatible
+    server (vLLM, llama.cpp, Ollama, OpenAI); or a spanq `Backend` object, which the caller keeps owning.
+    `model` names the model for servers that serve several ('' = the backend's default).
+    `temperature` defaults to 0 (greedy): reproducible answers and judges.
+
+    Every call's usage (prompt, cached, generated and padded tokens, prepared spans, TTFT) is in the
+    response's `additional_kwargs` and `raw`.
+    """
+
+    model: str = Field(default="", description="The model to call; '' means the backend's default.")
+    temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
+    max_tokens: int = Field(default=256, ge=1, description="The most tokens one call generates.")
+    context_window: int | None = Field(
+        default=None, description="The model's context window; None asks the embedded engine, else 4096."
+    )
+    timeout: float = Field(default=600.0, gt=0, description="Seconds an HTTP backend waits for an answer.")
+    max_retries: int = Field(default=2, ge=0, description="Retries of an HTTP connection that failed.")
+    seed: int | None = Field(default=None, description="Sampling seed, for temperature > 0.")
+    backend: str | Backend | None = Field(
+        default=None, exclude=True, description="None: embedded; a URL; or a spanq Backend."
+    )
+    api_key: str | None = Field(default=None, exclude=True, description="Bearer token for HTTP backends.")
+
+    _backend: Backend | None = PrivateAttr(default=None)
+    _owns_backend: bool = PrivateAttr(default=False)
+
+    def __init__(self, backend: str | Backend | None = None, **kwargs: Any) -> None:
+        _check_backend_spec(backend)
+        super().__init__(backend=backend, **kwargs)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "SpanQueryLLM"
+
+    # ----------------------------------------------------------------------------------------- backend
+
+    def get_backend(self) -> Backend:
+        """The backend calls run on, resolved (and for the embedded default, started) on first use."""
+        if self._backend is not None:
+            return self._backend
+        with _BACKEND_LOCK:
+            if self._backend is None:
+                self._backend, self._owns_backend = self._open_backend()
+            return self._backend
+
+    def _open_backend(self) -> tuple[Backend, bool]:
+        spec = self.backend
+        if isinstance(spec, Backend):
+            return spec, False
+        if isinstance(spec, str) and spec.startswith(_BACKEND_SCHEMES):
+            options = {"timeout": self.timeout, "max_retries": self.max_retries, "api_key": self.api_key}
+            if spec.startswith("spanq+"):
+                from ..backends.span import SpanBackend
+
+                return SpanBackend(spec.removeprefix("spanq+"), **options), True
+            from ..backends.openai import OpenAIBackend
+
+            return OpenAIBackend(spec, **options), True
+        return resolve_backend(spec)
+
+    def close(self) -> None:
+        """Close the HTTP client this LLM opened (the embedded default and passed-in backends stay open)."""
+        with _BACKEND_LOCK:
+            backend, owned = self._backend, self._owns_backend
+            self._backend, self._owns_backend = None, False
+        if backend is not None and owned:
+            background_loop().run(backend.aclose())
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self._context_window(),
+            num_output=self.max_tokens,
+            is_chat_model=True,
+            is_function_calling_model=False,
+            model_name=self._model_name(),
+            system_role=MessageRole.SYSTEM,
+        )
+
+    def _known_backend(self) -> Any:
+        return self._backend if self._backend is not None else self.backend
+
+    def _context_window(self) -> int:
+        if self.context_window is not None:
+            return self.context_window
+        engine = getattr(self._known_backend(), "engine", None)  # an embedded backend that is running
+        length = getattr(engine, "max_model_len", None)
+        return int(length) if length else DEFAULT_CONTEXT_WINDOW
+
+    def _model_name(self) -> str:
+        if self.model:
+            return self.model
+        known = self._known_backend()
+        name = getattr(known, "model_name", None) or getattr(known, "model", None)
+        if isinstance(name, str) and name:
+            return name
+        return "spanq-embedded-default" if known in (None, "embedded") else "spanq-server-default"
+
+    # ----------------------------------------------------------------------------------------- span queries
+
+    def generate_call(self, input: Node, **options: Any) -> Generate:
+        """A `Generate` over `input` with this LLM's settings; `options` override max_tokens, temperature,
+        stop and seed for this call (other keyword arguments LlamaIndex passes along are ignored)."""
+        picked = {k: options[k] for k in _CALL_OPTIONS if options.get(k) is not None}
+        return generate(
+            input,
+            model=self.model,
+            max_tokens=int(picked.get("max_tokens", self.max_tokens)),
+            temperature=float(picked.get("temperature", self.temperature)),
+            stop=picked.get("stop"),
+            seed=picked.get("seed", self.seed),
+        )
+
+    def chat_query(self, messages: Sequence[ChatMessage], **options: Any) -> Generate:
+        """The span query of a chat call: one `Generate` over the messages in a `cross`."""
+        return self.generate_call(cross(*messages_to_nodes(messages)), **options)
+
+    def completion_query(self, prompt: str, **options: Any) -> Generate:
+        """The span query of a completion call: the prompt as one user message (this is a chat model)."""
+        return self.generate_call(cross(user(prompt)), **options)
+
+    async def _execute(
+        self,
+        query: Node,
+        on_token: Any = None,
+        tree_reduction_k: int | None = None,
+        tree_reduction_instruction: str | None = None,
+    ) -> ExecutionResult:
+        backend = self.get_backend()
+        plan = query
+        if tree_reduction_k is not None:
+            from ..optimizer import optimize
+
+            plan = optimize(
+                query,
+                backend.capabilities,
+                tree_reduction_k=tree_reduction_k,
+                tree_reduction_instruction=tree_reduction_instruction,
+            )
+        return await aexecute(plan, backend, optimize=False, on_token=on_token)
+
+    def run_query(self, query: Node, **options: Any) -> ExecutionResult:
+        """Execute a span query on this LLM's backend and wait for it.
+
+        `tree_reduction_k` (>= 2) rewrites wide judges into a k-ary tree first (the optimizer's rule 5), with
+        `tree_reduction_instruction` for the inner judges. Without it the query runs exactly as written."""
+        return background_loop().run(self._execute(query, **options))
+
+    async def arun_query(self, query: Node, **options: Any) -> ExecutionResult:
+        """`run_query` for async callers."""
+        return await background_loop().arun(self._execute(query, **options))
+
+    def stream_query(self, query: Node, **options: Any) -> QueryStream[ExecutionResult]:
+        """Iterate the answer's text as it is generated (the run starts on the first `next`); the stream's
+        `result` holds the `ExecutionResult` once it is exhausted."""
+        return background_loop().stream(lambda on_token: self._execute(query, on_token, **options))
+
+    def astream_query(self, query: Node, **options: Any) -> AsyncQueryStream[ExecutionResult]:
+        """`stream_query` for async callers: `async for piece in stream`."""
+        return background_loop().astream(lambda on_token: self._execute(query, on_token, **options))
+
+    # ----------------------------------------------------------------------------------------- responses
+
+    @staticmethod
+    def _usage_fields(result: ExecutionResult) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(additional_kwargs, raw) of a response: OpenAI-style token counts plus spanq's, and all calls."""
+        usage = usage_of(result)
+        additional = {
+            "prompt_tokens": usage["prompt_tokens"],
+            "completion_tokens": usage["generated_tokens"],
+            "total_tokens": usage["prompt_tokens"] + usage["generated_tokens"],
+            "cached_tokens": usage["cached_tokens"],
+            "padded_tokens": usage["padded_tokens"],
+            "prepared_spans": usage["prepared_spans"],
+            "ttft_s": usage["ttft_s"],
+        }
+        return additional, {METADATA_KEY: usage}
+
+    def _chat_response(self, result: ExecutionResult) -> ChatResponse:
+        additional, raw = self._usage_fields(result)
+        message = ChatMessage(role=MessageRole.ASSISTANT, content=result.answer)
+        return ChatResponse(message=message, raw=raw, additional_kwargs=additional)
+
+    def _completion_response(self, result: ExecutionResult) -> CompletionResponse:
+        additional, raw = self._usage_fields(result)
+        return CompletionResponse(text=result.answer, raw=raw, additional_kwargs=additional)
+
+    # ----------------------------------------------------------------------------------------- chat
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return self._chat_response(self.run_query(self.chat_query(messages, **kwargs)))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return self._chat_response(await self.arun_query(self.chat_query(messages, **kwargs)))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        stream = self.stream_query(self.chat_query(messages, **kwargs))
+
+        def gen() -> ChatResponseGen:
+            text = ""
+            for piece in stream:
+                text += piece
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=piece)
+            final = self._chat_response(stream.result)
+            final.delta = ""  # the last chunk carries the usage; its text came before
+            yield final
+
+        return gen()
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        stream = self.astream_query(self.chat_query(messages, **kwargs))
+
+        async def gen() -> ChatResponseAsyncGen:
+            text = ""
+            async for piece in stream:
+                text += piece
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=piece)
+            final = self._chat_response(stream.result)
+            final.delta = ""
+            yield final
+
+        return gen()
+
+    # ----------------------------------------------------------------------------------------- completion
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._completion_response(self.run_query(self.completion_query(prompt, **kwargs)))
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._completion_response(await self.arun_query(self.completion_query(prompt, **kwargs)))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        stream = self.stream_query(self.completion_query(prompt, **kwargs))
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for piece in stream:
+                text += piece
+                yield CompletionResponse(text=text, delta=piece)
+            final = self._completion_response(stream.result)
+            final.delta = ""
+            yield final
+
+        return gen()
+
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        stream = self.astream_query(self.completion_query(prompt, **kwargs))
+
+        async def gen() -> CompletionResponseAsyncGen:
+            text = ""
+            async for piece in stream:
+                text += piece
+                yield CompletionResponse(text=text, delta=piece)
+            final = self._completion_response(stream.result)
+            final.delta = ""
+            yield final
+
+        return gen()

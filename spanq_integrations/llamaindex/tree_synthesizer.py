@@ -1,0 +1,59 @@
+"""`SpanQueryTreeSynthesizer`: tree reduction over retrieved nodes that keeps node boundaries.
+
+LlamaIndex's `TreeSummarize` repacks the node texts to fill the context window, answers each packed chunk and
+summarizes the answers, level by level: node boundaries are lost and the chunks change whenever the retrieved
+set does. This synthesizer reads k nodes per call instead (default 2: pairwise), each node its own span, and
+then k answers per call, up the tree, until one call reads at most k inputs and gives the answer. The tree is
+the optimizer's rule 5 (`spanq_integrations.optimizer.tree_reduce`) applied to the flat synthesizer's query:
+N nodes, k=2 gives N - 1 calls in ⌈log2 N⌉ levels; calls of one level run concurrently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import OptimizerError
+from ..ir import Fragment
+from .llm import SpanQueryLLM
+from .synthesizer import SpanQuerySynthesizer
+
+__all__ = ["SpanQueryTreeSynthesizer"]
+
+
+class SpanQueryTreeSynthesizer(SpanQuerySynthesizer):
+    """A k-ary tree of answers over the nodes (k=2 by default), each leaf call reading k nodes as spans.
+
+    `intermediate_instruction`, when given, is the user turn of the inner calls (for example "Summarize what
+    these documents say about the question"); by default every call is asked the question itself, as
+    `TreeSummarize` does. Every other argument is `SpanQuerySynthesizer`'s; `metadata["spanq"]["per_call"]`
+    lists each call of the tree with its path.
+    """
+
+    def __init__(
+        self,
+        llm: SpanQueryLLM | None = None,
+        *,
+        k: int = 2,
+        intermediate_instruction: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 2:
+            raise OptimizerError(f"k must be an integer >= 2 (each call reads k nodes or answers), got {k!r}")
+        super().__init__(llm, **kwargs)
+        self._k = k
+        self._intermediate_instruction = intermediate_instruction
+
+    @property
+    def k(self) -> int:
+        return self._k
+
+    def _context_advice(self, message: str, fragments: Sequence[Fragment]) -> str:
+        return (
+            f"one call of the tree does not fit the model's context window ({message}): a node is too long, or "
+            f"{self._k} of them together are; split the documents into smaller nodes (e.g. "
+            "SentenceSplitter(chunk_size=256)), lower k, or lower max_tokens"
+        )
+
+    def _run_options(self) -> dict[str, Any]:
+        return {"tree_reduction_k": self._k, "tree_reduction_instruction": self._intermediate_instruction}

@@ -1,0 +1,202 @@
+"""SpanQueryLLM: chat and completion, sync and async, streaming, metadata, instrumentation, backends, errors."""
+
+from __future__ import annotations
+
+import pytest
+from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
+
+from spanq_integrations import Assistant, BackendUnavailableError, Cross, QueryValidationError, SpanQueryError
+from spanq_integrations.ir import System, User
+from spanq_integrations.llamaindex import SpanQueryLLM, messages_to_nodes
+from tests.integrations.conftest import free_port
+
+CONVERSATION = [
+    ChatMessage(role=MessageRole.SYSTEM, content="You answer in one word."),
+    ChatMessage(role=MessageRole.USER, content="Name a colour."),
+    ChatMessage(role=MessageRole.ASSISTANT, content="Blue."),
+    ChatMessage(role=MessageRole.USER, content="Another one."),
+]
+USAGE_KEYS = {
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "padded_tokens",
+    "prepared_spans",
+    "ttft_s",
+}
+
+
+# --------------------------------------------------------------------------------------------- no engine
+
+
+def test_roles_map_to_span_query_messages():
+    nodes = messages_to_nodes(
+        [
+            *CONVERSATION,
+            ChatMessage(role=MessageRole.DEVELOPER, content="d"),
+            ChatMessage(role="model", content="m"),
+        ]
+    )
+    assert [type(n) for n in nodes] == [System, User, Assistant, User, System, Assistant]
+    assert [n.text for n in nodes[:4]] == [
+        "You answer in one word.",
+        "Name a colour.",
+        "Blue.",
+        "Another one.",
+    ]
+
+
+def test_chat_is_one_generate_over_the_messages_in_order():
+    llm = SpanQueryLLM(max_tokens=7, temperature=0.3)
+    query = llm.chat_query(CONVERSATION, max_tokens=3, stop=["\n"], tools=["ignored"])
+    assert isinstance(query.input, Cross)
+    assert [type(c) for c in query.input.children] == [System, User, Assistant, User]
+    assert (query.max_tokens, query.temperature, query.stop) == (3, 0.3, ("\n",))
+    assert llm.completion_query("hi").input.children == (User(text="hi"),)
+
+
+@pytest.mark.parametrize(
+    "message, problem",
+    [
+        (ChatMessage(role=MessageRole.TOOL, content="42"), "does not call tools"),
+        (
+            ChatMessage(
+                role=MessageRole.USER, blocks=[TextBlock(text="see"), ImageBlock(url="http://x/y.png")]
+            ),
+            "text only",
+        ),
+    ],
+)
+def test_messages_it_cannot_send_are_refused_with_their_index(message, problem):
+    with pytest.raises(QueryValidationError, match=rf"messages\[1\].*{problem}"):
+        messages_to_nodes([CONVERSATION[1], message])
+    with pytest.raises(QueryValidationError, match="at least one message"):
+        messages_to_nodes([])
+
+
+def test_metadata_without_starting_an_engine():
+    llm = SpanQueryLLM(max_tokens=99)
+    meta = llm.metadata
+    assert (meta.context_window, meta.num_output, meta.is_chat_model, meta.is_function_calling_model) == (
+        4096,
+        99,
+        True,
+        False,
+    )
+    assert SpanQueryLLM(model="tiny", context_window=1234).metadata.model_name == "tiny"
+    assert SpanQueryLLM(model="tiny", context_window=1234).metadata.context_window == 1234
+
+
+def test_an_unknown_backend_is_refused_at_once():
+    with pytest.raises(SpanQueryError, match="unknown backend 'localhost:8000'.*http"):
+        SpanQueryLLM(backend="localhost:8000")
+
+
+@pytest.mark.parametrize("scheme", ["http", "spanq+http"])
+def test_server_down_raises_backend_unavailable(scheme):
+    llm = SpanQueryLLM(backend=f"{scheme}://127.0.0.1:{free_port()}", max_retries=0, timeout=5)
+    with pytest.raises(BackendUnavailableError, match="cannot reach .* is the server running"):
+        llm.complete("hello")
+    llm.close()
+
+
+# --------------------------------------------------------------------------------------------- tiny engine
+
+
+@pytest.mark.vllm
+def test_metadata_reports_the_running_engine(span_llm, tiny_backend):
+    span_llm.get_backend()
+    assert span_llm.metadata.context_window == tiny_backend.engine.max_model_len == 2048
+    assert span_llm.metadata.model_name == tiny_backend.model_name
+
+
+@pytest.mark.vllm
+def test_chat_and_complete_report_usage(span_llm):
+    chat = span_llm.chat(CONVERSATION)
+    assert chat.message.role == MessageRole.ASSISTANT and chat.message.content
+    assert USAGE_KEYS <= set(chat.additional_kwargs)
+    assert chat.additional_kwargs["completion_tokens"] == 6
+    assert chat.raw["spanq"]["calls"] == 1
+    again = span_llm.chat(CONVERSATION)
+    assert again.message.content == chat.message.content  # greedy by default
+    assert again.additional_kwargs["cached_tokens"] > 0  # the same prompt: its full blocks are cached
+
+    completion = span_llm.complete("Name a colour.", max_tokens=3)
+    assert completion.text and completion.additional_kwargs["completion_tokens"] == 3
+
+
+@pytest.mark.vllm
+def test_streaming_chat_and_completion(span_llm):
+    full = span_llm.chat(CONVERSATION).message.content
+    chunks = list(span_llm.stream_chat(CONVERSATION))
+    assert "".join(c.delta for c in chunks) == full
+    assert chunks[-1].message.content == full and chunks[-1].delta == ""
+    assert chunks[-1].additional_kwargs["completion_tokens"] == 6
+    assert len([c for c in chunks if c.delta]) > 1
+
+    pieces = list(span_llm.stream_complete("Name a colour."))
+    assert pieces[-1].text == "".join(p.delta for p in pieces) == span_llm.complete("Name a colour.").text
+
+
+@pytest.mark.vllm
+async def test_async_chat_completion_and_streams(span_llm):
+    full = (await span_llm.achat(CONVERSATION)).message.content
+    assert full == span_llm.chat(CONVERSATION).message.content
+    chunks = [c async for c in await span_llm.astream_chat(CONVERSATION)]
+    assert "".join(c.delta for c in chunks) == full
+    assert chunks[-1].additional_kwargs["completion_tokens"] == 6
+
+    completion = await span_llm.acomplete("Name a colour.")
+    pieces = [p async for p in await span_llm.astream_complete("Name a colour.")]
+    assert pieces[-1].text == completion.text
+
+
+@pytest.mark.vllm
+def test_predict_uses_the_chat_path(span_llm):
+    from llama_index.core.prompts import PromptTemplate
+
+    assert span_llm.predict(PromptTemplate("Say {word}."), word="hi")
+
+
+@pytest.mark.vllm
+async def test_instrumentation_events(span_llm, events):
+    span_llm.chat(CONVERSATION)
+    assert events.names() == ["LLMChatStartEvent", "LLMChatEndEvent"]
+    end = events.events[-1]
+    assert end.response.additional_kwargs["completion_tokens"] == 6
+    assert [m.content for m in events.events[0].messages] == [m.content for m in CONVERSATION]
+
+    events.events.clear()
+    list(span_llm.stream_complete("Name a colour."))
+    names = events.names()
+    assert names[0] == "LLMCompletionStartEvent" and names[-1] == "LLMCompletionEndEvent"
+    assert "LLMCompletionInProgressEvent" in names
+
+    events.events.clear()
+    async for _ in await span_llm.astream_chat(CONVERSATION):
+        pass
+    names = events.names()
+    assert names[0] == "LLMChatStartEvent" and names[-1] == "LLMChatEndEvent"
+    assert "LLMChatInProgressEvent" in names
+
+
+@pytest.mark.vllm
+def test_an_over_long_prompt_is_a_context_length_error(span_llm):
+    from spanq_integrations import ContextLengthError
+
+    with pytest.raises(ContextLengthError, match="context window is 2048 tokens"):
+        span_llm.complete("word " * 3000)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_any_openai_compatible_server(stock_vllm_server):
+    llm = SpanQueryLLM(backend=stock_vllm_server, max_tokens=5)
+    try:
+        chat = llm.chat(CONVERSATION)
+        assert chat.additional_kwargs["completion_tokens"] == 5
+        assert chat.additional_kwargs["padded_tokens"] == 0  # no spans on a stock server
+        streamed = list(llm.stream_chat(CONVERSATION))
+        assert "".join(c.delta for c in streamed) == chat.message.content
+    finally:
+        llm.close()
