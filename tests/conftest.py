@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,32 @@ def tiny_backend(tiny_model):
     backend = EmbeddedBackend(str(tiny_model), max_model_len=2048, max_num_seqs=8)
     yield backend
     backend.close()
+
+
+STOCK_SERVED_MODEL_NAME = "tiny"
+
+
+@pytest.fixture(scope="session")
+def stock_vllm_server(tiny_model, tmp_path_factory) -> Iterator[str]:
+    """The base URL (no /v1) of an unmodified vLLM OpenAI-compatible server serving the tiny model as "tiny".
+
+    Prefix caching is on and usage reports cached tokens (`--enable-prompt-tokens-details`). Plugins are off
+    (`VLLM_PLUGINS=`), so even with spanq installed this is the stock server. One per test session.
+    """
+    pytest.importorskip("vllm")
+    from tests.servers import free_port, running_server
+
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(tiny_model), "--served-model-name", STOCK_SERVED_MODEL_NAME,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--block-size", "32", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--max-model-len", "4096",
+        "--enforce-eager",  # no torch.compile warm-up: the server starts in seconds instead of a minute
+    ]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_PLUGINS": ""}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server keeps vLLM's default engine mode
+    log_path = tmp_path_factory.mktemp("stock-vllm") / "server.log"
+    with running_server(command, log_path, "the stock vLLM server", env):
+        yield f"http://127.0.0.1:{port}"

@@ -35,7 +35,7 @@ from ..backends import Backend, resolve_backend
 from ..errors import QueryValidationError, SpanQueryError
 from ..executor import ExecutionResult, aexecute
 from ..ir import Generate, Node, assistant, cross, generate, system, user
-from .background_loop import AsyncQueryStream, QueryStream, background_loop
+from ..background_loop import AsyncQueryStream, QueryStream, background_loop
 from .usage import METADATA_KEY, usage_of
 
 __all__ = ["DEFAULT_CONTEXT_WINDOW", "SpanQueryLLM", "messages_to_nodes"]

@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -34,10 +30,10 @@ from spanq_integrations import (
 )
 from spanq_integrations.backends.span import SpanBackend
 from spanq_integrations.spnl_json import from_json, to_json
+from tests.servers import free_port, log_tail, running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-START_TIMEOUT_S = 300
 EXECUTE = "/v1/query/execute"
 
 DOCS = {
@@ -65,33 +61,6 @@ def rag_query(order: str, max_tokens: int = 6):
 # --------------------------------------------------------------------------------------------- the server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _log_tail(path: Path, lines: int = 60) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-
-
 class Server:
     def __init__(self, url: str, log: Path, served_name: str):
         self.url = url
@@ -101,42 +70,16 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory, request) -> Iterator[Server]:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
+    port = free_port()
     log = tmp_path_factory.mktemp("spanq-serve") / "server.log"
-    command = [
-        sys.executable,
-        "-m",
-        "spanq_integrations.cli",
-        "serve",
-        "--model",
-        str(tiny_model),
-        "--port",
-        str(port),
-    ]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", str(tiny_model), "--port", str(port)]
     failed_before = request.session.testsfailed
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                pytest.fail(f"spanq serve exited with {proc.returncode}:\n{_log_tail(log)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"spanq serve did not answer within {START_TIMEOUT_S} s:\n{_log_tail(log)}")
-            time.sleep(1)
-        yield Server(url, log, tiny_model.name)
-    finally:
-        _stop(proc)
-        if request.session.testsfailed > failed_before:
-            reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-            if reporter is not None:
-                reporter.write_line(f"\n--- spanq serve log (tail of {log}) ---\n{_log_tail(log)}")
+    with running_server(command, log, "spanq serve"):
+        yield Server(f"http://127.0.0.1:{port}", log, tiny_model.name)
+    if request.session.testsfailed > failed_before:
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"\n--- spanq serve log (tail of {log}) ---\n{log_tail(log)}")
 
 
 def _gauge(url: str, name: str) -> float:

@@ -18,8 +18,6 @@ from llama_index.core.node_parser import SentenceSplitter
 
 from spanq_integrations.llamaindex import MiniLMEmbedding, SpanQueryLLM
 
-# The stock vLLM server of the client-side tests (session-scoped), for the OpenAI-compatible path.
-from tests.integrations.conftest import stock_vllm_server  # noqa: F401
 
 TOWNS = {
     "harbor": "Lindale Harbor is a fishing town on the north coast. Its town hall is painted sea green.",

@@ -8,7 +8,7 @@ from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRol
 from spanq_integrations import Assistant, BackendUnavailableError, Cross, QueryValidationError, SpanQueryError
 from spanq_integrations.ir import System, User
 from spanq_integrations.llamaindex import SpanQueryLLM, messages_to_nodes
-from tests.integrations.conftest import free_port
+from tests.servers import free_port
 
 CONVERSATION = [
     ChatMessage(role=MessageRole.SYSTEM, content="You answer in one word."),

@@ -1,9 +1,10 @@
-"""One event loop in a daemon thread, on which every LlamaIndex-adapter call to a backend runs.
+"""One event loop in a daemon thread, on which the framework adapters run every call to a backend.
 
-LlamaIndex calls an LLM from plain threads (`query_engine.query`), from the user's event loop (`aquery`) and
-from notebooks (whose loop is already running). A backend's HTTP connection pool belongs to the loop that
-opened it, so the adapters never run a backend on the caller's loop: they hand the coroutine to this loop and
-wait for it (sync) or await it (async). Streams forward each text piece to the consumer as it arrives.
+LangChain and LlamaIndex call a model from plain threads (`invoke`, `query`), from the user's event loop
+(`ainvoke`, `aquery`) and from notebooks whose loop is already running. A backend's resources belong to the
+loop that opened them (an `httpx.AsyncClient`'s connection pool), so the adapters never run a backend on the
+caller's loop: they hand the coroutine to this loop and wait for it (sync) or await it (async). Streams forward
+each text piece to the consumer as it arrives; closing a stream early cancels its run.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
-from ..backends.base import TokenCallback
+from .backends.base import TokenCallback
 
 __all__ = ["AsyncQueryStream", "BackgroundLoop", "QueryStream", "background_loop"]
 
@@ -29,7 +30,7 @@ _END = object()
 class BackgroundLoop:
     """An event loop running forever in a daemon thread, started on first use."""
 
-    def __init__(self, name: str = "spanq-llamaindex") -> None:
+    def __init__(self, name: str = "spanq-adapters") -> None:
         self.name = name
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -52,13 +53,16 @@ class BackgroundLoop:
                 self._loop = loop
             return self._loop
 
+    def in_loop_thread(self) -> bool:
+        return self._thread is not None and threading.current_thread() is self._thread
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Schedule `coro` on the loop; the returned future cancels it when cancelled."""
-        if threading.current_thread() is self._thread:
+        if self.in_loop_thread():
             coro.close()
             raise RuntimeError(
-                "a spanq LlamaIndex call was made from inside another one's callback (on the spanq loop "
-                "thread); call the async method instead"
+                "a synchronous spanq call was made from inside another one's callback (on the spanq loop "
+                "thread); call the async method there instead"
             )
         return asyncio.run_coroutine_threadsafe(coro, self.loop())
 
@@ -73,6 +77,8 @@ class BackgroundLoop:
 
     async def arun(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the loop and await its result from the caller's loop (cancellation propagates)."""
+        if self.in_loop_thread():  # already on it (a callback of another call): just await
+            return await coro
         return await asyncio.wrap_future(self.submit(coro))
 
     def stream(self, start: StartRun[T]) -> QueryStream[T]:
@@ -140,5 +146,5 @@ _shared = BackgroundLoop()
 
 
 def background_loop() -> BackgroundLoop:
-    """The process-wide loop of the LlamaIndex adapters."""
+    """The process-wide loop of the framework adapters."""
     return _shared

@@ -1,0 +1,84 @@
+"""Starting and stopping real servers for tests: a free loopback port, a process group, a readiness wait."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+START_TIMEOUT_S = 420  # a loaded 2-core machine can take minutes
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def models_answer(url: str) -> list[str] | None:
+    """The model ids the server at `url` serves, or None while it does not answer."""
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as response:
+            return [m["id"] for m in json.load(response)["data"]]
+    except (OSError, urllib.error.URLError, ValueError, KeyError):
+        return None
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop the server and everything it started (it runs in its own process group)."""
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextlib.contextmanager
+def running_server(
+    command: Sequence[str], log_path: Path, what: str, env: Mapping[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    """Start `command` (an OpenAI-compatible server) in its own process group, wait until `/v1/models`
+    answers on the `--port` it was given, and stop it afterwards. Fails the test with the log's tail."""
+    port = command[list(command).index("--port") + 1]
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            list(command), stdout=log, stderr=subprocess.STDOUT, env=dict(env) if env else None,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while models_answer(url) is None:
+            if proc.poll() is not None:
+                pytest.fail(f"{what} exited with {proc.returncode}:\n{log_tail(log_path)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{what} did not answer within {START_TIMEOUT_S} s:\n{log_tail(log_path)}")
+            time.sleep(1)
+        yield proc
+    finally:
+        stop(proc)
