@@ -33,7 +33,7 @@ from .lowering import LoweredPrompt
 from .span_generation import SpanClaims, SpanGenerator, engine_error, load_chat_tokenizer
 from .span_table import SpanTable
 
-__all__ = ["SpanEngine", "EngineConfig"]
+__all__ = ["EngineConfig", "SpanEngine"]
 
 log = logging.getLogger("spanq.engine")
 

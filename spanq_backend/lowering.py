@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from dataclasses import dataclass, field
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from spanq_integrations.errors import ContextLengthError, QueryValidationError
@@ -28,7 +30,7 @@ from spanq_integrations.ir import Assistant, Cross, Fragment, Monad, Node, Plus,
 
 from .span_table import SpanTable
 
-__all__ = ["LoweredPrompt", "lower", "Tokenizer"]
+__all__ = ["LoweredPrompt", "Tokenizer", "lower"]
 
 
 class Tokenizer(Protocol):
@@ -118,9 +120,26 @@ def _messages_with_slots(node: Node) -> tuple[list[dict[str, Any]], list[_SpanSl
     return messages, slots
 
 
+_SPAN_TOKENS: weakref.WeakKeyDictionary[Any, OrderedDict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+_SPAN_TOKENS_PER_TOKENIZER = 4096
+
+
+def _span_tokens(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A span's text tokenized on its own, remembered per tokenizer: warm queries re-read the same spans."""
+    cache = _SPAN_TOKENS.setdefault(tokenizer, OrderedDict())
+    ids = cache.get(text)
+    if ids is None:
+        ids = cache[text] = tuple(tokenizer.encode(text, add_special_tokens=False)) if text else ()
+        if len(cache) > _SPAN_TOKENS_PER_TOKENIZER:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(text)
+    return list(ids)
+
+
 def _after_separator(text: str) -> str:
     """Text that follows a span, without the separator the span already ends with."""
-    return text[len(BLOCK_SEPARATOR) :] if text.startswith(BLOCK_SEPARATOR) else text
+    return text.removeprefix(BLOCK_SEPARATOR)
 
 
 def lower(
@@ -185,7 +204,7 @@ def lower(
         whole = None
         if generated_ids is not None and isinstance(slot.node, Assistant) and slot.node.source is not None:
             whole = generated_ids(slot.node)
-        ids.extend((whole if whole is not None else enc(slot.text)) + sep_ids)
+        ids.extend((whole if whole is not None else _span_tokens(tokenizer, slot.text)) + sep_ids)
         padded += pad(ids)
         anchor = 0 if whole is not None else anchor_len
         key = (anchor, tuple(ids[start:]))

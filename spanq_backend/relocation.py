@@ -18,7 +18,7 @@ import torch
 
 from .rerope import RelocationError, RopeSpec
 
-__all__ = ["Move", "BlockPositionTracker", "KLayout", "KVRelocator"]
+__all__ = ["BlockPositionTracker", "KLayout", "KVRelocator", "Move"]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RopeSpec", "RelocationError", "rerope_", "rotation_for_delta"]
+__all__ = ["RelocationError", "RopeSpec", "rerope_", "rotation_for_delta"]
 
 
 class RelocationError(ValueError):

@@ -16,7 +16,7 @@ from typing import Any
 
 from .span_table import SpanTable
 
-__all__ = ["span_block_hashes", "HashBlock", "JOIN_TAG"]
+__all__ = ["JOIN_TAG", "HashBlock", "span_block_hashes"]
 
 # hash_block(parent_hash or None, block_token_ids, extra_keys or None) -> hash
 HashBlock = Callable[[Any, Sequence[int], Any], Any]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SpanTable", "EXTRA_ARGS_KEY", "SpanTableError"]
+__all__ = ["EXTRA_ARGS_KEY", "SpanTable", "SpanTableError"]
 
 EXTRA_ARGS_KEY = "spanq"
 

@@ -25,7 +25,7 @@ from typing import Any
 from .span_hashing import span_block_hashes
 from .span_table import SpanTable, SpanTableError
 
-__all__ = ["register", "SpanRuntime", "runtime_of", "stats"]
+__all__ = ["SpanRuntime", "register", "runtime_of", "stats"]
 
 log = logging.getLogger("spanq.vllm_plugin")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-__all__ = ["WRITTEN_FOR", "SYMBOLS", "VllmCompatibilityError", "check_symbols", "resolve"]
+__all__ = ["SYMBOLS", "WRITTEN_FOR", "VllmCompatibilityError", "check_symbols", "resolve"]
 
 WRITTEN_FOR = "0.32.0"
 
