@@ -1,0 +1,52 @@
+"""LangChain adapters of spanq: swap your LLM for `ChatSpanQuery` and retrieved documents become cached spans.
+
+Needs the `[langchain]` extra (`pip install "spanq[langchain]"`). What works unchanged and what needs one line
+changed is listed in README.md ("LangChain"). Importing this package adds a callback handler to every
+LangChain run of the process (`run_documents`): it lets spanq's models find the documents a run retrieved.
+"""
+
+from __future__ import annotations
+
+try:
+    import langchain_core  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "spanq_integrations.langchain needs langchain-core: pip install 'spanq[langchain]'"
+    ) from e
+
+from .chat_models import ChatSpanQuery
+from .judge import DEFAULT_JUDGE_TASK, JudgeEnsemble, JudgeVerdict
+from .llms import SpanQueryLLM
+from .messages import UnsupportedMessageError
+from .retrieval_chain import NoDocumentsError, create_span_documents_chain, create_span_retrieval_chain
+from .retrievers import SpanRetriever
+from .run_documents import install_tracker
+from .spans import (
+    SpanDocuments,
+    format_docs_as_spans,
+    is_tagged_document,
+    span_block,
+    span_marker,
+    tag_document,
+)
+
+install_tracker()
+
+__all__ = [
+    "DEFAULT_JUDGE_TASK",
+    "ChatSpanQuery",
+    "JudgeEnsemble",
+    "JudgeVerdict",
+    "NoDocumentsError",
+    "SpanDocuments",
+    "SpanQueryLLM",
+    "SpanRetriever",
+    "UnsupportedMessageError",
+    "create_span_documents_chain",
+    "create_span_retrieval_chain",
+    "format_docs_as_spans",
+    "is_tagged_document",
+    "span_block",
+    "span_marker",
+    "tag_document",
+]

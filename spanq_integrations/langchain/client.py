@@ -1,0 +1,394 @@
+"""What `ChatSpanQuery` and `SpanQueryLLM` share: LangChain's standard parameters, the backend, and one call.
+
+One LangChain call is one span query, `generate(cross(...))`, run by the executor (`aexecute`) on the backend,
+on the adapters' background loop (`event_loop`). The prompt's spans come from span blocks, from documents
+passed as `span_documents=`, or from the documents the surrounding run retrieved (`run_documents`), in that
+order of preference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from langchain_core.documents import Document
+from langchain_core.utils import secret_from_env
+from pydantic import BaseModel, Field, PrivateAttr, SecretStr, field_validator
+
+from ..backends.base import Backend, CallMetrics
+from ..background_loop import background_loop
+from ..errors import BackendUnavailableError, ContextLengthError
+from ..executor import aexecute
+from ..ir import DEFAULT_TEMPERATURE, generate
+from .messages import (
+    PromptMessage,
+    SpanCandidate,
+    query_input,
+    span_count,
+    split_at_documents,
+)
+from .run_documents import install_tracker, run_document_tracker
+from .spans import document_span_id, span_marker
+
+__all__ = ["CallOutcome", "CallSettings", "PreparedPrompt", "SpanQueryClient"]
+
+BACKEND_URL_SCHEMES = ("http://", "https://", "spanq+http://", "spanq+https://")
+
+
+@dataclass
+class PreparedPrompt:
+    """A prompt with its spans, and where the spans came from (or why documents could not become spans)."""
+
+    messages: list[PromptMessage]
+    span_source: Literal["content_blocks", "span_documents", "run_documents"] | None = None
+    fallback: str | None = None
+    original: list[PromptMessage] | None = None  # the prompt before documents were cut out of it
+
+    def for_backend(self, span_aware: bool) -> PreparedPrompt:
+        """What to send to a backend: an ordinary server gets found documents back in place, as they were."""
+        if span_aware or self.span_source is None:
+            return self
+        if self.original is not None:
+            return PreparedPrompt(
+                self.original, None, "the backend is not span-aware: the prompt was sent as it is"
+            )
+        return PreparedPrompt(
+            self.messages, None, "the backend is not span-aware: the spans were flattened into their messages"
+        )
+
+
+@dataclass(frozen=True)
+class CallSettings:
+    model: str
+    temperature: float
+    max_tokens: int
+    stop: tuple[str, ...]
+    seed: int | None
+
+
+@dataclass
+class CallOutcome:
+    """One finished call: the answer, the executor's metrics for it, and how the prompt was sent."""
+
+    text: str
+    metrics: CallMetrics
+    settings: CallSettings
+    prepared: PreparedPrompt
+    span_aware: bool
+    spans_sent: int
+    backend: str
+
+    @property
+    def model_name(self) -> str:
+        return self.metrics.model or self.settings.model or self.backend
+
+    @property
+    def finish_reason(self) -> str:
+        limit = self.settings.max_tokens
+        return "length" if limit and self.metrics.generated_tokens >= limit else "stop"
+
+    def usage_metadata(self) -> dict[str, Any]:
+        m = self.metrics
+        return {
+            "input_tokens": m.prompt_tokens,
+            "output_tokens": m.generated_tokens,
+            "total_tokens": m.prompt_tokens + m.generated_tokens,
+            "input_token_details": {"cache_read": m.cached_tokens},
+        }
+
+    def token_usage(self) -> dict[str, int]:
+        m = self.metrics
+        return {
+            "prompt_tokens": m.prompt_tokens,
+            "completion_tokens": m.generated_tokens,
+            "total_tokens": m.prompt_tokens + m.generated_tokens,
+            "cached_tokens": m.cached_tokens,
+        }
+
+    def span_stats(self) -> dict[str, Any]:
+        """What `response_metadata["spanq"]` holds: the span cache's work on this call."""
+        m = self.metrics
+        return {
+            "cached_tokens": m.cached_tokens,
+            "padded_tokens": m.padded_tokens,
+            "prepared_spans": m.prepared_spans,
+            "ttft_s": m.ttft_s,
+            "wall_s": m.wall_s,
+            "spans": int(m.extra.get("spans", self.spans_sent if self.span_aware else 0)),
+            "span_source": self.prepared.span_source,
+            "fallback": self.prepared.fallback,
+            "span_aware": self.span_aware,
+            "backend": self.backend,
+        }
+
+    def response_metadata(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "finish_reason": self.finish_reason,
+            "spanq": self.span_stats(),
+        }
+
+
+def _candidates_from(docs: Any) -> list[SpanCandidate]:
+    """What to look for in the prompt for `span_documents=`: Documents, strings, or span blocks (whose exact,
+    formatted texts the prompt holds, e.g. a `SpanDocuments`)."""
+    if isinstance(docs, (str, Document)):
+        docs = [docs]
+    out = []
+    for d in docs or ():
+        if isinstance(d, Document):
+            out.append(SpanCandidate(d.page_content, document_span_id(d)))
+        elif isinstance(d, str):
+            out.append(SpanCandidate(d))
+        elif isinstance(d, dict) and span_marker(d) is not None:
+            out.append(SpanCandidate(str(d.get("text") or ""), span_marker(d).get("id")))
+        else:
+            raise TypeError(f"span_documents takes Documents, strings or span blocks, got {type(d).__name__}")
+    return out
+
+
+_SPAN_INDEX = re.compile(r"\bspan (\d+)\b")
+
+
+class SpanQueryClient(BaseModel):
+    """The parameters and machinery of spanq's LangChain models (a mixin; not used on its own)."""
+
+    backend: Any = Field(default_factory=lambda: os.environ.get("SPANQ_BACKEND") or None)
+    """Where calls run: None or "embedded" — the embedded span-aware engine on the default model (SmolLM2);
+    "spanq+http://host:port" — a `spanq serve` server; any other "http(s)://…" URL — an OpenAI-compatible
+    server (spans flattened into ordinary messages); or a `Backend` instance. Default: $SPANQ_BACKEND."""
+    model: str | None = None
+    """The model name sent with each call; None: whatever the backend serves (its first model)."""
+    temperature: float | None = None
+    """Sampling temperature; None: spanq's default (0.6)."""
+    max_tokens: int | None = Field(default=None, ge=0)
+    """The most tokens to generate; None: the backend's default."""
+    timeout: float | None = None
+    """Seconds a whole call may take (also the HTTP timeout of URL backends); None: no limit."""
+    stop: list[str] | None = None
+    """Stop sequences."""
+    max_retries: int = 2
+    """URL backends: how often a failed connection is retried."""
+    streaming: bool = False
+    """Whether `invoke` streams (callbacks' `on_llm_new_token` then sees each piece)."""
+    api_key: SecretStr | None = Field(default_factory=secret_from_env("SPANQ_API_KEY", default=None))
+    """URL backends: the bearer token sent. Default: $SPANQ_API_KEY."""
+    seed: int | None = None
+    """Sampling seed."""
+    recover_documents: Literal["auto", "tagged", "off"] = "auto"
+    """Whether to look for the documents the surrounding LangChain run retrieved in the prompt and send them as
+    spans: "auto" any documents, "tagged" only documents tagged by `SpanRetriever`, "off" never."""
+
+    _backend_instance: Backend | None = PrivateAttr(default=None)
+    _owns_backend: bool = PrivateAttr(default=False)
+    _backend_lock: Any = PrivateAttr(default_factory=threading.Lock)
+
+    @field_validator("backend")
+    @classmethod
+    def _check_backend(cls, value: Any) -> Any:
+        if value is None or isinstance(value, Backend):
+            return value
+        if isinstance(value, str):
+            if value == "embedded" or value.startswith(BACKEND_URL_SCHEMES):
+                return value
+            raise ValueError(
+                f"unknown backend {value!r}: use an http(s):// URL of an OpenAI-compatible server, "
+                "spanq+http://host:port for a `spanq serve` server, 'embedded', or a spanq Backend"
+            )
+        raise TypeError(
+            f"backend must be None (the embedded default), a URL, or a spanq Backend, got {type(value).__name__}"
+        )
+
+    def model_post_init(self, context: Any) -> None:
+        super().model_post_init(context)
+        if self.recover_documents != "off":
+            install_tracker()
+
+    # ----------------------------------------------------------------------------------------- backend
+
+    @property
+    def backend_label(self) -> str:
+        if self.backend is None:
+            return "embedded"
+        return self.backend if isinstance(self.backend, str) else type(self.backend).__name__
+
+    def _make_backend(self) -> tuple[Backend, bool]:
+        from ..backends import resolve_backend
+
+        spec = self.backend
+        if isinstance(spec, Backend):
+            return spec, False
+        key = self.api_key.get_secret_value() if self.api_key is not None else None
+        options = {
+            "model": self.model,
+            "timeout": self.timeout or 600,
+            "max_retries": self.max_retries,
+            "api_key": key,
+        }
+        if isinstance(spec, str) and spec.startswith(("spanq+http://", "spanq+https://")):
+            from ..backends.span import SpanBackend
+
+            return SpanBackend(spec.removeprefix("spanq+"), **options), True
+        if isinstance(spec, str) and spec.startswith(("http://", "https://")):
+            from ..backends.openai import OpenAIBackend
+
+            return OpenAIBackend(spec, **options), True
+        return resolve_backend(spec)  # None/"embedded": the shared default; anything else: a clear error
+
+    def _get_backend(self) -> Backend:
+        """The backend, created on first use (the embedded default starts its engine then)."""
+        with self._backend_lock:
+            if self._backend_instance is None:
+                self._backend_instance, self._owns_backend = self._make_backend()
+            return self._backend_instance
+
+    async def _aget_backend(self) -> Backend:
+        if self._backend_instance is not None:
+            return self._backend_instance
+        return await asyncio.to_thread(self._get_backend)
+
+    def close(self) -> None:
+        """Close the backend if this model created it from a URL (the embedded default stays up)."""
+        with self._backend_lock:
+            backend, owned = self._backend_instance, self._owns_backend
+            self._backend_instance, self._owns_backend = None, False
+        if backend is not None and owned:
+            background_loop().run(backend.aclose())
+
+    # ----------------------------------------------------------------------------------------- a call
+
+    def _settings(self, stop: list[str] | None, kwargs: dict[str, Any]) -> CallSettings:
+        temperature = kwargs.get("temperature", self.temperature)
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        return CallSettings(
+            model=kwargs.get("model") or self.model or "",
+            temperature=DEFAULT_TEMPERATURE if temperature is None else float(temperature),
+            max_tokens=int(max_tokens or 0),
+            stop=tuple(stop if stop is not None else (self.stop or ())),
+            seed=kwargs.get("seed", self.seed),
+        )
+
+    def _prepare(
+        self, messages: list[PromptMessage], run_manager: Any, kwargs: dict[str, Any]
+    ) -> PreparedPrompt:
+        """Find the prompt's spans: span blocks, else `span_documents=`, else the run's documents."""
+        tracker = run_document_tracker()
+        run_id = run_manager.run_id if run_manager is not None else tracker.current_model_run()
+        if span_count(messages):
+            return PreparedPrompt(messages, "content_blocks")
+        if kwargs.get("span_documents") is not None:
+            source: Literal["span_documents", "run_documents"] = "span_documents"
+            candidates = _candidates_from(kwargs["span_documents"])
+        elif self.recover_documents != "off" and run_id is not None:
+            source = "run_documents"
+            candidates = tracker.candidates(run_id, tagged_only=self.recover_documents == "tagged")
+        else:
+            return PreparedPrompt(messages)
+        split, reason = split_at_documents(messages, candidates)
+        if split is None:
+            return PreparedPrompt(messages, fallback=reason)
+        return PreparedPrompt(split, source, original=messages)
+
+    async def _acall(
+        self, prepared: PreparedPrompt, settings: CallSettings, on_token: Callable[[str], Any] | None = None
+    ) -> CallOutcome:
+        """Run one call on the background loop: build the span query for this backend and execute it."""
+        backend = await self._aget_backend()
+        span_aware = backend.capabilities.span_aware
+        prepared = prepared.for_backend(span_aware)
+        query = generate(
+            query_input(prepared.messages, span_aware=span_aware),
+            model=settings.model,
+            max_tokens=settings.max_tokens,
+            temperature=settings.temperature,
+            stop=settings.stop,
+            seed=settings.seed,
+        )
+        run = aexecute(query, backend, on_token=on_token)
+        try:
+            result = await (asyncio.wait_for(run, self.timeout) if self.timeout else run)
+        except TimeoutError as e:
+            raise BackendUnavailableError(
+                f"{self.backend_label} did not answer within timeout={self.timeout} s; raise the timeout"
+            ) from e
+        except ContextLengthError as e:
+            raise self._explain_context_length(e, prepared) from e
+        metrics = result.calls[-1] if result.calls else CallMetrics()
+        return CallOutcome(
+            text=result.answer,
+            metrics=metrics,
+            settings=settings,
+            prepared=prepared,
+            span_aware=span_aware,
+            spans_sent=span_count(prepared.messages),
+            backend=backend.capabilities.name,
+        )
+
+    @staticmethod
+    def _explain_context_length(error: ContextLengthError, prepared: PreparedPrompt) -> ContextLengthError:
+        spans = [p for m in prepared.messages for p in m.parts if not isinstance(p, str)]
+        hint = (
+            " — a document is too long for the model's context: split documents into smaller chunks before "
+            "indexing them (a text splitter), retrieve fewer, or use a model with a longer context"
+        )
+        found = _SPAN_INDEX.search(str(error))
+        if found and int(found.group(1)) < len(spans):
+            span = spans[int(found.group(1))]
+            name = f"{span.id!r}" if span.id else "#" + found.group(1)
+            hint = f" — document {name} ({len(span.text)} characters){hint[len(' — a document') :]}"
+        return ContextLengthError(f"{error}{hint}")
+
+    # ----------------------------------------------------------------------------------------- bridges
+
+    def _run(self, prepared: PreparedPrompt, settings: CallSettings) -> CallOutcome:
+        return background_loop().run(self._acall(prepared, settings))
+
+    async def _arun(self, prepared: PreparedPrompt, settings: CallSettings) -> CallOutcome:
+        return await background_loop().arun(self._acall(prepared, settings))
+
+    def _iter_tokens(self, prepared: PreparedPrompt, settings: CallSettings) -> Iterator[str | CallOutcome]:
+        """Text pieces as they arrive, then the `CallOutcome` (for sync streaming, from any thread)."""
+        stream = background_loop().stream(lambda on_token: self._acall(prepared, settings, on_token=on_token))
+        yield from stream
+        yield stream.result
+
+    async def _aiter_tokens(
+        self, prepared: PreparedPrompt, settings: CallSettings
+    ) -> AsyncIterator[str | CallOutcome]:
+        """Text pieces as they arrive, then the `CallOutcome` (for async streaming on the caller's loop)."""
+        stream = background_loop().astream(lambda on_token: self._acall(prepared, settings, on_token=on_token))
+        async for piece in stream:
+            yield piece
+        yield stream.result
+
+    # ----------------------------------------------------------------------------------------- LangChain
+
+    @property
+    def _spanq_identifying_params(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend_label,
+            "model": self.model,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "stop": self.stop,
+            "seed": self.seed,
+        }
+
+    def _spanq_ls_params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "ls_provider": "spanq",
+            "ls_model_name": kwargs.get("model") or self.model or "default",
+        }
+        temperature = kwargs.get("temperature", self.temperature)
+        params["ls_temperature"] = DEFAULT_TEMPERATURE if temperature is None else temperature
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if max_tokens:
+            params["ls_max_tokens"] = max_tokens
+        if stop or self.stop:
+            params["ls_stop"] = list(stop or self.stop or ())
+        return params

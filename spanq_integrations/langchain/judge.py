@@ -1,0 +1,223 @@
+"""`JudgeEnsemble`: N candidate generations and the judge over them as one span query, as a LangChain runnable.
+
+    judge = JudgeEnsemble(llm=ChatSpanQuery(max_tokens=64), n=4, tree_reduction_k=2)
+    verdict = judge.invoke("Which town can only be reached by ferry?")
+    verdict.selection, verdict.candidates, verdict.reused_outputs
+
+It runs spanq's judge (`spanq_integrations.judge.ajudge`) with inner generations as its candidates: the judge is
+`G(cross(system, plus(G_1 … G_n), instruction))`, so the candidates run concurrently inside the same query and
+each judge reads the finished candidates as spans of its `plus`. `tree_reduction_k=k` makes it a k-ary tree of
+judges (attention locality); the reducer template (`select` by default, also `extract`, `merge`) says what an
+intermediate judge passes up. `documents` in the input go to every generator as one `plus` of spans, computed
+once and shared. Given `candidates` in the input, only the judging runs (for example as the reduce step of a
+LangGraph map-reduce; see examples/judge/langchain_judge_graph.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from langchain_core.documents import Document
+from langchain_core.messages import BaseMessage
+from langchain_core.runnables import RunnableConfig, RunnableSerializable
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..backends.base import CallMetrics
+from ..errors import ReducerParseError
+from ..ir import Node, cross, fragment, generate, plus, system, user
+from ..judge import JudgeLevel, JudgeMetrics, JudgeResult, ajudge
+from ..reducers import Reducer, Selection, resolve_reducer
+from .chat_models import ChatSpanQuery
+from ..background_loop import background_loop
+from .spans import document_span_id
+
+__all__ = ["DEFAULT_JUDGE_TASK", "JudgeEnsemble", "JudgeVerdict"]
+
+DEFAULT_JUDGE_TASK = "Which candidate answers the question best?"
+GENERATOR_INSTRUCTION = "Answer the question briefly."
+DEFAULT_JUDGE_MAX_TOKENS = 256
+
+
+class JudgeVerdict(BaseModel):
+    """What a judge ensemble returns."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    question: str
+    verdict: str
+    """The root judge's answer, as it wrote it."""
+    parsed: Any = None
+    """The verdict read by the reducer: a `Selection` for `select`, a list of items for `extract`, the merged
+    text for `merge`; None when the answer could not be read (`strict=False`)."""
+    parse_error: str | None = None
+    """Why the root's answer could not be read, when it could not."""
+    candidates: list[str]
+    """The candidates' texts (in seed order when generated)."""
+    reused_outputs: list[str]
+    """Generated outputs that a judge read as spans of its `plus`: the generated candidates and the answers of
+    intermediate judges. On a span-aware backend each is computed once and read from the span cache."""
+    judge_cached_tokens: int = 0
+    """Prompt tokens of the root judge's call that came from the cache."""
+    levels: list[JudgeLevel] = Field(default_factory=list)
+    """The judge calls level by level (level 1 reads candidates), with what each read and answered."""
+    calls: list[CallMetrics] = Field(default_factory=list)
+    """Every call of the query (generators and judges), in completion order."""
+    metrics: JudgeMetrics = Field(default_factory=JudgeMetrics)
+    tree_reduction_k: int | None = None
+
+    @property
+    def selection(self) -> Selection | None:
+        """The chosen candidate (`select`), or None."""
+        return self.parsed if isinstance(self.parsed, Selection) else None
+
+
+_LENIENT: dict[type, type] = {}
+
+
+def _lenient(reducer: Reducer) -> Reducer:
+    """The same reducer, but an answer it cannot read gives the verdict None instead of an error."""
+    cls = type(reducer)
+    if cls not in _LENIENT:
+        strict_parse = cls.parse
+
+        def parse(self: Reducer, output: str, *, path: str, candidates: Sequence[str]) -> Any:
+            try:
+                return strict_parse(self, output, path=path, candidates=candidates)
+            except ReducerParseError:
+                return None
+
+        _LENIENT[cls] = type(f"Lenient{cls.__name__}", (cls,), {"parse": parse, "__module__": __name__})
+    fields = {f.name: getattr(reducer, f.name) for f in dataclasses.fields(reducer) if f.init}
+    return _LENIENT[cls](**fields)
+
+
+class JudgeEnsemble(RunnableSerializable[Any, JudgeVerdict]):
+    """Generate `n` candidates and judge them in one span query; see the module docstring.
+
+    Input: a question (str), or a dict with `"question"` (or `"input"`), optionally `"documents"` (Documents or
+    strings that every generator reads) and `"candidates"` (strings or messages: judge these instead of
+    generating). The backend, model and `max_tokens` come from `llm`. With `strict=False` (the default) a root
+    answer the reducer cannot read (a small model that names no candidate) leaves `parsed` None; with
+    `strict=True` it raises `ReducerParseError`.
+    """
+
+    llm: ChatSpanQuery = Field(default_factory=ChatSpanQuery)
+    n: int = Field(default=4, ge=1)
+    tree_reduction_k: int | None = Field(default=None, ge=2)
+    reducer: Any = "select"
+    task: str = DEFAULT_JUDGE_TASK
+    strict: bool = False
+    generator_instruction: str = GENERATOR_INSTRUCTION
+    candidate_temperature: float = Field(default=0.8, ge=0.0)
+    candidate_max_tokens: int | None = Field(default=None, ge=1)
+    judge_max_tokens: int | None = Field(default=None, ge=1)
+    seed: int = 0
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    @property
+    def InputType(self) -> Any:
+        return str | dict
+
+    @property
+    def OutputType(self) -> Any:
+        return JudgeVerdict
+
+    # ----------------------------------------------------------------------------------------- the query
+
+    @staticmethod
+    def _read_input(value: Any) -> tuple[str, list[Any], list[str] | None]:
+        if isinstance(value, str):
+            return value, [], None
+        if not isinstance(value, dict):
+            raise TypeError(f"JudgeEnsemble takes a question (str) or a dict, got {type(value).__name__}")
+        question = value.get("question", value.get("input"))
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("JudgeEnsemble needs a non-empty 'question' (or 'input')")
+        candidates = value.get("candidates")
+        if candidates is not None:
+            candidates = [c.text if isinstance(c, BaseMessage) else str(c) for c in candidates]
+            if not candidates:
+                raise ValueError("'candidates' is empty: there is nothing to judge")
+        return question, list(value.get("documents") or ()), candidates
+
+    def generators(self, question: str, documents: Sequence[Any] = ()) -> list[Node]:
+        """The `n` candidate generations: one input (the documents as one `plus`), distinct seeds."""
+        context = [
+            fragment(d.page_content, id=document_span_id(d)) if isinstance(d, Document) else fragment(str(d))
+            for d in documents
+        ]
+        generator_input = cross(
+            system(self.generator_instruction), *([plus(context)] if context else []), user(question)
+        )
+        return [
+            generate(
+                generator_input,
+                model=self.llm.model or "",
+                max_tokens=self.candidate_max_tokens or self.llm.max_tokens or 0,
+                temperature=self.candidate_temperature,
+                seed=self.seed + i,
+            )
+            for i in range(self.n)
+        ]
+
+    def _instruction(self, question: str) -> str:
+        return f"Question: {question}\n\n{self.task}"
+
+    # ----------------------------------------------------------------------------------------- running
+
+    async def _ajudge(self, value: Any) -> JudgeVerdict:
+        question, documents, given = self._read_input(value)
+        candidates: list[Any] = given if given is not None else self.generators(question, documents)
+        reducer = resolve_reducer(self.reducer)
+        result = await ajudge(
+            candidates,
+            self._instruction(question),
+            k=self.tree_reduction_k,
+            reducer=reducer if self.strict else _lenient(reducer),
+            backend=await self.llm._aget_backend(),
+            model=self.llm.model or "",
+            max_tokens=self.judge_max_tokens or self.llm.max_tokens or DEFAULT_JUDGE_MAX_TOKENS,
+            temperature=0.0,
+            seed=self.seed,
+        )
+        return self._verdict(question, result, generated=given is None)
+
+    def _verdict(self, question: str, result: JudgeResult, *, generated: bool) -> JudgeVerdict:
+        root = result.levels[-1].calls[0] if result.levels else None
+        reused = [
+            inp.text
+            for call in result.judge_calls
+            for inp in call.inputs
+            if inp.kind == "call" or (generated and inp.kind == "candidate")
+        ]
+        parse_error = None
+        if root is not None and result.verdict is None:
+            parse_error = f"the reducer {result.reducer!r} could not read the root judge's answer"
+        return JudgeVerdict(
+            question=question,
+            verdict=result.answer,
+            parsed=result.verdict,
+            parse_error=parse_error,
+            candidates=result.candidates,
+            reused_outputs=reused,
+            judge_cached_tokens=root.metrics.cached_tokens if root is not None and root.metrics else 0,
+            levels=result.levels,
+            calls=result.calls,
+            metrics=result.metrics,
+            tree_reduction_k=self.tree_reduction_k,
+        )
+
+    def _judge(self, value: Any) -> JudgeVerdict:
+        return background_loop().run(self._ajudge(value))
+
+    async def _ajudge_on_loop(self, value: Any) -> JudgeVerdict:
+        return await background_loop().arun(self._ajudge(value))
+
+    def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> JudgeVerdict:
+        return self._call_with_config(self._judge, input, config, run_type="chain")
+
+    async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> JudgeVerdict:
+        return await self._acall_with_config(self._ajudge_on_loop, input, config, run_type="chain")

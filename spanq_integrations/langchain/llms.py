@@ -1,0 +1,145 @@
+"""`SpanQueryLLM`: a LangChain completion-style LLM (text in, text out) on spanq.
+
+The prompt string is sent as one user turn through the model's chat template; the documents the surrounding
+run retrieved (or `span_documents=`) are found in it and sent as spans, as `ChatSpanQuery` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseLLM
+from langchain_core.language_models.base import LangSmithParams
+from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+
+from .client import CallOutcome, SpanQueryClient
+from .messages import prompt_from_text
+
+__all__ = ["SpanQueryLLM"]
+
+
+def _generation_info(outcome: CallOutcome) -> dict[str, Any]:
+    return {
+        "finish_reason": outcome.finish_reason,
+        "model_name": outcome.model_name,
+        "usage_metadata": outcome.usage_metadata(),
+        "spanq": outcome.span_stats(),
+    }
+
+
+def _llm_output(outcomes: list[CallOutcome]) -> dict[str, Any]:
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cached_tokens": 0}
+    for o in outcomes:
+        for k, v in o.token_usage().items():
+            usage[k] += v
+    return {"token_usage": usage, "model_name": outcomes[0].model_name if outcomes else ""}
+
+
+class SpanQueryLLM(SpanQueryClient, BaseLLM):
+    """A text-in, text-out LLM on spanq, with the same parameters and backends as `ChatSpanQuery`.
+
+    Each generation's `generation_info` holds `finish_reason`, `usage_metadata` (with cached tokens) and the
+    span-cache statistics (`"spanq"`); `llm_output["token_usage"]` sums them over the prompts of a call.
+    """
+
+    @property
+    def _llm_type(self) -> str:
+        return "spanq"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self._spanq_identifying_params
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        return LangSmithParams(ls_model_type="llm", **self._spanq_ls_params(stop, kwargs))  # type: ignore[typeddict-item]
+
+    def _begin(self, prompt: str, stop: list[str] | None, run_manager: Any, kwargs: dict[str, Any]):
+        return self._prepare(prompt_from_text(prompt), run_manager, kwargs), self._settings(stop, kwargs)
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        if self.streaming:
+            outcomes = [self._collect_stream(p, stop, run_manager, kwargs) for p in prompts]
+        else:
+            calls = [self._begin(p, stop, run_manager, kwargs) for p in prompts]
+            outcomes = self._run_many(calls)
+        return LLMResult(
+            generations=[[Generation(text=o.text, generation_info=_generation_info(o))] for o in outcomes],
+            llm_output=_llm_output(outcomes),
+        )
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        calls = [self._begin(p, stop, run_manager, kwargs) for p in prompts]
+        outcomes = list(await asyncio.gather(*(self._arun(*c) for c in calls)))
+        return LLMResult(
+            generations=[[Generation(text=o.text, generation_info=_generation_info(o))] for o in outcomes],
+            llm_output=_llm_output(outcomes),
+        )
+
+    def _run_many(self, calls: list[Any]) -> list[CallOutcome]:
+        from ..background_loop import background_loop
+
+        async def all_calls() -> list[CallOutcome]:
+            return list(await asyncio.gather(*(self._acall(*c) for c in calls)))
+
+        return background_loop().run(all_calls())
+
+    def _collect_stream(
+        self, prompt: str, stop: Any, run_manager: Any, kwargs: dict[str, Any]
+    ) -> CallOutcome:
+        """`streaming=True`: run one prompt streaming, handing each piece to `on_llm_new_token`."""
+        prepared, settings = self._begin(prompt, stop, run_manager, kwargs)
+        for item in self._iter_tokens(prepared, settings):
+            if isinstance(item, CallOutcome):
+                return item
+            if run_manager is not None:
+                run_manager.on_llm_new_token(item, chunk=GenerationChunk(text=item))
+        raise RuntimeError("the stream ended without a result")  # _iter_tokens always ends with one
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        prepared, settings = self._begin(prompt, stop, run_manager, kwargs)
+        for item in self._iter_tokens(prepared, settings):
+            if isinstance(item, CallOutcome):
+                yield GenerationChunk(text="", generation_info=_generation_info(item))
+                return
+            chunk = GenerationChunk(text=item)
+            if run_manager is not None:
+                run_manager.on_llm_new_token(item, chunk=chunk)
+            yield chunk
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        prepared, settings = self._begin(prompt, stop, run_manager, kwargs)
+        async for item in self._aiter_tokens(prepared, settings):
+            if isinstance(item, CallOutcome):
+                yield GenerationChunk(text="", generation_info=_generation_info(item))
+                return
+            chunk = GenerationChunk(text=item)
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(item, chunk=chunk)
+            yield chunk

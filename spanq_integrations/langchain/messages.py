@@ -1,0 +1,345 @@
+"""LangChain messages → a span query's input.
+
+`SystemMessage` → `System`, `HumanMessage` → `User`, `AIMessage` → `Assistant` (text only). A run of adjacent
+span blocks inside one message (see `spans`) becomes one `plus` of `Fragment`s. Everything else a text-only
+model cannot take (tool messages and tool calls, images, audio, files) raises `UnsupportedMessageError`.
+
+`split_at_documents` is the other way spans arise: it finds retrieved documents verbatim in an ordinary prompt
+and cuts the prompt around them, but only when that is safe (see its docstring); otherwise it says why not and
+the prompt is sent as it is.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from langchain_core.messages import (
+    AIMessage,
+    BaseMessage,
+    ChatMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+
+from ..errors import QueryValidationError
+from ..ir import Assistant, Cross, Fragment, Node, Plus, System, User
+from .spans import DEFAULT_DOCUMENT_SEPARATOR, span_marker
+
+__all__ = [
+    "PromptMessage",
+    "SpanCandidate",
+    "SpanPiece",
+    "UnsupportedMessageError",
+    "prompt_from_messages",
+    "prompt_from_text",
+    "query_input",
+    "span_count",
+    "split_at_documents",
+]
+
+Role = Literal["system", "user", "assistant"]
+
+_CHAT_ROLES: dict[str, Role] = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "ai": "assistant",
+}
+_MEDIA_BLOCKS = {
+    "image",
+    "image_url",
+    "audio",
+    "input_audio",
+    "video",
+    "file",
+    "document",
+    "media",
+    "text-plain",
+}
+_TOOL_BLOCKS = {
+    "tool_call",
+    "tool_call_chunk",
+    "tool_use",
+    "tool_result",
+    "server_tool_call",
+    "server_tool_result",
+}
+_SKIPPED_AI_BLOCKS = {"reasoning", "thinking", "redacted_thinking", "non_standard"}
+
+
+class UnsupportedMessageError(QueryValidationError):
+    """A message (or a content block) that spanq's text-only models cannot send; `path` names it."""
+
+
+@dataclass(frozen=True)
+class SpanPiece:
+    """An order-free piece of a message: a retrieved document, a candidate."""
+
+    text: str
+    id: str | None = None
+
+
+@dataclass
+class PromptMessage:
+    """One message of the prompt: its role and its pieces, text and spans, in order."""
+
+    role: Role
+    parts: list[str | SpanPiece] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SpanCandidate:
+    """A text that may be found verbatim in a prompt and cut out as a span (a document, formatted or not)."""
+
+    text: str
+    id: str | None = None
+
+    @property
+    def label(self) -> str:
+        if self.id:
+            return repr(self.id)
+        clipped = " ".join(self.text.split())
+        return repr(clipped if len(clipped) <= 40 else clipped[:39] + "…")
+
+
+# --------------------------------------------------------------------------------------------- reading messages
+
+
+def _role_of(message: BaseMessage, where: str) -> Role:
+    if isinstance(message, SystemMessage):
+        return "system"
+    if isinstance(message, HumanMessage):
+        return "user"
+    if isinstance(message, (ToolMessage, FunctionMessage)):
+        raise UnsupportedMessageError(
+            where,
+            f"{type(message).__name__} is not supported: spanq's models have no tool calling. Leave tool "
+            "results out, or pass them as text in a HumanMessage",
+        )
+    if isinstance(message, AIMessage):
+        if message.tool_calls or message.invalid_tool_calls:
+            raise UnsupportedMessageError(
+                where, "an AIMessage with tool calls is not supported: spanq's models have no tool calling"
+            )
+        return "assistant"
+    if isinstance(message, ChatMessage):
+        role = _CHAT_ROLES.get(message.role.lower())
+        if role is None:
+            raise UnsupportedMessageError(
+                where, f"ChatMessage role {message.role!r} is not supported: use system, user or assistant"
+            )
+        return role
+    raise UnsupportedMessageError(
+        where,
+        f"{type(message).__name__} is not supported: use SystemMessage, HumanMessage or AIMessage",
+    )
+
+
+def _parts_of(message: BaseMessage, role: Role, where: str) -> list[str | SpanPiece]:
+    content = message.content
+    if isinstance(content, str):
+        return [content]
+    parts: list[str | SpanPiece] = []
+    for i, block in enumerate(content):
+        at = f"{where}.content[{i}]"
+        if isinstance(block, str):
+            text: str | SpanPiece = block
+        elif not isinstance(block, dict):
+            raise UnsupportedMessageError(
+                at, f"a content block must be a str or a dict, got {type(block).__name__}"
+            )
+        else:
+            kind = block.get("type")
+            marker = span_marker(block)
+            if marker is not None and role != "assistant":
+                text = SpanPiece(
+                    str(block.get("text") or ""), None if marker.get("id") is None else str(marker["id"])
+                )
+            elif kind == "text":
+                text = str(block.get("text") or "")
+            elif role == "assistant" and kind in _SKIPPED_AI_BLOCKS:
+                continue  # the model's own reasoning in the history: not part of the conversation text
+            elif kind in _TOOL_BLOCKS:
+                raise UnsupportedMessageError(
+                    at, f"a {kind!r} block is not supported: spanq's models have no tool calling"
+                )
+            elif kind in _MEDIA_BLOCKS:
+                raise UnsupportedMessageError(
+                    at, f"a {kind!r} content block is not supported: spanq's models take text only"
+                )
+            else:
+                raise UnsupportedMessageError(
+                    at, f"content blocks of type {kind!r} are not supported (text only)"
+                )
+        # Adjacent text blocks read as one text, as `BaseMessage.text` reads them.
+        if isinstance(text, str) and parts and isinstance(parts[-1], str):
+            parts[-1] += text
+        else:
+            parts.append(text)
+    return parts
+
+
+def prompt_from_messages(messages: Sequence[BaseMessage]) -> list[PromptMessage]:
+    """The prompt of a chat-model call; raises `UnsupportedMessageError` for what cannot be sent."""
+    if not messages:
+        raise QueryValidationError("messages", "no messages: nothing to send to the model")
+    prompt = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, BaseMessage):
+            raise UnsupportedMessageError(
+                where, f"expected a LangChain message, got {type(message).__name__}"
+            )
+        role = _role_of(message, where)
+        prompt.append(PromptMessage(role, _parts_of(message, role, where)))
+    return prompt
+
+
+def prompt_from_text(text: str) -> list[PromptMessage]:
+    """The prompt of a completion-style (`SpanQueryLLM`) call: the text as one user turn."""
+    return [PromptMessage("user", [text])]
+
+
+def span_count(prompt: Sequence[PromptMessage]) -> int:
+    return sum(isinstance(p, SpanPiece) for m in prompt for p in m.parts)
+
+
+# --------------------------------------------------------------------------------------------- to the IR
+
+_NODE = {"system": System, "user": User, "assistant": Assistant}
+
+
+def query_input(prompt: Sequence[PromptMessage], *, span_aware: bool) -> Node:
+    """The `Generate` input for `prompt`.
+
+    Span-aware backends get each run of adjacent spans as one `plus` of fragments (whitespace between spans
+    does not break a run). Any other backend gets plain messages: each message's pieces joined (spans
+    separated from their neighbours by a blank line), so an ordinary server receives nothing it could reject.
+    """
+    nodes: list[Node] = []
+    for m in prompt:
+        make = _NODE[m.role]
+        if not span_aware:
+            text = ""
+            for i, part in enumerate(m.parts):
+                piece = part.text if isinstance(part, SpanPiece) else part
+                if i and (isinstance(part, SpanPiece) or isinstance(m.parts[i - 1], SpanPiece)):
+                    text = text.rstrip() + DEFAULT_DOCUMENT_SEPARATOR + piece.lstrip()
+                else:
+                    text += piece
+            if text.strip():
+                nodes.append(make(text=text))
+            continue
+        run: list[Node] = []
+        for part in m.parts:
+            if isinstance(part, SpanPiece):
+                if part.text.strip():
+                    run.append(Fragment(text=part.text, id=part.id))
+                continue
+            if not part.strip():
+                continue
+            if run:
+                nodes.append(Plus(children=tuple(run)))
+                run = []
+            nodes.append(make(text=part))
+        if run:
+            nodes.append(Plus(children=tuple(run)))
+    if not nodes:
+        raise QueryValidationError("messages", "every message is empty: nothing to send to the model")
+    return Cross(children=tuple(nodes))
+
+
+# --------------------------------------------------------------------------------------------- documents
+
+
+def _boundary_before(text: str) -> bool:
+    head = text.rstrip(" \t")
+    return not head or head.endswith(("\n", ":"))
+
+
+def _boundary_after(text: str) -> bool:
+    tail = text.lstrip(" \t")
+    return not tail or tail.startswith("\n")
+
+
+def split_at_documents(
+    prompt: Sequence[PromptMessage], candidates: Sequence[SpanCandidate]
+) -> tuple[list[PromptMessage] | None, str | None]:
+    """Cut `prompt` around the candidates' texts, found verbatim; or say why that is not safe.
+
+    Returns `(new_prompt, None)` when it worked; `(None, reason)` when documents were given but cannot be used
+    as spans; `(None, None)` when there was nothing to look for. It is safe when every candidate found is found
+    exactly once (longer candidates first, a text inside a longer one's match does not count), all of them in
+    the same system or user message, next to each other with only whitespace between them, and the group
+    starts at the start of a line (or after a colon) and ends at the end of one. Candidates not found at all
+    are ignored (a chain may drop some documents). Nothing of the prompt's text is dropped: only the
+    whitespace around the documents changes.
+    """
+    unique: dict[str, SpanCandidate] = {}
+    for c in candidates:
+        text = c.text.strip()
+        if text and text not in unique:
+            unique[text] = SpanCandidate(text, c.id)
+    if not unique:
+        return None, None
+    claimed: dict[tuple[int, int], list[tuple[int, int, SpanCandidate]]] = {}
+    for cand in sorted(unique.values(), key=lambda c: len(c.text), reverse=True):
+        hits: list[tuple[int, int, int]] = []
+        for mi, message in enumerate(prompt):
+            if message.role == "assistant":
+                continue
+            for pj, part in enumerate(message.parts):
+                if not isinstance(part, str):
+                    continue
+                taken = claimed.get((mi, pj), [])
+                start = part.find(cand.text)
+                while start != -1:
+                    end = start + len(cand.text)
+                    if not any(s < end and start < e for s, e, _ in taken):
+                        hits.append((mi, pj, start))
+                    start = part.find(cand.text, start + 1)
+        if len(hits) > 1:
+            return None, f"the text of document {cand.label} appears {len(hits)} times in the prompt"
+        if hits:
+            mi, pj, start = hits[0]
+            claimed.setdefault((mi, pj), []).append((start, start + len(cand.text), cand))
+    if not claimed:
+        return None, (
+            f"none of the {len(unique)} retrieved documents appears verbatim in the prompt (format them with "
+            "format_docs_as_spans)"
+        )
+    if len(claimed) > 1:
+        return None, "the documents are spread over several messages"
+    (((mi, pj), found),) = claimed.items()
+    found.sort(key=lambda f: f[0])
+    text = prompt[mi].parts[pj]
+    assert isinstance(text, str)
+    for (_, end, _), (start, _, _) in itertools.pairwise(found):
+        gap = text[end:start]
+        if gap.strip():
+            return None, (
+                f"text other than whitespace separates the documents ({gap.strip()[:40]!r}); format them "
+                "with format_docs_as_spans"
+            )
+    before, after = text[: found[0][0]], text[found[-1][1] :]
+    if not _boundary_before(before) or not _boundary_after(after):
+        return None, (
+            "the documents do not start and end on line boundaries of the prompt; format them with "
+            "format_docs_as_spans"
+        )
+    pieces: list[str | SpanPiece] = []
+    if before.strip():
+        pieces.append(before.rstrip())
+    pieces.extend(SpanPiece(c.text, c.id) for _, _, c in found)
+    if after.strip():
+        pieces.append(after.lstrip())
+    new_prompt = [PromptMessage(m.role, list(m.parts)) for m in prompt]
+    new_prompt[mi].parts[pj : pj + 1] = pieces
+    return new_prompt, None

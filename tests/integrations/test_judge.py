@@ -1,0 +1,373 @@
+"""Judges over many candidates: tree reduction on a real stock vLLM server and embedded, the level structure read
+from provenance, the reducer templates, and bad input.
+
+The model-facing behaviour runs on the stock vLLM server and on the embedded tiny model. What the templates make
+of answers (labels carried through levels, parse errors, concurrency of one level) is checked with a scripted
+backend defined here, whose answers are known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from spanq_integrations import (
+    Assistant,
+    Backend,
+    BackendCapabilities,
+    CallMetrics,
+    Completion,
+    Generate,
+    QueryValidationError,
+    ReducerParseError,
+    generate,
+    user,
+)
+from spanq_integrations.backends.openai import OpenAIBackend
+from spanq_integrations.flatten import to_chat_messages
+from spanq_integrations.ir import Cross, Plus, walk
+from spanq_integrations.judge import ajudge, judge, judge_plan, judge_query
+from spanq_integrations.reducers import ExtractReducer, MergeReducer, Selection, SelectReducer
+
+CANDIDATES = [f"Note {i}: the cat called Name{i} sleeps on the mat." for i in range(8)]
+INSTRUCTION = "Tell me the names of the cats mentioned."
+
+
+def assert_seven_calls_in_three_levels(result) -> None:
+    """8 candidates, k=2: 4 + 2 + 1 judge calls, each reading two inputs, wired as the provenance says."""
+    assert [len(level.calls) for level in result.levels] == [4, 2, 1]
+    assert [level.level for level in result.levels] == [1, 2, 3]
+    assert result.metrics.judge_calls == 7 and result.metrics.calls == 7 and result.metrics.levels == 3
+    assert sorted(c.path for c in result.calls) == sorted(c.path for c in result.judge_calls)
+
+    level1, level2, (root,) = (level.calls for level in result.levels)
+    assert root.path == "$"
+    assert [[i.index for i in c.inputs] for c in level1] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert all(i.kind == "candidate" and i.text == CANDIDATES[i.index] for c in level1 for i in c.inputs)
+    assert [[i.path for i in c.inputs] for c in level2] == [[c.path for c in level1[:2]], [c.path for c in level1[2:]]]
+    assert [i.path for i in root.inputs] == [c.path for c in level2]
+    # each lower answer is exactly what the judge above it read
+    outputs = {c.path: c.output for c in result.judge_calls}
+    assert all(i.text == outputs[i.path] for c in (*level2, root) for i in c.inputs)
+    for call in result.judge_calls:
+        assert call.metrics is not None and call.metrics.path == call.path
+        assert call.metrics.prompt_tokens > 0
+    assert result.answer == root.output == result.tree.text
+
+    # the same structure, straight from the closed tree: every judge's answer remembers the call it came from
+    def answers_read_by(answer: Assistant) -> list[Assistant]:
+        assert isinstance(answer.source, Generate)
+        return [n for _, n in walk(answer.source.input) if isinstance(n, Assistant) and n.source is not None]
+
+    below_root = answers_read_by(result.tree)
+    assert [a.text for a in below_root] == [c.output for c in level2]
+    assert [[a.text for a in answers_read_by(a)] for a in below_root] == [
+        [c.output for c in level1[:2]],
+        [c.output for c in level1[2:]],
+    ]
+    assert all(answers_read_by(a) == [] for a2 in below_root for a in answers_read_by(a2))  # leaves: candidates
+    assert result.metrics.prompt_tokens == sum(c.prompt_tokens for c in result.calls)
+
+
+# --------------------------------------------------------------------------------------------- real models
+
+
+@pytest.mark.vllm
+async def test_eight_candidates_take_seven_pairwise_calls_in_three_levels_on_stock_vllm(stock_vllm_server):
+    async with OpenAIBackend(stock_vllm_server, model="tiny") as backend:
+        result = await ajudge(CANDIDATES, INSTRUCTION, k=2, reducer="extract", backend=backend, max_tokens=8)
+    assert_seven_calls_in_three_levels(result)
+    assert {c.model for c in result.calls} == {"tiny"}
+    assert isinstance(result.verdict, list)
+
+
+@pytest.mark.vllm
+def test_sync_judge_on_a_server_url_flat_and_as_a_tree(stock_vllm_server):
+    url = f"{stock_vllm_server}/v1"
+    flat = judge(CANDIDATES, INSTRUCTION, k=None, backend=url, max_tokens=4)
+    tree = judge(CANDIDATES, INSTRUCTION, k=4, backend=url, max_tokens=4)
+    assert [len(level.calls) for level in flat.levels] == [1]
+    assert [[i.index for i in flat.levels[0].calls[0].inputs]] == [list(range(8))]
+    assert [len(level.calls) for level in tree.levels] == [2, 1]
+    assert [[i.index for i in c.inputs] for c in tree.levels[0].calls] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # narrow judges read shorter prompts than the one wide judge
+    assert max(c.prompt_tokens for c in tree.calls) < flat.calls[0].prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def spanq_server(tiny_model, tmp_path_factory) -> Iterator[str]:
+    """The base URL of a `spanq serve` on the tiny model, served as "tiny", on loopback."""
+    pytest.importorskip("vllm")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path_factory.mktemp("spanq-serve") / "server.log"
+    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", str(tiny_model),
+               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"spanq serve did not come up:\n{log_path.read_text(errors='replace')[-3000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_eight_candidates_take_seven_calls_in_three_levels_on_spanq_serve(spanq_server):
+    result = judge(CANDIDATES, INSTRUCTION, k=2, backend=f"spanq+{spanq_server}", model="tiny", max_tokens=8)
+    assert_seven_calls_in_three_levels(result)
+    # the span-aware server laid the candidates out as spans (padded to KV blocks)
+    assert all(c.padded_tokens > 0 for c in result.calls)
+
+
+@pytest.mark.vllm
+async def test_eight_candidates_take_seven_calls_in_three_levels_embedded(tiny_backend):
+    result = await ajudge(CANDIDATES, INSTRUCTION, k=2, reducer="extract", backend=tiny_backend, max_tokens=8)
+    assert_seven_calls_in_three_levels(result)
+
+
+@pytest.mark.vllm
+async def test_inner_generations_run_in_the_same_tree(tiny_backend):
+    inner = [generate(user(f"Describe cat number {i}."), max_tokens=4, temperature=0) for i in range(4)]
+    result = await ajudge(inner, INSTRUCTION, k=2, backend=tiny_backend, max_tokens=4)
+    assert result.metrics.calls == 4 + 3 and result.metrics.judge_calls == 3
+    assert [len(level.calls) for level in result.levels] == [2, 1]
+    # the candidates' texts are the inner generations' outputs, and the leaves read exactly those
+    inner_outputs = {c.path: c for c in result.calls if c.path not in {j.path for j in result.judge_calls}}
+    assert len(inner_outputs) == 4
+    assert [i.text for c in result.levels[0].calls for i in c.inputs] == result.candidates
+
+
+# --------------------------------------------------------------------------------------------- templates
+
+
+class ScriptedJudge(Backend):
+    """Answers like a perfect judge: extract lists every `Name<digits>`, select keeps the candidate with the
+    highest number (carrying its label and text), merge joins the notes. Counts calls in flight."""
+
+    def __init__(self, answer=None):
+        self.capabilities = BackendCapabilities(name="scripted", max_concurrency=16)
+        self.answer = answer
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.prompts: list[list[dict[str, str]]] = []
+
+    async def generate(self, call, *, path="$", on_token=None):
+        messages = to_chat_messages(call.input)
+        self.prompts.append(messages)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(0.05)
+        finally:
+            self.in_flight -= 1
+        body = "\n\n".join(m["content"] for m in messages if m["role"] == "user")
+        instruction = messages[-1]["content"].rsplit("\n\n", 1)[-1]
+        if self.answer is not None:
+            text = self.answer(path, body, instruction)
+        elif "label of the best candidate" in instruction:
+            best = max(re.findall(r"\[(\d+)\] Note (\d+)", body), key=lambda m: int(m[1]))
+            if "followed by its text" in instruction:  # an intermediate judge carries label and text
+                text = next(b for b in body.split("\n\n") if b.startswith(f"[{best[0]}] "))
+            else:
+                text = f"[{best[0]}]"
+        elif "merged" in instruction:
+            text = " + ".join(sorted(set(re.findall(r"Name\d+", body))))
+        else:
+            text = "\n".join(sorted(set(re.findall(r"Name\d+", body))))
+        return Completion(texts=[text], metrics=CallMetrics(path=path, model="scripted", prompt_tokens=len(body)))
+
+
+async def test_one_level_runs_concurrently():
+    backend = ScriptedJudge()
+    result = await ajudge(CANDIDATES, INSTRUCTION, k=2, backend=backend)
+    assert backend.max_in_flight == 4  # the four leaf judges at once
+    assert result.verdict == [f"Name{i}" for i in range(8)]  # the union survives every level
+
+
+async def test_select_carries_label_and_text_through_the_levels():
+    backend = ScriptedJudge()
+    shuffled = [CANDIDATES[i] for i in (3, 7, 0, 5, 1, 6, 2, 4)]
+    result = await ajudge(shuffled, "Which cat has the highest number?", k=2, reducer="select", backend=backend)
+    assert result.verdict == Selection(index=1, text=CANDIDATES[7])
+    assert [len(level.calls) for level in result.levels] == [4, 2, 1]
+    level2 = result.levels[1].calls
+    assert level2[0].output == f"[1] {CANDIDATES[7]}"  # what the root reads: label and text
+    assert all(c.parse_error is None for c in result.judge_calls)
+    # candidates are shown labelled, the verdict's text is the candidate's own
+    assert f"[0] {CANDIDATES[3]}" in backend.prompts[0][1]["content"]
+
+
+async def test_select_over_inner_generations_labels_them_around_the_call():
+    inner = [generate(user(c)) for c in CANDIDATES[:3]]
+    plan = judge_plan(inner, "best?", k=2, reducer="select")
+    wrapped = [n for _, n in walk(plan) if isinstance(n, Cross) and n.children[0] == user("[2]")]
+    assert len(wrapped) == 1 and isinstance(wrapped[0].children[1], Generate)
+
+    def answer(path, body, instruction):
+        if "label of the best candidate" not in instruction:
+            return f"out-{body}"  # an inner generation
+        best = max(int(label) for label in re.findall(r"\[(\d+)\]", body))
+        return f"[{best}]" if path == "$" else f"[{best}] picked"
+
+    result = await ajudge(inner, "best?", k=2, reducer="select", backend=ScriptedJudge(answer))
+    assert result.metrics.calls == 3 + 2
+    assert result.verdict == Selection(index=2, text=f"out-{CANDIDATES[2]}")
+    assert result.candidates == [f"out-{c}" for c in CANDIDATES[:3]]
+
+
+async def test_merge_over_a_tree():
+    result = await ajudge(CANDIDATES[:4], "Merge the notes.", k=2, reducer="merge", backend=ScriptedJudge())
+    assert result.verdict == "Name0 + Name1 + Name2 + Name3"
+
+
+def test_plan_is_the_optimizer_rule_applied_to_the_flat_judge():
+    from spanq_integrations.optimizer import optimize
+
+    flat = judge_query(CANDIDATES, INSTRUCTION, "extract")
+    reducer = ExtractReducer()
+    expected = optimize(
+        flat, tree_reduction_k=2, tree_reduction_instruction=reducer.intermediate_instruction(INSTRUCTION)
+    )
+    assert judge_plan(CANDIDATES, INSTRUCTION, k=2) == expected
+    assert sum(isinstance(n, Generate) for _, n in walk(expected)) == 7
+
+
+def test_candidates_are_opaque_to_the_rewrite():
+    # a candidate's own plus is neither flattened into the judge's nor tree-reduced
+    inner = generate(Cross(children=(Plus(children=tuple(user(c) for c in CANDIDATES)), user("sum up"))))
+    plan = judge_plan([inner, "a", "b"], INSTRUCTION, k=2)
+    assert any(n == inner for _, n in walk(plan))
+    assert sum(isinstance(n, Generate) for _, n in walk(plan)) == 1 + 2  # the inner one, and 2 judges
+
+
+@pytest.mark.parametrize(
+    "output, items",
+    [
+        ("Ada Moreau\nBo Lind", ["Ada Moreau", "Bo Lind"]),
+        ("- Ada Moreau\n* Bo Lind\n3. Cy Ng\nada moreau", ["Ada Moreau", "Bo Lind", "Cy Ng"]),
+        ('```json\n["Ada", "Bo"]\n```', ["Ada", "Bo"]),
+        ('[{"name": "Ada"}, {"name": "Bo"}]', ["Ada", "Bo"]),
+        ("The names are: Ada, Bo; Cy.", ["Ada", "Bo", "Cy"]),
+        ("NONE", []),
+        ("", []),
+    ],
+)
+def test_extract_reads_any_answer_as_a_list(output, items):
+    assert ExtractReducer().parse(output, path="$", candidates=[]) == items
+
+
+def test_extract_with_an_item_pattern_keeps_every_match():
+    reducer = ExtractReducer(item_pattern=r"\b[A-Z][a-z]+ [A-Z][a-z]+\b")
+    output = "I am a cat, and my name is Ada Moreau. The cat Bo Lind. I am a cat, and my name is Ada Moreau."
+    assert reducer.parse(output, path="$", candidates=[]) == ["Ada Moreau", "Bo Lind"]
+
+
+def test_select_falls_back_to_the_one_candidate_text_it_repeats():
+    reducer = SelectReducer()
+    assert reducer.parse("The best is: b text", path="$", candidates=["a text", "b text"]).index == 1
+    assert reducer.parse("[7] then [1]", path="$", candidates=["a", "b"]).index == 1  # [7] names no candidate
+
+
+# --------------------------------------------------------------------------------------------- bad input
+
+
+class MustNotBeCalled(Backend):
+    capabilities = BackendCapabilities(name="must-not-be-called")
+
+    async def generate(self, call, *, path="$", on_token=None):
+        raise AssertionError("no call was needed")
+
+
+@pytest.mark.parametrize("k", [1, 0, -3, True, 2.0])
+def test_k_below_two_is_refused_before_any_call(k):
+    with pytest.raises(QueryValidationError, match="k must be an integer >= 2"):
+        judge(CANDIDATES, INSTRUCTION, k=k, backend=MustNotBeCalled())
+
+
+@pytest.mark.parametrize("candidates", [[], ()])
+def test_no_candidates_is_refused(candidates):
+    with pytest.raises(QueryValidationError, match="no candidates"):
+        judge(candidates, INSTRUCTION, backend=MustNotBeCalled())
+
+
+def test_a_single_string_is_not_a_list_of_candidates():
+    with pytest.raises(QueryValidationError, match="list of candidates"):
+        judge("one long text", INSTRUCTION, backend=MustNotBeCalled())
+
+
+def test_unknown_reducer_names_the_known_ones():
+    with pytest.raises(QueryValidationError, match="extract, merge, select"):
+        judge(CANDIDATES, INSTRUCTION, reducer="vote", backend=MustNotBeCalled())
+
+
+@pytest.mark.parametrize("reducer, verdict", [("select", Selection(index=0, text="only")), ("merge", "only")])
+def test_one_candidate_needs_no_call_to_select_or_merge(reducer, verdict):
+    result = judge(["only"], INSTRUCTION, reducer=reducer, backend=MustNotBeCalled())
+    assert result.verdict == verdict
+    assert result.levels == [] and result.metrics.calls == 0
+
+
+async def test_one_candidate_is_still_read_once_to_extract():
+    result = await ajudge(["the cat Name5"], INSTRUCTION, backend=ScriptedJudge())
+    assert result.verdict == ["Name5"] and result.metrics.judge_calls == 1
+    assert result.levels[0].calls[0].inputs[0].index == 0
+
+
+async def test_unparseable_root_answer_names_the_path_and_shows_the_output():
+    backend = ScriptedJudge(answer=lambda path, body, instruction: "they are all lovely")
+    with pytest.raises(ReducerParseError) as caught:
+        await ajudge(CANDIDATES, "Which is best?", k=2, reducer="select", backend=backend)
+    assert caught.value.path == "$"
+    assert caught.value.output == "they are all lovely"
+    assert "$: the select reducer cannot parse" in str(caught.value) and "they are all lovely" in str(caught.value)
+
+
+async def test_unparseable_intermediate_answer_is_recorded_and_the_root_decides():
+    def answer(path, body, instruction):
+        if path == "$":
+            return "[6]"
+        if path.endswith("plus[0].g.input.cross[1].plus[0]"):
+            return "no idea"
+        return next(block for block in body.split("\n\n") if block.startswith("["))  # the first labelled
+
+    result = await ajudge(CANDIDATES, "Which is best?", k=2, reducer="select", backend=ScriptedJudge(answer))
+    assert result.verdict.index == 6
+    failed = [c for c in result.judge_calls if c.parse_error]
+    assert [c.path for c in failed] == ["$.g.input.cross[1].plus[0].g.input.cross[1].plus[0]"]
+    assert "no idea" in failed[0].parse_error
+
+
+async def test_empty_merge_is_a_parse_error():
+    backend = ScriptedJudge(answer=lambda path, body, instruction: "  ")
+    with pytest.raises(ReducerParseError, match=r"^\$: the merge reducer"):
+        await ajudge(CANDIDATES[:2], "Merge.", reducer=MergeReducer(), backend=backend)

@@ -1,0 +1,85 @@
+"""Bad input: no documents, a document longer than the context, unsupported messages, a server that is down."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_core.documents import Document
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.runnables import RunnablePassthrough
+
+from spanq_integrations import BackendUnavailableError, ContextLengthError
+from spanq_integrations.langchain import (
+    ChatSpanQuery,
+    JudgeEnsemble,
+    NoDocumentsError,
+    UnsupportedMessageError,
+    create_span_retrieval_chain,
+)
+from tests.servers import free_port
+from tests.langchain.rag_app import OrderedRetriever, format_docs, town_documents
+
+PROMPT = ChatPromptTemplate.from_messages([("system", "Context:\n{context}"), ("human", "{input}")])
+
+
+@pytest.mark.vllm
+def test_no_documents_retrieved_answers_from_an_empty_context(chat):
+    empty = OrderedRetriever(documents=[], orders=[[]])
+    app = {"context": empty | format_docs, "input": RunnablePassthrough()} | PROMPT | chat
+    message = app.invoke("Anything?")
+    assert isinstance(message.content, str)
+    assert message.response_metadata["spanq"]["spans"] == 0
+    assert message.response_metadata["spanq"]["fallback"] is None
+
+    result = create_span_retrieval_chain(empty, PROMPT, chat).invoke({"input": "Anything?"})
+    assert result["context"] == [] and isinstance(result["answer"], str)
+
+
+def test_no_documents_can_be_an_error_instead():
+    empty = OrderedRetriever(documents=[], orders=[[]])
+    chain = create_span_retrieval_chain(
+        empty, PROMPT, ChatSpanQuery(backend="http://127.0.0.1:9"), require_documents=True
+    )
+    with pytest.raises(NoDocumentsError, match="no documents"):
+        chain.invoke({"input": "Anything?"})
+
+
+@pytest.mark.vllm
+def test_a_document_longer_than_the_context_names_the_document(chat):
+    long_text = " ".join(f"Sentence {i} of the endless town chronicle." for i in range(600))
+    docs = [*town_documents("long")[:1], Document(page_content=long_text, id="chronicle")]
+    chain = create_span_retrieval_chain(OrderedRetriever(documents=docs, orders=[[0, 1]]), PROMPT, chat)
+    with pytest.raises(ContextLengthError, match="document 'chronicle'.*split documents into smaller chunks"):
+        chain.invoke({"input": "What happened?"})
+
+
+def test_an_unsupported_message_type_is_refused_before_anything_is_sent():
+    llm = ChatSpanQuery(backend="http://127.0.0.1:9")  # nothing listens there: the error comes first
+    with pytest.raises(UnsupportedMessageError, match="ToolMessage is not supported"):
+        llm.invoke([HumanMessage("hi"), ToolMessage("42", tool_call_id="call-1")])
+    with pytest.raises(ValueError, match="candidates"):
+        JudgeEnsemble(llm=llm).invoke({"question": "q", "candidates": []})
+
+
+@pytest.mark.parametrize("scheme", ["http", "spanq+http"])
+def test_a_server_that_is_down_raises_backend_unavailable(scheme):
+    url = f"{scheme}://127.0.0.1:{free_port()}"
+    llm = ChatSpanQuery(backend=url, max_retries=0, timeout=10)
+    with pytest.raises(BackendUnavailableError, match="cannot reach .* is the server running"):
+        llm.invoke("Hello")
+    llm.close()
+
+
+@pytest.mark.vllm
+def test_a_server_that_is_down_can_fall_back_to_the_embedded_engine(chat):
+    down = ChatSpanQuery(backend=f"http://127.0.0.1:{free_port()}", max_retries=0)
+    message = down.with_fallbacks([chat]).invoke("Hello")
+    assert message.response_metadata["spanq"]["backend"] == "embedded"
+
+
+@pytest.mark.vllm
+def test_a_call_past_its_timeout_is_cancelled_and_the_engine_goes_on(chat):
+    slow = chat.model_copy(update={"timeout": 0.05, "max_tokens": 200})
+    with pytest.raises(BackendUnavailableError, match="did not answer within timeout=0.05 s"):
+        slow.invoke("Tell me a long story.")
+    assert isinstance(chat.invoke("Hello").content, str)

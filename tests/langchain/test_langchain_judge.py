@@ -1,0 +1,96 @@
+"""Judge ensembles: N candidates and the judge as one span query, tree reduction, and a LangGraph map-reduce."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from spanq_integrations.langchain import ChatSpanQuery, JudgeEnsemble, JudgeVerdict
+
+pytestmark = pytest.mark.vllm
+
+EXAMPLES = Path(__file__).parent.parent.parent / "examples"
+QUESTION = "Which town can only be reached by ferry?"
+DOCUMENTS = [
+    "Lindale Harbor is a fishing town; the ferry to the islands leaves from pier three twice a day.",
+    "Brackwell is an orchard village; its cider press runs from September to November.",
+]
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(f"spanq_example_{name}", EXAMPLES / "judge" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # LangGraph reads the module's type hints through it
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def llm(tiny_backend):
+    return ChatSpanQuery(backend=tiny_backend, max_tokens=6)
+
+
+def test_the_ensemble_returns_a_verdict_and_the_outputs_it_reused(llm):
+    verdict = JudgeEnsemble(llm=llm, n=3).invoke({"question": QUESTION, "documents": DOCUMENTS})
+    assert isinstance(verdict, JudgeVerdict) and isinstance(verdict.verdict, str)
+    assert len(verdict.candidates) == 3
+    assert sorted(verdict.reused_outputs) == sorted(
+        verdict.candidates
+    )  # the judge read every candidate as a span
+    assert len(verdict.calls) == 4  # three generators, one judge
+    root = next(c for c in verdict.calls if c.path == "$")
+    assert root.extra["spans"] == len(set(verdict.candidates))
+    generators = [c for c in verdict.calls if c.path != "$"]
+    assert all(c.extra["spans"] == 2 for c in generators)  # the documents, as spans of every generator
+    assert verdict.selection is None or 0 <= verdict.selection.index < 3
+    assert verdict.levels[-1].calls[0].path == "$"
+
+
+def test_tree_reduction_judges_k_candidates_at_a_time(llm):
+    verdict = JudgeEnsemble(llm=llm, n=4, tree_reduction_k=2).invoke(QUESTION)
+    assert len(verdict.candidates) == 4
+    assert len(verdict.calls) == 4 + 2 + 1  # generators, two intermediate judges, the root judge
+    assert len(verdict.reused_outputs) == 4 + 2  # candidates read by the judges, the judges read by the root
+    assert set(verdict.candidates) <= set(verdict.reused_outputs)
+
+
+async def test_judging_given_candidates_again_reads_them_from_the_span_cache(llm, tiny_backend):
+    candidates = [
+        "The ferry leaves from pier three of Lindale Harbor, twice a day, for the islands in the north.",
+        "Only Lindale Harbor: the islands' ferry leaves from its pier three in the morning and the evening.",
+        "Brackwell, by the orchard road; the cider press there runs from September until late November.",
+    ]
+    judge = JudgeEnsemble(llm=llm, reducer="extract")  # `select` labels candidates by position: [0], [1], …
+    await judge.ainvoke({"question": QUESTION, "candidates": candidates})
+    again = await judge.ainvoke({"question": QUESTION, "candidates": candidates[::-1]})
+    assert again.candidates == candidates[::-1] and again.reused_outputs == []
+    tokens = sum(len(tiny_backend.engine.tokenizer.encode(c, add_special_tokens=False)) for c in candidates)
+    assert again.judge_cached_tokens >= tokens
+    assert again.levels[-1].calls[0].metrics.prepared_spans == 0
+
+
+def test_the_langgraph_map_reduce_example(llm):
+    state = load_example("langchain_judge_graph").run(llm, n=3, k=2)
+    verdict = state["verdict"]
+    assert len(state["candidates"]) == 3 and verdict.candidates == state["candidates"]
+    assert len(verdict.calls) == 2  # the judge of two candidates, then the root over it and the third
+
+
+def test_the_judge_example(llm):
+    verdict = load_example("langchain_judge").run(llm, n=2, k=None)
+    assert len(verdict.candidates) == 2 and len(verdict.calls) == 3
+
+
+def test_strict_raises_when_the_judge_names_no_candidate(llm):
+    from spanq_integrations import ReducerParseError
+
+    candidates = ["The ferry leaves from pier three.", "The cider press runs in autumn."]
+    lenient = JudgeEnsemble(llm=llm).invoke({"question": QUESTION, "candidates": candidates})
+    if lenient.selection is not None:
+        pytest.skip("this model's judge named a candidate")
+    assert lenient.parse_error and lenient.verdict == lenient.levels[-1].calls[0].output
+    with pytest.raises(ReducerParseError, match="select"):
+        JudgeEnsemble(llm=llm, strict=True).invoke({"question": QUESTION, "candidates": candidates})

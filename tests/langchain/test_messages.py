@@ -1,0 +1,144 @@
+"""LangChain messages → the span query's input, and cutting a prompt around documents found in it."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_core.messages import AIMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
+
+from spanq_integrations import Assistant, Cross, Fragment, Plus, System, User
+from spanq_integrations.flatten import to_chat_messages
+from spanq_integrations.langchain import UnsupportedMessageError, format_docs_as_spans, span_block
+from spanq_integrations.langchain.messages import (
+    PromptMessage,
+    SpanCandidate,
+    SpanPiece,
+    prompt_from_messages,
+    query_input,
+    split_at_documents,
+)
+
+
+def test_roles_map_to_the_ir_messages():
+    prompt = prompt_from_messages(
+        [
+            SystemMessage("be brief"),
+            HumanMessage("hi"),
+            AIMessage("hello"),
+            ChatMessage(role="user", content="and?"),
+        ]
+    )
+    node = query_input(prompt, span_aware=True)
+    assert node == Cross(
+        children=(System(text="be brief"), User(text="hi"), Assistant(text="hello"), User(text="and?"))
+    )
+
+
+def test_adjacent_span_blocks_become_one_plus_of_fragments():
+    spans = format_docs_as_spans(["doc A", "doc B"])
+    message = HumanMessage(["Context:", *spans, {"type": "text", "text": "Question: which?"}])
+    node = query_input(prompt_from_messages([SystemMessage("sys"), message]), span_aware=True)
+    assert isinstance(node, Cross)
+    system, before, plus, after = node.children
+    assert (system, before, after) == (
+        System(text="sys"),
+        User(text="Context:"),
+        User(text="Question: which?"),
+    )
+    assert isinstance(plus, Plus)
+    assert [f.text for f in plus.children] == ["doc A", "doc B"]
+    assert all(isinstance(f, Fragment) and f.id for f in plus.children)
+
+
+def test_a_text_block_between_span_blocks_starts_a_new_plus():
+    message = HumanMessage([span_block("a"), span_block("b"), "then", span_block("c"), span_block("d")])
+    node = query_input(prompt_from_messages([message]), span_aware=True)
+    kinds = [type(c).__name__ for c in node.children]
+    assert kinds == ["Plus", "User", "Plus"]
+
+
+def test_spans_are_flattened_into_their_message_for_an_ordinary_server():
+    message = HumanMessage(["Context:", *format_docs_as_spans(["doc A", "doc B"]), "Question: which?"])
+    node = query_input(prompt_from_messages([SystemMessage("sys"), message]), span_aware=False)
+    assert not any(isinstance(c, Plus) for c in node.children)
+    sent = to_chat_messages(node)
+    assert sent == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "Context:\n\ndoc A\n\ndoc B\n\nQuestion: which?"},
+    ]
+    assert all(set(m) == {"role", "content"} and isinstance(m["content"], str) for m in sent)
+
+
+def test_the_shorthand_marker_is_read_too():
+    message = HumanMessage([{"type": "text", "text": "doc", "spanq": {"span": True, "id": "d1"}}])
+    (m,) = prompt_from_messages([message])
+    assert m.parts == [SpanPiece("doc", "d1")]
+
+
+@pytest.mark.parametrize(
+    "message, words",
+    [
+        (ToolMessage("42", tool_call_id="1"), "ToolMessage is not supported"),
+        (AIMessage("", tool_calls=[{"name": "f", "args": {}, "id": "1"}]), "tool calls"),
+        (HumanMessage([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]), "text only"),
+        (ChatMessage(role="critic", content="meh"), "role 'critic'"),
+    ],
+)
+def test_unsupported_messages_raise_a_clear_error(message, words):
+    with pytest.raises(UnsupportedMessageError, match=words) as caught:
+        prompt_from_messages([HumanMessage("hi"), message])
+    assert caught.value.path.startswith("messages[1]")
+
+
+# --------------------------------------------------------------------------------------------- documents
+
+DOCS = [SpanCandidate("Doc one is about boats.", "one"), SpanCandidate("Doc two is about apples.", "two")]
+
+
+def _prompt(system_text: str, question: str = "Which?") -> list[PromptMessage]:
+    return [PromptMessage("system", [system_text]), PromptMessage("user", [question])]
+
+
+def test_documents_joined_by_blank_lines_are_cut_out_as_spans():
+    prompt = _prompt("Use the context.\n\nContext:\nDoc two is about apples.\n\nDoc one is about boats.\n")
+    split, reason = split_at_documents(prompt, DOCS)
+    assert reason is None
+    assert split[0].parts == [
+        "Use the context.\n\nContext:",
+        SpanPiece("Doc two is about apples.", "two"),
+        SpanPiece("Doc one is about boats.", "one"),
+    ]
+    assert split[1].parts == ["Which?"]
+
+
+def test_documents_missing_from_the_prompt_are_ignored():
+    split, reason = split_at_documents(_prompt("Context:\nDoc one is about boats."), DOCS)
+    assert reason is None and split[0].parts[1:] == [SpanPiece("Doc one is about boats.", "one")]
+
+
+@pytest.mark.parametrize(
+    "system_text, question, words",
+    [
+        ("Context:\n[1] Doc one is about boats.\n[2] Doc two is about apples.", "Which?", "text other than"),
+        ("Doc one is about boats. Doc one is about boats.", "Which?", "appears 2 times"),
+        ("Context:\nDoc one is about boats.", "Doc two is about apples.", "several messages"),
+        ("Context: see Doc one is about boats. and more", "Which?", "line boundaries"),
+        ("Context: (nothing retrieved)", "Which?", "none of the 2"),
+    ],
+)
+def test_unsafe_layouts_fall_back_to_the_plain_prompt_with_a_reason(system_text, question, words):
+    split, reason = split_at_documents(_prompt(system_text, question), DOCS)
+    assert split is None
+    assert words in reason
+
+
+def test_a_document_inside_a_longer_one_does_not_count_twice():
+    long = SpanCandidate("Header. Doc one is about boats. Footer.", "long")
+    split, reason = split_at_documents(
+        _prompt("Context:\nHeader. Doc one is about boats. Footer."), [*DOCS, long]
+    )
+    assert reason is None
+    assert split[0].parts[1:] == [SpanPiece(long.text, "long")]
+
+
+def test_nothing_to_look_for_is_not_a_fallback():
+    assert split_at_documents(_prompt("Context:"), []) == (None, None)

@@ -1,0 +1,239 @@
+"""The RAG app of a LangChain user, with only the LLM swapped: documents retrieved in a new order come from the
+span cache, and the answer comes back through invoke, batch, stream and astream."""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+import pytest
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.documents import Document
+from langchain_core.messages import AIMessage, AIMessageChunk
+from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
+from langchain_core.runnables import RunnablePassthrough
+from langgraph.graph import START, StateGraph
+
+from spanq_integrations.langchain import (
+    ChatSpanQuery,
+    SpanQueryLLM,
+    SpanRetriever,
+    create_span_retrieval_chain,
+    format_docs_as_spans,
+)
+from tests.langchain.rag_app import OrderedRetriever, format_docs, token_count, town_documents
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = ChatPromptTemplate.from_messages(
+    [
+        ("system", "Answer the question using only the context. Be brief.\n\nContext:\n{context}"),
+        ("human", "{question}"),
+    ]
+)
+QUESTION = "What color is the town hall of Corrow Ridge?"
+ORDERS = [[0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0], [1, 0, 3, 2], [0, 2, 3, 1], [3, 0, 2, 1]]
+
+
+class GraphState(TypedDict):
+    question: str
+    context: list[Document]
+    answer: AIMessage
+
+
+def rag_app(retriever, llm, format_step=format_docs):
+    """LangChain's RAG tutorial chain, as written there."""
+    return {"context": retriever | format_step, "question": RunnablePassthrough()} | PROMPT | llm
+
+
+def document_tokens(backend, docs) -> int:
+    return sum(token_count(backend, d.page_content) for d in docs)
+
+
+def stats(message) -> dict:
+    return message.response_metadata["spanq"]
+
+
+def cache_read(message) -> int:
+    return message.usage_metadata["input_token_details"]["cache_read"]
+
+
+def test_reordered_documents_are_read_from_the_span_cache(tiny_backend, chat):
+    docs = town_documents("reorder")
+    retriever = OrderedRetriever(documents=docs, orders=ORDERS)
+    app = rag_app(retriever, chat)
+
+    first = app.invoke(QUESTION)
+    second = app.invoke(QUESTION)
+
+    assert retriever.served[0] != retriever.served[1]  # the same documents, in a different order
+    for message in (first, second):
+        assert isinstance(message, AIMessage) and isinstance(message.content, str)
+        assert stats(message)["spans"] == 4
+        assert stats(message)["span_source"] == "run_documents"
+    assert stats(first)["prepared_spans"] >= 1
+    assert stats(second)["prepared_spans"] == 0  # nothing left to compute: every document was cached
+    assert cache_read(second) >= document_tokens(tiny_backend, docs)
+    assert message.usage_metadata["input_tokens"] >= cache_read(second)
+
+
+def test_without_spans_the_reordered_documents_miss_the_cache(tiny_backend):
+    docs = town_documents("plain")
+    llm = ChatSpanQuery(backend=tiny_backend, max_tokens=4, temperature=0, recover_documents="off")
+    app = rag_app(OrderedRetriever(documents=docs, orders=ORDERS), llm)
+    app.invoke(QUESTION)
+    second = app.invoke(QUESTION)
+    assert stats(second)["spans"] == 0 and stats(second)["span_source"] is None
+    assert cache_read(second) < document_tokens(tiny_backend, docs)
+
+
+def test_batch_stream_and_astream_answer_through_the_span_cache(tiny_backend, chat):
+    docs = town_documents("interfaces")
+    app = rag_app(OrderedRetriever(documents=docs, orders=ORDERS), chat)
+    app.invoke(QUESTION)  # puts the documents in the cache
+    needed = document_tokens(tiny_backend, docs)
+
+    batch = app.batch([QUESTION, "Which town has a ferry?"])
+    assert len(batch) == 2
+    for message in batch:
+        assert isinstance(message, AIMessage) and message.content
+        assert stats(message)["spans"] == 4 and cache_read(message) >= needed
+
+    tokens: list[str] = []
+
+    class Tokens(BaseCallbackHandler):
+        def on_llm_new_token(self, token: str, **kwargs) -> None:
+            tokens.append(token)
+
+    chunks = list(app.stream(QUESTION, config={"callbacks": [Tokens()]}))
+    assert all(isinstance(c, AIMessageChunk) for c in chunks) and len(chunks) >= 2
+    full = sum(chunks[1:], chunks[0])
+    assert full.content and "".join(tokens) == full.content
+    assert chunks[-1].chunk_position == "last"
+    assert stats(full)["spans"] == 4 and cache_read(full) >= needed
+
+
+async def test_astream_and_ainvoke(tiny_backend, chat):
+    docs = town_documents("async")
+    app = rag_app(OrderedRetriever(documents=docs, orders=ORDERS), chat)
+    await app.ainvoke(QUESTION)
+    chunks = [c async for c in app.astream(QUESTION)]
+    full = sum(chunks[1:], chunks[0])
+    assert full.content and stats(full)["spans"] == 4
+    assert stats(full)["prepared_spans"] == 0
+    assert cache_read(full) >= document_tokens(tiny_backend, docs)
+
+
+def test_streaming_true_invoke_reports_each_token(chat):
+    tokens: list[str] = []
+
+    class Tokens(BaseCallbackHandler):
+        def on_llm_new_token(self, token: str, **kwargs) -> None:
+            tokens.append(token)
+
+    llm = chat.model_copy(update={"streaming": True})
+    message = llm.invoke("Say hello.", config={"callbacks": [Tokens()]})
+    assert tokens and "".join(tokens) == message.content
+
+
+def test_one_line_changed_format_docs_as_spans_with_document_headers(tiny_backend, chat):
+    """`format_docs` that adds per-document headers cannot be cut safely; `format_docs_as_spans` can."""
+    docs = town_documents("headers")
+
+    def format_with_sources(docs):
+        return "\n\n".join(f"[{d.metadata['source']}] {d.page_content}" for d in docs)
+
+    unchanged = rag_app(OrderedRetriever(documents=docs, orders=ORDERS), chat, format_with_sources)
+    plain = unchanged.invoke(QUESTION)
+    assert stats(plain)["spans"] == 0 and "format_docs_as_spans" in stats(plain)["fallback"]
+
+    def spans_with_sources(docs):
+        return format_docs_as_spans(docs, document_prompt="[{source}] {page_content}")
+
+    changed = rag_app(OrderedRetriever(documents=docs, orders=ORDERS[1:]), chat, spans_with_sources)
+    first, second = changed.invoke(QUESTION), changed.invoke(QUESTION)
+    assert stats(first)["spans"] == stats(second)["spans"] == 4
+    assert stats(second)["prepared_spans"] == 0
+    assert cache_read(second) >= document_tokens(tiny_backend, docs)
+
+
+def test_create_span_retrieval_chain_is_a_drop_in(tiny_backend, chat):
+    docs = town_documents("dropin")
+    retriever = OrderedRetriever(documents=docs, orders=ORDERS)
+    prompt = ChatPromptTemplate.from_messages(
+        [("system", "Answer using only this context:\n\n{context}"), ("human", "{input}")]
+    )
+    chain = create_span_retrieval_chain(retriever, prompt, chat)
+
+    first = chain.invoke({"input": QUESTION})
+    assert set(first) == {"input", "context", "answer"}
+    assert [d.id for d in first["context"]] == retriever.served[0]
+    assert isinstance(first["answer"], str)
+
+    seen: list[dict] = []
+
+    class Ends(BaseCallbackHandler):
+        def on_llm_end(self, response, **kwargs) -> None:
+            seen.append(response.generations[0][0].message.response_metadata["spanq"])
+
+    pieces = list(chain.stream({"input": QUESTION}, config={"callbacks": [Ends()]}))
+    answer = "".join(p["answer"] for p in pieces if "answer" in p)
+    assert isinstance(answer, str) and len([p for p in pieces if "answer" in p]) >= 1
+    (spanq,) = seen
+    assert spanq["span_source"] == "content_blocks" and spanq["spans"] == 4 and spanq["prepared_spans"] == 0
+    assert spanq["cached_tokens"] >= document_tokens(tiny_backend, docs)
+
+
+def test_span_retriever_and_tagged_recovery(tiny_backend):
+    docs = town_documents("tagged")
+    llm = ChatSpanQuery(backend=tiny_backend, max_tokens=4, temperature=0, recover_documents="tagged")
+    untagged = rag_app(OrderedRetriever(documents=docs, orders=ORDERS), llm).invoke(QUESTION)
+    assert stats(untagged)["spans"] == 0
+    tagged = rag_app(SpanRetriever(retriever=OrderedRetriever(documents=docs, orders=ORDERS)), llm).invoke(
+        QUESTION
+    )
+    assert stats(tagged)["spans"] == 4 and stats(tagged)["span_source"] == "run_documents"
+
+
+def test_span_query_llm_with_a_string_prompt(tiny_backend):
+    docs = town_documents("llm")
+    llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4, temperature=0)
+    prompt = PromptTemplate.from_template("Context:\n{context}\n\nQuestion: {question}\nAnswer:")
+    retriever = OrderedRetriever(documents=docs, orders=ORDERS)
+    app = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm
+    first = app.invoke(QUESTION)
+    assert isinstance(first, str)
+    result = llm.generate(
+        [prompt.format(context=format_docs(docs[::-1]), question=QUESTION)], span_documents=docs
+    )
+    info = result.generations[0][0].generation_info
+    assert info["spanq"]["spans"] == 4 and info["spanq"]["span_source"] == "span_documents"
+    assert info["spanq"]["prepared_spans"] == 0
+    assert info["usage_metadata"]["input_token_details"]["cache_read"] >= document_tokens(tiny_backend, docs)
+    assert "".join(app.stream(QUESTION))
+    chain = create_span_retrieval_chain(
+        retriever, PromptTemplate.from_template("{context}\n\nQ: {input}\nA:"), llm
+    )
+    assert isinstance(chain.invoke({"input": QUESTION})["answer"], str)
+
+
+def test_a_langgraph_rag_app_works_unchanged(tiny_backend, chat):
+    """LangGraph's RAG tutorial: a `retrieve` node returns {"context": docs}, `generate` formats and calls the LLM."""
+    docs = town_documents("graph")
+    orders = iter(ORDERS)
+
+    def retrieve(state: GraphState) -> dict:  # a vector store search, no retriever run
+        return {"context": [docs[i] for i in next(orders)]}
+
+    def generate(state: GraphState) -> dict:
+        docs_content = "\n\n".join(doc.page_content for doc in state["context"])
+        messages = PROMPT.invoke({"question": state["question"], "context": docs_content})
+        return {"answer": chat.invoke(messages)}
+
+    graph = StateGraph(GraphState).add_sequence([retrieve, generate])
+    graph.add_edge(START, "retrieve")
+    app = graph.compile()
+    app.invoke({"question": QUESTION})
+    second = app.invoke({"question": QUESTION})["answer"]
+    assert stats(second)["spans"] == 4 and stats(second)["span_source"] == "run_documents"
+    assert stats(second)["prepared_spans"] == 0
+    assert cache_read(second) >= document_tokens(tiny_backend, docs)
