@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from spanq_integrations.langchain import ChatSpanQuery, JudgeEnsemble, JudgeVerdict
+from tests.examples import load_example
 
 pytestmark = pytest.mark.vllm
 
-EXAMPLES = Path(__file__).parent.parent.parent / "examples"
 QUESTION = "Which town can only be reached by ferry?"
 DOCUMENTS = [
     "Lindale Harbor is a fishing town; the ferry to the islands leaves from pier three twice a day.",
@@ -20,12 +16,6 @@ DOCUMENTS = [
 ]
 
 
-def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(f"spanq_example_{name}", EXAMPLES / "judge" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # LangGraph reads the module's type hints through it
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -73,14 +63,14 @@ async def test_judging_given_candidates_again_reads_them_from_the_span_cache(llm
 
 
 def test_the_langgraph_map_reduce_example(llm):
-    state = load_example("langchain_judge_graph").run(llm, n=3, k=2)
+    state = load_example("examples/judge/langchain_judge_graph.py").run(llm, n=3, k=2)
     verdict = state["verdict"]
     assert len(state["candidates"]) == 3 and verdict.candidates == state["candidates"]
     assert len(verdict.calls) == 2  # the judge of two candidates, then the root over it and the third
 
 
 def test_the_judge_example(llm):
-    verdict = load_example("langchain_judge").run(llm, n=2, k=None)
+    verdict = load_example("examples/judge/langchain_judge.py").run(llm, n=2, k=None)
     assert len(verdict.candidates) == 2 and len(verdict.calls) == 3
 
 
