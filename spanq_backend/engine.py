@@ -19,9 +19,8 @@ import logging
 import os
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +69,6 @@ class _Request:
     claims: dict[str, int]
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
-    submitted: float = field(default_factory=time.perf_counter)
-
-
-_DONE = object()
 
 
 class SpanEngine:
