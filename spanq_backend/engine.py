@@ -14,6 +14,7 @@ conflict with running ones (`SpanClaims`), and holds it back until they finish.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import os
@@ -69,6 +70,31 @@ class _Request:
     claims: dict[str, int]
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
+
+
+# In-process vLLM engines share the process's distributed state (vLLM's parallel groups). Shutting one engine
+# down tears that state down, which would break every other engine still running in the process, so an engine
+# that is not the last one shuts down without it.
+_live_lock = threading.Lock()
+_live_engines = 0
+
+
+def _retire(engine: Any) -> None:
+    """Shut a stopped engine down now (not at garbage collection), sparing the shared state unless it is last."""
+    from vllm.v1.engine import core
+
+    global _live_engines
+    with _live_lock:
+        _live_engines -= 1
+        stock_cleanup = core.cleanup_dist_env_and_memory
+        if _live_engines > 0:
+            core.cleanup_dist_env_and_memory = lambda *args, **kwargs: gc.collect()
+        try:
+            engine.engine_core.shutdown()
+        except Exception:  # a failed engine may not shut down cleanly; it is gone either way
+            log.exception("shutting the engine down failed")
+        finally:
+            core.cleanup_dist_env_and_memory = stock_cleanup
 
 
 class SpanEngine:
@@ -142,8 +168,13 @@ class SpanEngine:
 
     def _run(self) -> None:
         try:
+            with _live_lock:
+                global _live_engines
+                _live_engines += 1
             engine = self._build()
         except BaseException as e:  # reported to the constructor's caller
+            with _live_lock:
+                _live_engines -= 1
             self._start_error = e
             self._ready.set()
             return
@@ -173,6 +204,7 @@ class SpanEngine:
                 self._send(req, BackendUnavailableError(f"the embedded engine failed: {e}"))
         finally:
             try:
+                _retire(engine)
                 del engine
             except UnboundLocalError:
                 pass

@@ -30,6 +30,7 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.core.sched.output", "CachedRequestData", "req_ids, resumed_req_ids, new_block_ids"),
     ("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa", "(dtype, block_size, head_size) -> isa of the CPU KV layout"),
     ("vllm._custom_ops", "cpu_attn_reshape_and_cache", "writes K/V into the CPU cache; used to discover K's layout"),
+    ("vllm.v1.engine.core", "cleanup_dist_env_and_memory", "module global EngineCore.shutdown calls; spared while other engines live"),
     ("vllm.v1.engine.llm_engine", "LLMEngine", "from_engine_args, add_request, step, abort_request"),
     ("vllm.engine.arg_utils", "EngineArgs", "model, dtype, block_size, enable_prefix_caching, max_model_len"),
     ("vllm.sampling_params", "SamplingParams", "extra_args carries the span table out of band"),
