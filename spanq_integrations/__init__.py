@@ -27,6 +27,7 @@ from .errors import (
     SpanQueryError,
 )
 from .executor import ExecutionResult, aexecute, execute
+from .judge import JudgeResult, ajudge, judge
 from .ir import (
     Assistant,
     Chat,
@@ -83,6 +84,10 @@ __all__ = [
     "Map",
     "Monad",
     "Print",
+    # judges (tree reduction on any server)
+    "judge",
+    "ajudge",
+    "JudgeResult",
     # execution
     "aexecute",
     "execute",
