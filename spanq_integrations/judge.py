@@ -375,8 +375,9 @@ async def ajudge(
     `k=None` one flat judge. `backend` is a `Backend`, a URL, or None for the embedded default.
 
     Errors: `QueryValidationError` for k < 2, no candidates or an unknown reducer (before any call);
-    `ReducerParseError` when the root's answer cannot be parsed (it names the call's path and shows the
-    output; intermediate answers that cannot be parsed are recorded in their `JudgeCall.parse_error`).
+    `ReducerParseError` when the root's answer cannot be parsed: it names the call's path, shows the output
+    (`.path`, `.output`) and carries the run as `.result` (verdict None) for a fallback of your own.
+    Intermediate answers that cannot be parsed are recorded in their `JudgeCall.parse_error`.
     """
     _check_k(k)
     r = resolve_reducer(reducer)
@@ -398,14 +399,15 @@ async def ajudge(
     reader.read(run.tree, "$")
     levels = reader.levels()
     root = levels[-1].calls[0]
+    root_error: ReducerParseError | None = None
     for call in reader.judges:
         try:
             call.parsed = r.parse(call.output, path=call.path, candidates=reader.texts)
         except ReducerParseError as e:
-            if call is root:
-                raise
             call.parse_error = str(e)
-    return JudgeResult(
+            if call is root:
+                root_error = e
+    result = JudgeResult(
         verdict=root.parsed,
         reducer=r.name,
         k=k,
@@ -416,6 +418,10 @@ async def ajudge(
         tree=run.tree,
         plan=plan,
     )
+    if root_error is not None:
+        root_error.result = result  # type: ignore[attr-defined]  # the levels, for a fallback of your own
+        raise root_error
+    return result
 
 
 def judge(

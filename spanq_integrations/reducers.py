@@ -14,8 +14,8 @@ asks for an answer that is at the same time its result and a valid input of the 
 Parsing, and what happens when an answer does not follow the format:
 - `extract` never fails: a JSON array is read as such, anything else line by line (see `ExtractReducer.parse`);
   an empty answer or `NONE` is no items.
-- `select` reads the first `[i]` label naming a candidate; without one, the one candidate whose text the
-  answer contains; otherwise `ReducerParseError`.
+- `select` reads the first `[i]` label naming a candidate (or a number opening the answer); without one, the
+  one candidate whose text (else whose first eight words) the answer quotes; otherwise `ReducerParseError`.
 - `merge` takes the answer as it is; an empty answer is a `ReducerParseError`.
 
 A lone candidate needs no call for `select` and `merge` (it is the winner, it is the merge); `extract` still
@@ -209,6 +209,8 @@ class Selection(BaseModel):
 
 
 _LABEL = re.compile(r"\[(\d+)\]")
+_QUOTED_OPENING_WORDS = 8  # an answer that quotes a candidate's first 8 words (cut short, say) names it
+_OPENING_NUMBER = re.compile(r"\s*[\[#]?\s*(\d+)\s*(?:\]|$|[\s.:)])")
 
 
 def _label(index: int) -> str:
@@ -226,16 +228,20 @@ class SelectReducer(Reducer):
     )
 
     system_prompt: str = (
-        "You compare candidates. Each candidate starts with its label in square brackets, for example [0]."
+        "You compare candidates. Each candidate starts with its label: its number in square brackets."
     )
 
     def instruction(self, task: str) -> str:
-        return f"{task}\nAnswer with the label of the best candidate, for example [0], and nothing else."
+        # No example label ("[0]"): small models copy it whatever they read. The open bracket primes the label.
+        return (
+            f"{task}\nAnswer with the label of the best candidate (its number in square brackets) and nothing "
+            "else:\n["
+        )
 
     def intermediate_instruction(self, task: str) -> str:
         return (
-            f"{task}\nAnswer with the label of the best candidate followed by its text, exactly as given, "
-            "for example: [0] the text of candidate 0. Nothing else."
+            f"{task}\nAnswer with the label of the best candidate (its number in square brackets) followed by "
+            "its text, exactly as given. Nothing else."
         )
 
     def present(self, index: int, candidate: Node) -> Node:
@@ -257,17 +263,23 @@ class SelectReducer(Reducer):
         return Selection(index=0, text=text)
 
     def parse(self, output: str, *, path: str, candidates: Sequence[str]) -> Selection:
-        """The first `[i]` label that names a candidate; else the one candidate whose text the answer holds."""
-        for match in _LABEL.finditer(output):
-            index = int(match.group(1))
+        """The first `[i]` label that names a candidate (or a bare number opening the answer, `2]`, `#2`:
+        the answer to an instruction that ends on `[`); else the one candidate whose text, or else whose first
+        eight words, the answer quotes."""
+        labels = [m.group(1) for m in _LABEL.finditer(output)]
+        opening = _OPENING_NUMBER.match(output)
+        for label in ([opening.group(1)] if opening else []) + labels:
+            index = int(label)
             if 0 <= index < len(candidates):
                 return Selection(index=index, text=candidates[index])
         answer = " ".join(output.split()).casefold()
-        contained = [
-            i for i, c in enumerate(candidates) if c.strip() and " ".join(c.split()).casefold() in answer
-        ]
-        if len(contained) == 1:
-            return Selection(index=contained[0], text=candidates[contained[0]])
+        contained: list[int] = []
+        for words in (None, _QUOTED_OPENING_WORDS):  # the whole text, else its opening words
+            contained = [
+                i for i, c in enumerate(candidates) if c.split() and " ".join(c.split()[:words]).casefold() in answer
+            ]
+            if len(contained) == 1:
+                return Selection(index=contained[0], text=candidates[contained[0]])
         why = (
             f"no label [0]…[{len(candidates) - 1}] and {len(contained)} candidates' texts in it"
             if candidates

@@ -42,11 +42,13 @@ def show(title: str, result: JudgeResult) -> None:
         print(f"level {level.level}: {len(level.calls)} call(s)")
         for call in level.calls:
             read = ", ".join(f"#{i.index}" if i.kind == "candidate" else "answer of the level below" for i in call.inputs)
-            print(f"  {call.path}  reads {read}  ->  {call.output.strip()[:70]!r}")
+            picked = f" (picks #{call.parsed.index})" if call.parsed is not None else " (no label)"
+            print(f"  {call.path}  reads {read}  ->  {call.output.strip()[:60]!r}{picked}")
     m = result.metrics
+    if result.verdict is not None:
+        print(f"verdict: candidate #{result.verdict.index}: {result.verdict.text.strip()!r}")
     print(
-        f"verdict: candidate #{result.verdict.index}: {result.verdict.text.strip()!r}\n"
-        f"cost: {m.calls} calls ({m.judge_calls} judge calls in {m.levels} levels), "
+        f"cost: {m.calls} calls ({m.judge_calls} of them judges, in {m.levels} level(s)), "
         f"{m.prompt_tokens} prompt + {m.generated_tokens} generated tokens, {m.wall_s:.1f} s"
     )
 
@@ -75,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = judge(ensemble, CRITERION, k=k, reducer="select", backend=backend, model=model,
                            max_tokens=args.max_tokens)  # fmt: skip
-        except ReducerParseError as e:  # a small model may answer without a label
-            print(f"\n== {title}\nthe judge's answer could not be read: {e}")
+        except ReducerParseError as e:  # a small model may answer without a label: show what it did say
+            show(title, e.result)
+            print(f"no verdict: {e}")
             continue
         show(title, result)
     if hasattr(backend, "close"):

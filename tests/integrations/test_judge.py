@@ -350,6 +350,9 @@ async def test_unparseable_root_answer_names_the_path_and_shows_the_output():
     assert caught.value.path == "$"
     assert caught.value.output == "they are all lovely"
     assert "$: the select reducer cannot parse" in str(caught.value) and "they are all lovely" in str(caught.value)
+    partial = caught.value.result  # the run is still there, for a fallback of one's own
+    assert partial.verdict is None and [len(level.calls) for level in partial.levels] == [4, 2, 1]
+    assert all(c.parse_error for c in partial.judge_calls)
 
 
 async def test_unparseable_intermediate_answer_is_recorded_and_the_root_decides():
