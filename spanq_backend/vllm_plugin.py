@@ -116,7 +116,8 @@ def _rekey_missed_spans(request: Any, num_computed_tokens: int) -> int:
     return len(hashes) - j0
 
 
-_cow_plans: dict[str, list[int]] = {}  # request id -> hit-block indices that get a private copy
+# Request id -> hit-block indices that get a private copy, for a request whose cache hit awaits admission.
+_cow_plans: dict[str, list[int]] = {}
 _planners: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -140,11 +141,7 @@ def _wrap_get_computed_blocks(orig: Any) -> Any:
         if num_computed and len(blocks.blocks) == 1:
             mgr = self.coordinator.single_type_managers[0]
             hit = [blk.block_id for blk in blocks.blocks[0][: num_computed // mgr.block_size]]
-            plan = _planner(mgr).plan(hit)
-            if plan.duplicate:
-                _cow_plans[request.request_id] = plan.duplicate
-            else:
-                _cow_plans.pop(request.request_id, None)
+            _cow_plans[request.request_id] = _planner(mgr).plan(hit).duplicate
         return result
 
     get_computed_blocks.__wrapped__ = orig  # type: ignore[attr-defined]
@@ -165,13 +162,17 @@ def _wrap_get_num_blocks_to_allocate(orig: Any) -> Any:
 def _wrap_allocate_new_blocks(orig: Any) -> Any:
     def allocate_new_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
         req_blocks = self.req_to_blocks[request_id]
+        plan = _cow_plans.pop(request_id, None)
         duplicated = []
-        for idx in _cow_plans.pop(request_id, ()):
+        for idx in plan or ():
             copy = self.block_pool.get_new_blocks(1)[0]
             self._apply_cow(request_id, idx, req_blocks[idx], copy)  # copied before the forward pass
             duplicated.append(copy)
+        # Positions to record: every block when a cache hit was just admitted, else only the blocks added now
+        # (a running request's earlier blocks keep theirs: no per-step walk over every block it holds).
+        first = 0 if plan is not None else len(req_blocks)
         new_blocks = orig(self, request_id, *args, **kwargs)
-        _planner(self).admitted([b.block_id for b in req_blocks])
+        _planner(self).admitted([b.block_id for b in req_blocks[first:]], first)
         return duplicated + list(new_blocks)
 
     allocate_new_blocks.__wrapped__ = orig  # type: ignore[attr-defined]
