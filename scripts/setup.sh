@@ -78,5 +78,9 @@ EOF
 log "materializing the models (once; about a minute the first time)"
 "$PY" -m spanq_backend.models materialize all
 
+# spanq's CPU kernel for moving cached keys (a few seconds; without a C++ compiler spanq falls back to torch).
+log "building spanq's CPU kernels"
+"$PY" -m spanq_backend.kernels build || log "kernels not built: key relocation will use plain torch"
+
 stamp_key >"$STAMP"
 log "done in $((SECONDS - started)) s"

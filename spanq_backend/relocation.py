@@ -9,11 +9,12 @@ without vLLM.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
+from functools import cached_property, partial
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .rerope import RelocationError, RopeSpec
@@ -21,57 +22,106 @@ from .rerope import RelocationError, RopeSpec
 __all__ = ["BlockPositionTracker", "KLayout", "KVRelocator", "Move"]
 
 
-@dataclass(frozen=True)
-class Move:
+class Move(NamedTuple):
+    """Rotate the keys of block `block_id` by `delta` positions (a tuple: the runner makes thousands per step)."""
+
     block_id: int
     delta: int  # positions to add to the block's keys
 
 
-@dataclass
-class BlockPositionTracker:
-    block_size: int
-    position: dict[int, int] = field(default_factory=dict)  # block id -> position of its first token's key
-    users: dict[int, set[str]] = field(default_factory=lambda: defaultdict(set))  # block id -> running requests
-    _blocks: dict[str, list[int]] = field(default_factory=dict)  # request -> its blocks, in logical order
-    conflicts: int = 0  # moves of a block another running request reads at another position
+_new_move = partial(tuple.__new__, Move)  # Move from a (block_id, delta) pair, without a Python-level __new__
 
-    def _place(self, req_id: str, blocks: Sequence[int], first: int, num_hits: int, moves: list[Move]) -> None:
-        for j, b in enumerate(blocks, start=first):
-            want = j * self.block_size
-            have = self.position.get(b)
-            if j < num_hits and have is not None and have != want:
-                if self.users.get(b, set()) - {req_id}:
-                    self.conflicts += 1
-                moves.append(Move(b, want - have))
-            self.position[b] = want
-            self.users[b].add(req_id)
+
+class BlockPositionTracker:
+    """Which position each cached block's keys encode, and how many running requests read it.
+
+    Per-block state lives in arrays indexed by block id (vLLM's block ids are small dense integers), so placing
+    a request costs a few vectorized operations, not a dictionary update per block: the runner does this for
+    every admitted request of every step. Arrays grow on demand when `num_blocks` is not given.
+    """
+
+    def __init__(self, block_size: int, num_blocks: int = 0):
+        self.block_size = block_size
+        size = max(1, num_blocks)
+        self._pos = np.full(size, -1, dtype=np.int64)  # position of the block's first key; -1: never computed
+        self._readers = np.zeros(size, dtype=np.int64)  # running requests holding the block
+        self._stamp = np.zeros(size, dtype=np.int64)  # scratch: finds a block listed twice in one placement
+        self._starts = np.zeros(0, dtype=np.int64)  # j * block_size for j = 0, 1, ...
+        self._blocks: dict[str, np.ndarray] = {}  # request -> its blocks, in logical order
+        self.conflicts = 0  # moves of a block another running request reads (at another position)
+
+    def position_of(self, block_id: int) -> int | None:
+        """Position of the block's first key, or None if no request ever computed it."""
+        p = int(self._pos[block_id]) if block_id < len(self._pos) else -1
+        return None if p < 0 else p
+
+    def readers(self, block_id: int) -> int:
+        """How many running requests read this block."""
+        return int(self._readers[block_id]) if block_id < len(self._readers) else 0
+
+    def _ids(self, block_ids: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if len(ids) and int(ids.max()) >= len(self._pos):
+            grow = max(int(ids.max()) + 1, 2 * len(self._pos))
+            self._pos = np.concatenate([self._pos, np.full(grow - len(self._pos), -1, dtype=np.int64)])
+            self._readers = np.concatenate([self._readers, np.zeros(grow - len(self._readers), dtype=np.int64)])
+            self._stamp = np.zeros(grow, dtype=np.int64)
+        return ids
+
+    def _place(self, ids: np.ndarray, first: int, num_hits: int) -> list[Move]:
+        """Blocks `ids` are now the logical blocks `first...`; the first `num_hits` of them were cache hits."""
+        n = len(ids)
+        if n == 0:
+            return []
+        if len(self._starts) < first + n:
+            self._starts = np.arange(2 * (first + n), dtype=np.int64) * self.block_size
+        want = self._starts[first : first + n]
+        order = self._starts[:n]  # any n distinct values
+        self._stamp[ids] = order
+        if (self._stamp[ids] != order).any():  # one block twice in a request: sequential semantics, block by block
+            moves: list[Move] = []
+            for j, b in enumerate(ids.tolist()):
+                moves += self._place(np.array([b], dtype=np.int64), first + j, 1 if j < num_hits else 0)
+            return moves
+        moves = []
+        hits = ids[:num_hits]
+        if len(hits):
+            have = self._pos[hits]
+            moved = (have >= 0) & (have != want[:num_hits])
+            if moved.any():
+                blocks = hits[moved]
+                self.conflicts += int(np.count_nonzero(self._readers[blocks]))
+                moves = list(map(_new_move, zip(blocks.tolist(), (want[:num_hits] - have)[moved].tolist())))
+        self._pos[ids] = want
+        self._readers[ids] += 1
+        return moves
 
     def new_request(self, req_id: str, block_ids: Sequence[int], num_computed_tokens: int) -> list[Move]:
         """A request scheduled for the first time (or resumed): its first blocks may be cache hits."""
         self.finish(req_id)
-        moves: list[Move] = []
-        self._place(req_id, block_ids, 0, num_computed_tokens // self.block_size, moves)
-        self._blocks[req_id] = list(block_ids)
+        ids = self._ids(block_ids)
+        moves = self._place(ids, 0, min(len(ids), num_computed_tokens // self.block_size))
+        self._blocks[req_id] = ids
         return moves
 
     def extend_request(self, req_id: str, new_block_ids: Sequence[int]) -> None:
         """Blocks appended to a running request are computed by it, at the next logical indices."""
-        blocks = self._blocks.setdefault(req_id, [])
-        self._place(req_id, new_block_ids, len(blocks), 0, [])
-        blocks.extend(new_block_ids)
+        if not len(new_block_ids):
+            return
+        ids = self._ids(new_block_ids)
+        held = self._blocks.get(req_id)
+        self._place(ids, 0 if held is None else len(held), 0)
+        self._blocks[req_id] = ids if held is None else np.concatenate([held, ids])
 
     def copied(self, src: int, dst: int) -> None:
         """Block `dst` was made a copy of `src` (CIDRA's duplicate): its keys encode the same position."""
-        if src in self.position:
-            self.position[dst] = self.position[src]
+        self._ids([src, dst])
+        self._pos[dst] = self._pos[src]
 
     def finish(self, req_id: str) -> None:
-        for b in self._blocks.pop(req_id, ()):
-            users = self.users.get(b)
-            if users is not None:
-                users.discard(req_id)
-                if not users:
-                    del self.users[b]
+        ids = self._blocks.pop(req_id, None)
+        if ids is not None and len(ids):
+            np.subtract.at(self._readers, ids, 1)
 
 
 @dataclass(frozen=True)
@@ -112,14 +162,20 @@ class KLayout:
 _CPU_CHUNK_BYTES = 1 << 20
 
 
+_UNSET = object()
+
+
 class KVRelocator:
     """Moves keys of whole blocks in CPU_ATTN caches (`[num_blocks, kv_heads, block_size, 2*head_dim]`, K first)."""
 
-    def __init__(self, kv_caches: Sequence[torch.Tensor], layout: KLayout, spec: RopeSpec):
+    def __init__(self, kv_caches: Sequence[torch.Tensor], layout: KLayout, spec: RopeSpec, *, compiled: bool = True):
+        """`compiled=False`: always the plain torch passes, even where spanq's compiled CPU op would apply."""
         self.kv_caches = list(kv_caches)
+        self.compiled = compiled
         self.layout = layout
         self.spec = spec
         self.moved_blocks = 0
+        self._op: object = _UNSET
 
     def _k_regions(self) -> Iterable[torch.Tensor]:
         bs, hd = self.layout.block_size, self.layout.head_dim
@@ -127,23 +183,36 @@ class KVRelocator:
             nb, heads = kv.shape[0], kv.shape[1]
             yield kv.view(nb, heads, 2 * bs * hd)[:, :, : bs * hd]
 
+    @property
+    def uses_compiled_kernel(self) -> bool:
+        return bool(self.kv_caches) and self._compiled_op() is not None
+
     def apply(self, moves: Sequence[Move]) -> None:
         """Rotate each moved block's keys by its delta, in place, all blocks of all layers in one pass per layer.
 
-        Moves of the same block add up. Each layer's moved blocks are gathered (in chunks that stay in cache on
+        Moves of the same block add up. On the CPU, with a row-major or transposed K layout, spanq's compiled op
+        does it (`kernels.relocate_keys_op`: one pass that reads and writes each moved key once, all layers in
+        one call). Otherwise each layer's moved blocks are gathered (in chunks that stay in cache on
         the CPU), rotated with per-block cos/sin, and scattered back; row-major and transposed layouts are read
         through strided views, any other layout through `flat_index`. Plain torch: runs on any device.
         """
         net: dict[int, int] = {}
-        for m in moves:
-            net[m.block_id] = net.get(m.block_id, 0) + m.delta
+        for b, d in moves:
+            net[b] = net.get(b, 0) + d
         net = {b: net[b] for b in sorted(net) if net[b]}  # by block id: neighbours in the cache form runs
         if not net or not self.kv_caches:
             return
         spec = self.spec
-        if max(abs(d) for d in net.values()) > spec.max_delta:
+        if max(map(abs, net.values())) > spec.max_delta:
             raise RelocationError(f"a delta exceeds the rotary table ({spec.max_delta} positions)")
         first = self.kv_caches[0]
+        op = self._compiled_op()
+        if op is not None:
+            layout = self.layout
+            op(self.kv_caches, list(net), list(net.values()), self._op_table, layout.block_size, layout.head_dim,
+               spec.rotary_dim, spec.is_neox_style, layout.kind == "transposed")
+            self.moved_blocks += len(net)
+            return
         device, work = first.device, torch.promote_types(first.dtype, torch.float32)
         table = getattr(self, "_rotary_table", None)
         if table is None or table.device != device or table.dtype != work:
@@ -211,6 +280,28 @@ class KVRelocator:
                 else:
                     region.index_copy_(0, sel, flat)
         self.moved_blocks += len(net)
+
+
+    def _compiled_op(self) -> object | None:
+        """spanq's compiled CPU op when it applies to these caches (CPU, a known layout, one contiguous K run
+        per block and head), else None: `apply` then runs the plain torch passes."""
+        if self._op is _UNSET:
+            op = None
+            bs, hd = self.layout.block_size, self.layout.head_dim
+            first = self.kv_caches[0]
+            fits = self.compiled and self.layout.kind in ("row_major", "transposed") and all(
+                kv.device.type == "cpu" and kv.dim() == 4 and kv.shape[2:] == (bs, 2 * hd) and kv.stride(3) == 1
+                and kv.stride(2) == 2 * hd and kv.dtype == first.dtype and kv.shape[1] == first.shape[1]
+                and kv.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+                for kv in self.kv_caches
+            )
+            if fits:
+                from .kernels import relocate_keys_op
+
+                op = relocate_keys_op()
+            self._op = op
+            self._op_table = self.spec.cos_sin_cache.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        return self._op
 
 
 def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:

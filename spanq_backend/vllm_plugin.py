@@ -191,8 +191,8 @@ class SpanRuntime:
 
         cfg = runner.cache_config
         self.block_size = int(cfg.block_size)
-        self.tracker = BlockPositionTracker(self.block_size)
         kv_caches = [t for t in runner.kv_caches if t is not None]
+        self.tracker = BlockPositionTracker(self.block_size, int(kv_caches[0].shape[0]) if kv_caches else 0)
         spec = rope_spec_of_model(runner.get_model())
         layout = discover_cpu_k_layout(runner, self.block_size, spec.head_dim)
         self.relocator = KVRelocator(kv_caches, layout, spec)
@@ -312,10 +312,13 @@ def register() -> None:
 
 
 def stats() -> dict[str, int]:
-    """Span-runtime counters of this process (in-process engines only): moves, duplicates, conflicts."""
+    """Span-runtime counters of this process (in-process engines only): moves, duplicates, conflicts, and how
+    many runners move keys with spanq's compiled CPU op (`kernels.relocate_keys_op`) rather than plain torch."""
     planners = list(_planners)
+    runtimes = [rt for rt in _runtimes.values() if rt]
     return {
-        "moved_blocks": sum(rt.relocator.moved_blocks for rt in _runtimes.values() if rt),
-        "conflicts": sum(rt.tracker.conflicts for rt in _runtimes.values() if rt),
+        "moved_blocks": sum(rt.relocator.moved_blocks for rt in runtimes),
+        "compiled_runners": sum(rt.relocator.uses_compiled_kernel for rt in runtimes),
+        "conflicts": sum(rt.tracker.conflicts for rt in runtimes),
         "duplicates": sum(p.duplicates_planned for p in planners),
     }

@@ -7,6 +7,9 @@ scattered over the cache or in runs of consecutive blocks (as a span's blocks us
 in the same repetition, a plain copy of the same number of K bytes (read once, written once: the memory-
 bandwidth limit of an in-place rotation). Throughput is moved tokens per ms (all layers of a token).
 
+`x copy` is the relocator as spanq runs it (its compiled CPU op, `kernels.relocate_keys_op`, where it applies);
+`torch x copy` the plain torch passes it falls back to (GPU, other layouts, no compiler).
+
 Planning: `cidra.CidraPlanner` (scheduler side: plan and admit) and `relocation.BlockPositionTracker`
 (runner side: the moves) for `--requests` requests x `--spans` spans admitted in one step, in microseconds,
 against the time of one decode step of the tiny model measured on the engine (`--no-decode` skips it).
@@ -106,7 +109,8 @@ def time_relocation(
     rng = random.Random(seed)
     blocks = moved_blocks(num_blocks, moved, pattern, rng)
     moves = [Move(b, rng.choice((-1, 1)) * bs * rng.randint(1, 64)) for b in blocks]
-    relocator = KVRelocator(caches, layout, rope_spec(hd))
+    relocator = KVRelocator(caches, layout, rope_spec(hd))  # spanq's compiled op where it applies
+    fallback = KVRelocator(caches, layout, rope_spec(hd), compiled=False)  # the plain torch passes
     k_elems = moved * shape.layers * shape.kv_heads * bs * hd
     src = torch.empty(k_elems, device=device).fill_(0.25)
     dst = torch.empty_like(src)
@@ -119,18 +123,20 @@ def time_relocation(
         sync()
         return time.perf_counter() - t
 
-    relocator.apply(moves)  # warm-up: scratch buffers, the rotary table on the device
+    relocator.apply(moves)  # warm-up: the kernel build or load, scratch buffers, the rotary table on the device
+    fallback.apply(moves)
     dst.copy_(src)
-    reloc, copy = [], []
+    reloc, copy, torch_only = [], [], []
     for _ in range(reps):
         copy.append(timed(lambda: dst.copy_(src)))
         reloc.append(timed(lambda: relocator.apply(moves)))
+        torch_only.append(timed(lambda: fallback.apply(moves)))
     tokens = moved * bs
     k_bytes = k_elems * src.element_size()
     ratios = [c / r for c, r in zip(copy, reloc)]
     return {
         "shape": shape.name, "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": hd,
-        "layout": layout.kind, "pattern": pattern, "moved_blocks": moved, "tokens": tokens, "k_bytes": k_bytes,
+        "layout": layout.kind, "compiled": relocator.uses_compiled_kernel, "pattern": pattern, "moved_blocks": moved, "tokens": tokens, "k_bytes": k_bytes,
         "relocate_s": summarize(reloc), "copy_s": summarize(copy),
         "relocate_tokens_per_ms": tokens / (summarize(reloc)["median"] * 1e3),
         "relocate_tokens_per_ms_best": tokens / (min(reloc) * 1e3),
@@ -138,6 +144,9 @@ def time_relocation(
         "copy_gb_per_s": 2 * k_bytes / summarize(copy)["median"] / 1e9,
         "fraction_of_copy": percentile(ratios, 50),
         "fraction_of_copy_best": min(copy) / min(reloc),
+        "torch_s": summarize(torch_only),
+        "torch_tokens_per_ms": tokens / (summarize(torch_only)["median"] * 1e3),
+        "torch_fraction_of_copy": percentile([c / t for c, t in zip(copy, torch_only)], 50),
     }
 
 
@@ -174,7 +183,7 @@ def time_planning(requests: int, spans: int, blocks_per_span: int, block_size: i
     for _ in range(reps):
         refs: dict[int, int] = {}  # block -> requests holding it
         planner = CidraPlanner(block_size, lambda b, refs=refs: refs.get(b, 0))  # users: ref count
-        tracker = BlockPositionTracker(block_size)
+        tracker = BlockPositionTracker(block_size, 1 + len(pool) * blocks_per_span)
         for s in pool:  # every span was prepared once, at logical block 1 (after a one-block anchor)
             tracker.new_request(f"prep{s[0]}", [0, *s], 0)
             tracker.finish(f"prep{s[0]}")
@@ -267,7 +276,9 @@ def main(argv: Sequence[str] = ()) -> int:
     planning.update(decode)
     for key, step in decode.items():
         planning["share_of_" + key.replace("_s_", "_")] = planning["total_us_per_step"] * 1e-6 / step
-    report.config.update({"layout": layout.kind, "max_abs_error_vs_rerope": error, "threads": args.threads})
+    compiled = all(r["compiled"] for r in report.rows) if report.rows else False
+    report.config.update({"layout": layout.kind, "max_abs_error_vs_rerope": error, "threads": args.threads,
+                          "compiled": compiled})
     report.summary = {"planning": planning, "max_abs_error_vs_rerope": error}
     print(render_tables(report, args))
     report.write(plot(report.rows, args))
@@ -279,11 +290,12 @@ def render_tables(report: BenchReport, args: argparse.Namespace) -> str:
     rows = [
         [r["shape"], f"{r['layers']}x{r['kv_heads']}x{r['head_dim']}", r["pattern"], r["moved_blocks"], r["tokens"],
          r["relocate_s"]["median"] * 1e3, r["relocate_tokens_per_ms"], r["relocate_tokens_per_ms_best"],
-         r["copy_tokens_per_ms"], r["copy_gb_per_s"], r["fraction_of_copy"], r["fraction_of_copy_best"]]
+         r["copy_tokens_per_ms"], r["copy_gb_per_s"], r["fraction_of_copy"], r["fraction_of_copy_best"],
+         r["torch_tokens_per_ms"], r["torch_fraction_of_copy"]]
         for r in report.rows
     ]
     headers = ["shape", "LxHxD", "blocks", "moved", "tokens", "reloc ms", "tok/ms", "best tok/ms", "copy tok/ms",
-               "copy GB/s", "x copy", "x copy best"]
+               "copy GB/s", "x copy", "x copy best", "torch tok/ms", "torch x copy"]
     p = report.summary["planning"]
     plan_rows = [["CIDRA plan + admit", p["cidra_plan_us_per_step"]], ["position tracker", p["tracker_us_per_step"]],
                  ["total", p["total_us_per_step"]], ["duplicates planned", p["duplicates_per_step"]]]
@@ -292,7 +304,9 @@ def render_tables(report: BenchReport, args: argparse.Namespace) -> str:
             plan_rows.append([f"decode step ({key.rsplit('batch', 1)[1]} seq), us", p[key] * 1e6])
             plan_rows.append(["  planning share of it", p["share_of_" + key.replace("_s_", "_")]])
     return (
-        f"rerope: K relocation in place (layout {report.config['layout']}, {args.threads} torch thread(s), "
+        f"rerope: K relocation in place (layout {report.config['layout']}, "
+        f"{'compiled op' if report.config['compiled'] else 'torch fallback: kernels unavailable'}; "
+        f"torch = the plain torch fallback; {args.threads} torch thread(s), "
         f"{args.reps} reps; x copy = median of per-rep copy/relocate time ratios; max error vs rerope_ "
         f"{report.summary['max_abs_error_vs_rerope']:.1e})\n"
         + format_table(headers, rows)
@@ -317,6 +331,8 @@ def plot(rows: list[dict[str, Any]], args: argparse.Namespace) -> Any:
             if pattern == "scattered":
                 ax.plot(xs, [r["copy_tokens_per_ms"] for r in rs], ls=":", marker="x", color=c,
                         label=f"copy of the same K bytes, {shape}")
+                ax.plot(xs, [r["torch_tokens_per_ms"] for r in rs], ls="-.", marker=".", color=c, alpha=0.5,
+                        label=f"torch fallback {shape} ({pattern})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("blocks moved per step")

@@ -7,13 +7,17 @@ layout `discover_cpu_k_layout` finds: moved K equals RoPE at the new position, V
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from spanq_backend.kernels import relocate_keys_op
 from spanq_backend.relocation import BlockPositionTracker, KLayout, KVRelocator, Move
-from spanq_backend.rerope import RopeSpec, rerope_
+from spanq_backend.rerope import RelocationError, RopeSpec, rerope_
 
 BS = 32
 HEAD_DIM = 64
@@ -23,14 +27,14 @@ HEAD_DIM = 64
 
 
 def positions(tracker: BlockPositionTracker, blocks: list[int]) -> list[int]:
-    return [tracker.position[b] for b in blocks]
+    return [tracker.position_of(b) for b in blocks]
 
 
 def test_computed_blocks_record_their_positions():
     t = BlockPositionTracker(BS)
     assert t.new_request("prep-a", [1, 2, 3, 4], 0) == []
     assert positions(t, [1, 2, 3, 4]) == [0, BS, 2 * BS, 3 * BS]
-    assert t.users[3] == {"prep-a"}
+    assert t.readers(3) == 1
 
 
 def test_hits_at_another_position_yield_exactly_the_moves():
@@ -56,7 +60,7 @@ def test_moves_are_relative_to_where_the_block_is_now():
     t.finish("r1")
     # later moved back forward: the delta is from the block's current position, not its first one
     assert t.new_request("r2", [1, 10], 2 * BS) == [Move(10, -2 * BS)]
-    assert t.position[10] == BS
+    assert t.position_of(10) == BS
 
 
 def test_hits_at_the_same_position_need_no_move():
@@ -83,7 +87,7 @@ def test_extend_request_places_new_blocks_at_the_next_logical_indices():
     t.extend_request("r", [])
     t.extend_request("r", [9, 4])
     assert positions(t, [1, 2, 5, 9, 4]) == [0, BS, 2 * BS, 3 * BS, 4 * BS]
-    assert all("r" in t.users[b] for b in (1, 2, 5, 9, 4))
+    assert all(t.readers(b) == 1 for b in (1, 2, 5, 9, 4))
 
 
 def test_extend_request_never_moves_even_a_known_block():
@@ -92,7 +96,7 @@ def test_extend_request_never_moves_even_a_known_block():
     t.finish("a")
     t.new_request("r", [1, 2], 0)
     t.extend_request("r", [3])  # block 3 is recomputed here by r
-    assert t.position[3] == 2 * BS
+    assert t.position_of(3) == 2 * BS
 
 
 def test_finish_releases_the_request_from_its_blocks():
@@ -100,9 +104,9 @@ def test_finish_releases_the_request_from_its_blocks():
     t.new_request("a", [1, 2], 0)
     t.new_request("b", [1, 2, 3], 2 * BS)
     t.finish("a")
-    assert t.users[1] == {"b"} and 3 in t.users
+    assert t.readers(1) == 1 and t.readers(3) == 1
     t.finish("b")
-    assert 1 not in t.users and 2 not in t.users and 3 not in t.users
+    assert t.readers(1) == t.readers(2) == t.readers(3) == 0
     t.finish("b")  # finishing twice is harmless
     t.finish("never-seen")
     # positions outlive the requests: the blocks stay cached
@@ -117,8 +121,8 @@ def test_a_resumed_request_is_placed_again():
     t.new_request("r", [1, 2, 3], 0)
     moves = t.new_request("r", [1, 4, 10, 5], 3 * BS)  # resumed: new blocks, 1/4/10 hit
     assert moves == [Move(10, BS)]
-    assert 2 not in t.users and 3 not in t.users
-    assert t.users[10] == {"r"}
+    assert t.readers(2) == t.readers(3) == 0
+    assert t.readers(10) == 1
     assert positions(t, [1, 4, 10, 5]) == [0, BS, 2 * BS, 3 * BS]
 
 
@@ -148,15 +152,93 @@ def test_a_copied_block_encodes_its_sources_position_and_moves_from_there():
     t = BlockPositionTracker(BS)
     t.new_request("p", [1, 10], 0)
     t.new_request("a", [1, 2, 10], 3 * BS)  # running, reads 10 at block 2
-    assert t.position[10] == 2 * BS
+    assert t.position_of(10) == 2 * BS
     t.copied(10, 20)
-    assert t.position[20] == 2 * BS
+    assert t.position_of(20) == 2 * BS
     moves = t.new_request("b", [1, 20], 2 * BS)  # b reads its private copy at block 1
     assert moves == [Move(20, -BS)]
-    assert t.position[10] == 2 * BS  # a's block is untouched
+    assert t.position_of(10) == 2 * BS  # a's block is untouched
+
+
+class _ReferenceTracker:
+    """The tracker's rules written the plain way (a dict and a set of readers per block), to check it against."""
+
+    def __init__(self):
+        self.position: dict[int, int] = {}
+        self.readers: dict[int, set[str]] = {}
+        self.held: dict[str, list[int]] = {}
+        self.conflicts = 0
+
+    def place(self, req: str, blocks: list[int], first: int, hits: int) -> list[Move]:
+        moves = []
+        for j, b in enumerate(blocks, start=first):
+            have = self.position.get(b)
+            if j - first < hits and have is not None and have != j * BS:
+                self.conflicts += bool(self.readers.get(b, set()) - {req})
+                moves.append(Move(b, j * BS - have))
+            self.position[b] = j * BS
+            self.readers.setdefault(b, set()).add(req)
+        self.held.setdefault(req, []).extend(blocks)
+        return moves
+
+    def finish(self, req: str) -> None:
+        for b in self.held.pop(req, []):
+            self.readers.get(b, set()).discard(req)
+
+
+_event = st.one_of(
+    st.tuples(st.just("new"), st.integers(0, 5), st.lists(st.integers(0, 40), min_size=1, max_size=8, unique=True),
+              st.integers(0, 8)),
+    st.tuples(st.just("extend"), st.integers(0, 5), st.lists(st.integers(0, 40), max_size=3, unique=True)),
+    st.tuples(st.just("finish"), st.integers(0, 5)),
+    st.tuples(st.just("copy"), st.integers(0, 40), st.integers(0, 40)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_event, max_size=40), st.sampled_from([0, 8, 64]))
+def test_tracker_follows_the_reference_rules(events, num_blocks):
+    """Random admissions, extensions, finishes and copies: the array-backed tracker gives the same moves,
+    positions, reader counts and conflicts as the rules written block by block."""
+    t, ref = BlockPositionTracker(BS, num_blocks), _ReferenceTracker()
+    for event in events:
+        kind, *args = event
+        if kind == "new":
+            req, blocks, hits = f"r{args[0]}", args[1], args[2]
+            ref.finish(req)
+            assert t.new_request(req, blocks, hits * BS) == ref.place(req, blocks, 0, hits)
+        elif kind == "extend":
+            req, blocks = f"r{args[0]}", args[1]
+            if req in ref.held and not set(blocks) & set(ref.held[req]):
+                t.extend_request(req, blocks)
+                ref.place(req, blocks, len(ref.held[req]), 0)
+        elif kind == "finish":
+            t.finish(f"r{args[0]}")
+            ref.finish(f"r{args[0]}")
+        else:
+            src, dst = args
+            t.copied(src, dst)
+            if src in ref.position:
+                ref.position[dst] = ref.position[src]
+            else:
+                ref.position.pop(dst, None)
+        for b in range(41):
+            assert t.position_of(b) == ref.position.get(b), b
+            assert t.readers(b) == len(ref.readers.get(b, ())), b
+        assert t.conflicts == ref.conflicts
 
 
 # --------------------------------------------------------------------------------------------- the relocator
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def compiled(request) -> bool:
+    """Each relocator test runs on spanq's compiled CPU op and on the plain torch passes."""
+    if request.param == "compiled":
+        if os.environ.get("SPANQ_NO_KERNELS", "") not in ("", "0"):
+            pytest.skip("SPANQ_NO_KERNELS is set")
+        relocate_keys_op(required=True)  # setup builds it on this machine: fail loudly, do not fall back
+    return request.param == "compiled"
 
 
 @pytest.fixture(scope="module")
@@ -250,10 +332,10 @@ def caches(ops):
 
 
 @pytest.mark.vllm
-def test_relocating_one_block_rotates_its_keys_and_nothing_else(ops, layout, caches):
+def test_relocating_one_block_rotates_its_keys_and_nothing_else(ops, layout, caches, compiled):
     spec = plain_spec()
     before = [c.kv.clone() for c in caches]
-    relocator = KVRelocator([c.kv for c in caches], layout, spec)
+    relocator = KVRelocator([c.kv for c in caches], layout, spec, compiled=compiled)
 
     relocator.apply([Move(2, 96)])
 
@@ -267,11 +349,11 @@ def test_relocating_one_block_rotates_its_keys_and_nothing_else(ops, layout, cac
 
 
 @pytest.mark.vllm
-def test_relocation_equals_writing_the_moved_keys_with_the_kernel(ops, layout, caches):
+def test_relocation_equals_writing_the_moved_keys_with_the_kernel(ops, layout, caches, compiled):
     """Layout-independent check: the cache after a move is the cache vLLM writes for the re-roped keys."""
     spec = plain_spec()
     deltas = {1: 32, 3: -64, 4: 32, 5: 1000}
-    KVRelocator([c.kv for c in caches], layout, spec).apply([Move(b, d) for b, d in deltas.items()])
+    KVRelocator([c.kv for c in caches], layout, spec, compiled=compiled).apply([Move(b, d) for b, d in deltas.items()])
     for c in caches:
         expected = torch.zeros_like(c.kv)
         moved_keys = c.keys.clone()
@@ -285,9 +367,9 @@ def test_relocation_equals_writing_the_moved_keys_with_the_kernel(ops, layout, c
 
 
 @pytest.mark.vllm
-def test_zero_moves_touch_nothing(layout, caches):
+def test_zero_moves_touch_nothing(layout, caches, compiled):
     before = [c.kv.clone() for c in caches]
-    relocator = KVRelocator([c.kv for c in caches], layout, plain_spec())
+    relocator = KVRelocator([c.kv for c in caches], layout, plain_spec(), compiled=compiled)
     relocator.apply([])
     relocator.apply([Move(1, 0), Move(4, 0)])
     for c, old in zip(caches, before):
@@ -296,10 +378,10 @@ def test_zero_moves_touch_nothing(layout, caches):
 
 
 @pytest.mark.vllm
-def test_two_moves_of_one_block_add_up(layout, caches):
+def test_two_moves_of_one_block_add_up(layout, caches, compiled):
     """Two requests placed in one step can move the same block twice: the block must end at the sum."""
     spec = plain_spec()
-    KVRelocator([c.kv for c in caches], layout, spec).apply([Move(3, 64), Move(3, 64)])
+    KVRelocator([c.kv for c in caches], layout, spec, compiled=compiled).apply([Move(3, 64), Move(3, 64)])
     for c in caches:
         torch.testing.assert_close(
             logical_k(c.kv, layout, 3), rerope_(c.keys[3].clone(), 128, spec), rtol=0, atol=1e-5
@@ -307,7 +389,7 @@ def test_two_moves_of_one_block_add_up(layout, caches):
 
 
 @pytest.mark.vllm
-def test_tracker_moves_applied_by_the_relocator_put_keys_at_the_new_position(layout, caches):
+def test_tracker_moves_applied_by_the_relocator_put_keys_at_the_new_position(layout, caches, compiled):
     """End to end without vLLM's engine: computed at one place, hit at another, moved, equals fresh RoPE there."""
     spec = plain_spec()
     tracker = BlockPositionTracker(BS)
@@ -315,21 +397,21 @@ def test_tracker_moves_applied_by_the_relocator_put_keys_at_the_new_position(lay
     tracker.finish("prep")
     moves = tracker.new_request("main", [0, 5, 4, 2, 3], 4 * BS)  # the span now sits at logical block 3
     assert moves == [Move(2, BS)]
-    KVRelocator([c.kv for c in caches], layout, spec).apply(moves)
+    KVRelocator([c.kv for c in caches], layout, spec, compiled=compiled).apply(moves)
     for c in caches:
         torch.testing.assert_close(
             logical_k(c.kv, layout, 2), rerope_(c.keys[2].clone(), BS, spec), rtol=0, atol=1e-5
         )
 
 
-def test_relocator_with_a_token_major_layout():
+def test_relocator_with_a_token_major_layout(compiled):
     """Without vLLM: a cache whose K region is token-major, described by `KLayout.row_major`."""
     bs, heads = 4, 3
     spec = plain_spec()
     kv = torch.randn(5, heads, bs, 2 * HEAD_DIM, generator=torch.Generator().manual_seed(3))
     before = kv.clone()
     k_of = lambda t, b: t.view(5, heads, 2, bs, HEAD_DIM)[b, :, 0]
-    relocator = KVRelocator([kv], KLayout.row_major(bs, HEAD_DIM), spec)
+    relocator = KVRelocator([kv], KLayout.row_major(bs, HEAD_DIM), spec, compiled=compiled)
 
     relocator.apply([Move(1, 7), Move(4, -3)])
 
@@ -361,7 +443,7 @@ def layout_of(kind: str, bs: int) -> KLayout:
 @pytest.mark.parametrize("kind", ["row_major", "transposed", "permuted"])
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_relocator_in_any_layout(kind, neox, dtype):
+def test_relocator_in_any_layout(kind, neox, dtype, compiled):
     """Synthetic caches in a given K layout: each moved block's keys are re-roped by their net delta."""
     bs, heads, nb = 8, 2, 7
     spec = plain_spec() if neox else gptj_spec()
@@ -378,7 +460,9 @@ def test_relocator_in_any_layout(kind, neox, dtype):
     moves = [Move(1, 40), Move(3, -7), Move(5, 40), Move(3, 2), Move(6, 5), Move(6, -5), Move(0, 0)]
     net = {1: 40, 3: -5, 5: 40}
 
-    KVRelocator(caches, layout, spec).apply(moves)
+    relocator = KVRelocator(caches, layout, spec, compiled=compiled)
+    assert relocator.uses_compiled_kernel == (compiled and kind != "permuted")
+    relocator.apply(moves)
 
     for kv, old, keys in zip(caches, before, logical):
         k_now = kv.view(nb, heads, -1)[:, :, : bs * HEAD_DIM][:, :, layout.flat_index]
@@ -396,7 +480,7 @@ def test_relocator_in_any_layout(kind, neox, dtype):
         assert torch.equal(v_now, v_old)
 
 
-def test_relocator_moves_many_blocks():
+def test_relocator_moves_many_blocks(compiled):
     """More blocks than one chunk of work: every one of them moves, and only those."""
     bs, heads, nb = 32, 2, 400
     spec = plain_spec()
@@ -404,7 +488,7 @@ def test_relocator_moves_many_blocks():
     kv = torch.randn(nb, heads, bs, 2 * HEAD_DIM, generator=torch.Generator().manual_seed(9))
     before = kv.clone()
     moved = list(range(3, nb, 2))
-    relocator = KVRelocator([kv], layout, spec)
+    relocator = KVRelocator([kv], layout, spec, compiled=compiled)
     relocator.apply([Move(b, 32 * (b % 5 + 1)) for b in moved])
     k_of = lambda t: t.view(nb, heads, -1)[:, :, : bs * HEAD_DIM][:, :, layout.flat_index]
     expected = k_of(before).clone()
@@ -413,6 +497,36 @@ def test_relocator_moves_many_blocks():
     torch.testing.assert_close(k_of(kv), expected, rtol=0, atol=1e-5)
     assert torch.equal(kv[0::2], before[0::2]) and torch.equal(kv[1:3], before[1:3])
     assert relocator.moved_blocks == len(moved)
+
+
+def test_compiled_op_refuses_bad_input_before_touching_the_cache():
+    """Bad block ids, deltas past the table or caches of mixed dtypes: a clear error and the cache unchanged."""
+    op = relocate_keys_op(required=True)
+    spec = plain_spec(256)
+    table = spec.cos_sin_cache.float().contiguous()
+    kv = torch.randn(4, 2, BS, 2 * HEAD_DIM, generator=torch.Generator().manual_seed(4))
+    before = kv.clone()
+    ids = lambda *b: list(b)
+    cases = [
+        (([kv], ids(1, 4), ids(32, 32), table), "block id 4 out of range"),
+        (([kv], ids(1, 2), ids(32, 256), table), "delta 256 exceeds the table"),
+        (([kv, kv.to(torch.bfloat16)], ids(1), ids(32), table), "share dtype"),
+        (([kv], ids(1, 2), ids(32), table), "one length"),
+        (([kv], ids(1), ids(32), table.double()), "float32"),
+    ]
+    for (caches, block_ids, deltas, tab), message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            op(caches, block_ids, deltas, tab, BS, HEAD_DIM, HEAD_DIM, True, True)
+        assert torch.equal(kv, before), message
+
+
+def test_relocator_refuses_a_delta_past_the_rotary_table(compiled):
+    kv = torch.randn(4, 2, BS, 2 * HEAD_DIM)
+    before = kv.clone()
+    relocator = KVRelocator([kv], layout_of("transposed", BS), plain_spec(256), compiled=compiled)
+    with pytest.raises(RelocationError, match="exceeds the rotary table"):
+        relocator.apply([Move(1, 32), Move(2, 300)])
+    assert torch.equal(kv, before) and relocator.moved_blocks == 0
 
 
 # --------------------------------------------------------------------------------------------- the runner hook
