@@ -5,7 +5,8 @@ prefix-cache hit includes a block that running requests read at another position
 place would corrupt them. The planner decides, per hit block:
 - *in place*: nobody running reads the block, or they read it at the position this request needs — the
   runner rotates it (if needed) before the forward pass;
-- *duplicate*: the block is in use at another position — the scheduler gives this request a private copy
+- *duplicate*: the block is in use at another position, or this request reads it twice (two spans whose
+  first blocks hold the same tokens share one cached block) — the scheduler gives this request a private copy
   (vLLM's copy-on-write path: a block from the pool, counted against KV capacity before the request is
   admitted, copied before the forward pass, freed with the request), which the runner then rotates.
 
@@ -47,14 +48,20 @@ class CidraPlanner:
     def plan(self, hit_block_ids: Sequence[int]) -> StepPlan:
         """Decide, for a request about to read `hit_block_ids` as its logical blocks 0..n-1."""
         dup = []
+        in_use_at, bs = self.in_use_at, self.block_size
+        first_use: dict[int, int] = {}  # block -> the first logical index this request reads it at
         for j, b in enumerate(hit_block_ids):
-            want = j * self.block_size
-            if self.users_of(b) > 0 and self.in_use_at.get(b, want) != want:
+            if first_use.setdefault(b, j) != j:  # read twice by this request: the second use gets a copy
+                dup.append(j)
+                continue
+            have = in_use_at.get(b)
+            # The ref count (a call into vLLM's block pool) only where the recorded position differs.
+            if have is not None and have != j * bs and self.users_of(b) > 0:
                 dup.append(j)
         self.duplicates_planned += len(dup)
         return StepPlan(duplicate=dup)
 
     def admitted(self, block_ids: Sequence[int], first_index: int = 0) -> None:
         """The request now holds `block_ids` as its logical blocks `first_index...` (after duplication)."""
-        for j, b in enumerate(block_ids, start=first_index):
-            self.in_use_at[b] = j * self.block_size
+        bs = self.block_size
+        self.in_use_at.update((b, j * bs) for j, b in enumerate(block_ids, start=first_index))

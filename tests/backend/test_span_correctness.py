@@ -129,3 +129,36 @@ def test_nested_judge_reuses_inner_generations_and_matches_reference(engine, hf_
         hf_model, lowered.token_ids, lowered.table.spans, tokens, anchors=[0, 0, 0]
     ).double()
     assert torch.allclose(lps, ref, atol=TOL), f"max |diff| = {(lps - ref).abs().max():.2e}"
+
+
+def test_two_spans_sharing_their_first_block_match_reference(engine, hf_model):
+    """Two fragments whose first block holds the same tokens hash to one cached block, which the request then
+    reads at two positions: the second use gets a private copy (CIDRA), so both read the right keys."""
+    from spanq_backend import vllm_plugin
+
+    header = "Shared header: " + " ".join(f"field {i} is reserved." for i in range(12))  # > one block of tokens
+    shared = {
+        "X": header + " The door of X is green. " + DOCS["A"],
+        "Y": header + " The door of Y is blue. " + DOCS["B"],
+    }
+    call = generate(
+        cross(system("Answer from the documents."), plus(fragment(shared["X"]), fragment(shared["Y"])),
+              user("Which door is blue?")),
+        max_tokens=6, temperature=0.0,
+    )
+
+    async def scenario():
+        first = await run_with_logprobs(engine, call)
+        before = vllm_plugin.stats()
+        second = await run_with_logprobs(engine, call)
+        return first, second, before, vllm_plugin.stats()
+
+    first, second, before, after = asyncio.run(scenario())
+    lowered = second[0]
+    bs = lowered.table.block_size
+    (s0, _), (s1, _) = lowered.table.spans
+    assert lowered.token_ids[s0 : s0 + bs] == lowered.token_ids[s1 : s1 + bs], "the test needs a shared first block"
+    assert after["duplicates"] > before["duplicates"], "the second use of the shared block was copied"
+    for lw, _, _, tokens, lps in (first, second):
+        ref = span_reference_logprobs(hf_model, lw.token_ids, lw.table.spans, tokens).double()
+        assert torch.allclose(lps, ref, atol=TOL), f"max |diff| = {(lps - ref).abs().max():.2e}"
