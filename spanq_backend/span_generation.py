@@ -199,6 +199,7 @@ class SpanGenerator:
         spans: bool = True,
         generated_ids: Callable[[Assistant], list[int] | None] | None = None,
         serialize_spans: bool = False,
+        span_cached: Callable[[list[int]], bool] | None = None,
     ):
         self.stream = stream
         self.tokenizer = tokenizer
@@ -208,6 +209,9 @@ class SpanGenerator:
         self.default_max_tokens = default_max_tokens
         self.spans = spans  # False: a stock engine's prompts (flattened messages, no span layout)
         self.serialize_spans = serialize_spans  # claim span positions (only where CIDRA is unavailable)
+        # Whether a `[anchor][span]` prompt is wholly in the prefix cache (an in-process engine can tell): its
+        # prepare request would compute nothing, so it is skipped.
+        self.span_cached = span_cached
         # Nested generation: a generated assistant's whole token sequence (its prompt, then its output), for
         # the generations this generator ran itself, unless the host supplies its own lookup.
         self.generated_ids = generated_ids or self._remembered_ids
@@ -312,6 +316,8 @@ class SpanGenerator:
         from vllm import SamplingParams
 
         async def one(i: int) -> int:
+            if self.span_cached is not None and self.span_cached(lowered.prepare_prompt(i)):
+                return 0
             # One token past the span: vLLM always recomputes a prompt's last token, and this way that is all
             # it recomputes when the span is cached already (not the span's whole last block).
             ids = lowered.prepare_prompt(i) + [self.pad_token_id]

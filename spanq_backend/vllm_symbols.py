@@ -32,6 +32,8 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("vllm._custom_ops", "cpu_attn_reshape_and_cache", "writes K/V into the CPU cache; used to discover K's layout"),
     ("vllm.v1.engine.core", "cleanup_dist_env_and_memory", "module global EngineCore.shutdown calls; spared while other engines live"),
     ("vllm.v1.engine.llm_engine", "LLMEngine", "from_engine_args, add_request, step, abort_request"),
+    ("vllm.v1.engine.core_client", "InprocClient", "engine_core: the in-process EngineCore (scheduler.kv_cache_manager)"),
+    ("vllm.v1.core.block_pool", "BlockPool.get_cached_block", "(block_hash, group_ids) -> blocks or None: SpanEngine's cache probe"),
     ("vllm.engine.arg_utils", "EngineArgs", "model, dtype, block_size, enable_prefix_caching, max_model_len"),
     ("vllm.sampling_params", "SamplingParams", "extra_args carries the span table out of band"),
     ("vllm.sampling_params", "RequestOutputKind", "DELTA outputs for streaming"),
@@ -55,6 +57,7 @@ _SIGNATURES = {
     "allocate_new_blocks": ["self", "request_id", "num_tokens"],
     "_apply_cow": ["self", "request_id", "block_idx", "source_block", "cow_block"],
     "hash_block_tokens": ["hash_function", "parent_block_hash", "curr_block_token_ids", "extra_keys"],
+    "get_cached_block": ["self", "block_hash", "kv_cache_group_ids"],
 }
 
 

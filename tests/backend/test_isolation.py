@@ -118,7 +118,7 @@ def test_requests_racing_on_new_spans_leave_only_isolated_kv(small_engine, hf_mo
         await engine.prepare(second)
         return racing, second, await run_plain(engine, second)
 
-    racing, second, (cached2, toks, lps) = asyncio.run(scenario())
+    _, second, (cached2, toks, lps) = asyncio.run(scenario())
     assert cached2 >= second.table.spans[-1][1]
     assert_matches_reference(hf_model, second, toks, lps)
 
@@ -150,3 +150,63 @@ def test_a_model_whose_keys_cannot_move_is_refused_before_vllm_starts(tiny_model
     (yarn / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(BackendError, match="yarn"):
         SpanEngine(model=str(yarn))
+
+
+def test_spans_found_in_the_cache_send_no_prepare_request_until_evicted(small_engine):
+    """The in-process engine looks its spans up in vLLM's block pool: a cached span costs no engine request;
+    once evicted, the lookup says so and the prepare runs again."""
+    engine = small_engine
+    d = docs("p")
+    sent: list[int] = []
+    stream = engine.generator.stream
+
+    def counting(prompt_ids, params, claims):
+        sent.append(len(prompt_ids))
+        return stream(prompt_ids, params, claims)
+
+    async def scenario():
+        engine.generator.stream = counting
+        try:
+            first = engine.lower(query(d, "ABCD"))
+            computed_first = await engine.prepare(first)
+            sent_first = len(sent)
+            second = engine.lower(query(d, "DCBA"))
+            computed_second = await engine.prepare(second)
+            sent_second = len(sent) - sent_first
+            for k in range(3):  # evict
+                await run_plain(engine, engine.lower(generate(user(f"filler {k} " + "word " * 700), max_tokens=1)),
+                                with_table=False)
+            before = len(sent)
+            computed_third = await engine.prepare(second)
+            return computed_first, sent_first, computed_second, sent_second, computed_third, len(sent) - before
+        finally:
+            engine.generator.stream = stream
+
+    c1, s1, c2, s2, c3, s3 = asyncio.run(scenario())
+    assert (c1, s1) == (4, 4), "four new spans: four prepare requests"
+    assert (c2, s2) == (0, 0), "every span cached: no request at all"
+    assert c3 > 0 and s3 == c3, "evicted spans are prepared again, and only those"
+
+
+def test_a_stale_cache_answer_costs_time_not_correctness(small_engine, hf_model):
+    """If the lookup says "cached" and the blocks are gone by the time the request runs, the spans are computed
+    in context and not cached as spans: a later honest query still reads isolated KV only."""
+    engine = small_engine
+    d = docs("s")
+
+    async def scenario():
+        honest = engine.generator.span_cached
+        engine.generator.span_cached = lambda ids: True  # as stale as it gets: nothing was ever prepared
+        try:
+            answered = await engine.generate(query(d, "ABCD"))
+        finally:
+            engine.generator.span_cached = honest
+        lowered = engine.lower(query(d, "CADB"))
+        costs = await prepare_costs(engine, lowered)
+        return answered, costs, lowered, await run_plain(engine, lowered)
+
+    answered, costs, lowered, (cached, toks, lps) = asyncio.run(scenario())
+    assert answered.metrics.prepared_spans == 0 and answered.texts[0] is not None
+    assert all(c > 0 for c in costs), f"KV computed in context was found under a span's key: {costs}"
+    assert cached >= lowered.table.spans[-1][1]
+    assert_matches_reference(hf_model, lowered, toks, lps)
