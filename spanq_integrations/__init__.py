@@ -27,7 +27,6 @@ from .errors import (
     SpanQueryError,
 )
 from .executor import ExecutionResult, aexecute, execute
-from .judge import JudgeResult, ajudge, judge
 from .ir import (
     Assistant,
     Chat,
@@ -54,10 +53,11 @@ from .ir import (
     system,
     user,
 )
+from .judge import JudgeResult, ajudge, judge
 
 __version__ = "0.1.0"
 
-__all__ = [
+__all__ = [  # noqa: RUF022  (grouped by topic)
     # builder
     "system",
     "user",

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 __all__ = [
-    "SpanQueryError",
-    "QueryParseError",
-    "QueryValidationError",
-    "OptimizerError",
     "BackendError",
     "BackendUnavailableError",
-    "ModelNotFoundError",
     "ContextLengthError",
     "GenerationError",
+    "ModelNotFoundError",
+    "OptimizerError",
+    "QueryParseError",
+    "QueryValidationError",
     "ReducerParseError",
+    "SpanQueryError",
 ]
 
 

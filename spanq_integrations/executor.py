@@ -36,7 +36,7 @@ from .ir import (
     walk,
 )
 
-__all__ = ["ExecutionResult", "aexecute", "execute", "answer_of"]
+__all__ = ["ExecutionResult", "aexecute", "answer_of", "execute"]
 
 
 class ExecutionResult(BaseModel):
@@ -89,7 +89,7 @@ async def _all_or_cancel(aws: Sequence[Awaitable[Node]]) -> list[Node]:
     """Await concurrently; on the first failure cancel the others, wait for them, and raise that failure."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
         if failed:
             raise failed[0].exception()  # type: ignore[misc]
@@ -230,7 +230,7 @@ def execute(query: Node, backend: Backend | str | None = None, **kwargs: Any) ->
     def target() -> None:
         try:
             box["result"] = asyncio.run(aexecute(query, backend, **kwargs))
-        except BaseException as e:  # handed back to the caller below
+        except BaseException as e:  # noqa: BLE001  (handed back to the caller below)
             box["error"] = e
 
     t = threading.Thread(target=target, name="spanq-execute")

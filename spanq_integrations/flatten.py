@@ -15,7 +15,7 @@ from __future__ import annotations
 from .errors import QueryValidationError
 from .ir import Assistant, Cross, Fragment, Generate, Monad, Node, Plus, Print, System, User
 
-__all__ = ["to_chat_messages", "block_text"]
+__all__ = ["block_text", "to_chat_messages"]
 
 BLOCK_SEPARATOR = "\n\n"
 

@@ -9,42 +9,42 @@ pieces (`Fragment`); `Cross` joins children whose order matters, `Plus` joins or
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import QueryValidationError
 
 __all__ = [
-    "Node",
-    "System",
-    "User",
+    "DEFAULT_TEMPERATURE",
     "Assistant",
+    "Chat",
+    "Cross",
     "Fragment",
     "Generate",
-    "Plus",
-    "Cross",
-    "Chat",
-    "Retrieve",
-    "Repeat",
     "Map",
     "Monad",
+    "Node",
+    "Plus",
     "Print",
-    "system",
-    "user",
+    "Repeat",
+    "Retrieve",
+    "System",
+    "User",
     "assistant",
-    "fragment",
-    "plus",
-    "cross",
-    "generate",
-    "retrieve",
     "chat",
     "children_of",
-    "with_children",
-    "transform",
-    "walk",
+    "cross",
+    "fragment",
+    "generate",
+    "plus",
     "render",
-    "DEFAULT_TEMPERATURE",
+    "retrieve",
+    "system",
+    "transform",
+    "user",
+    "walk",
+    "with_children",
 ]
 
 DEFAULT_TEMPERATURE = 0.6  # spnl's default
@@ -169,7 +169,7 @@ class Print(_Node):
 
 
 Node = Annotated[
-    Union[System, User, Assistant, Fragment, Generate, Plus, Cross, Chat, Retrieve, Repeat, Map, Monad, Print],
+    System | User | Assistant | Fragment | Generate | Plus | Cross | Chat | Retrieve | Repeat | Map | Monad | Print,
     Field(discriminator="kind"),
 ]
 

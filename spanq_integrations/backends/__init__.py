@@ -15,12 +15,12 @@ __all__ = [
     "BackendCapabilities",
     "CallMetrics",
     "Completion",
-    "TokenCallback",
+    "EmbeddedBackend",
     "OpenAIBackend",
     "SpanBackend",
-    "EmbeddedBackend",
-    "resolve_backend",
+    "TokenCallback",
     "default_backend",
+    "resolve_backend",
 ]
 
 

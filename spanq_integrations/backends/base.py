@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -67,7 +67,7 @@ class Backend(abc.ABC):
     async def aclose(self) -> None:
         """Release connections and engines; the backend is unusable afterwards."""
 
-    async def __aenter__(self) -> Backend:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

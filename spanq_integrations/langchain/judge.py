@@ -25,12 +25,12 @@ from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..backends.base import CallMetrics
+from ..background_loop import background_loop
 from ..errors import ReducerParseError
 from ..ir import Node, cross, fragment, generate, plus, system, user
 from ..judge import JudgeLevel, JudgeMetrics, JudgeResult, ajudge
 from ..reducers import Reducer, Selection, resolve_reducer
 from .chat_models import ChatSpanQuery
-from ..background_loop import background_loop
 from .spans import document_span_id
 
 __all__ = ["DEFAULT_JUDGE_TASK", "JudgeEnsemble", "JudgeVerdict"]

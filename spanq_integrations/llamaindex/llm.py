@@ -32,10 +32,10 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.llm import LLM
 
 from ..backends import Backend, resolve_backend
+from ..background_loop import AsyncQueryStream, QueryStream, background_loop
 from ..errors import QueryValidationError, SpanQueryError
 from ..executor import ExecutionResult, aexecute
 from ..ir import Generate, Node, assistant, cross, generate, system, user
-from ..background_loop import AsyncQueryStream, QueryStream, background_loop
 from .usage import METADATA_KEY, usage_of
 
 __all__ = ["DEFAULT_CONTEXT_WINDOW", "SpanQueryLLM", "messages_to_nodes"]

@@ -112,11 +112,11 @@ def test_one_request_reading_a_block_at_two_positions_gets_a_copy():
 
 @pytest.mark.vllm
 def test_eight_orders_in_one_batch_match_solo_runs(tiny_backend):
+    from test_span_correctness import rag_query
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     from spanq_backend import vllm_plugin
-    from test_span_correctness import rag_query
 
     engine = tiny_backend.engine
 
@@ -159,12 +159,12 @@ def test_duplicates_that_do_not_fit_defer_requests_instead_of_corrupting_them(ti
     """64 KV blocks: the shared spans plus one order's private copies fit, six orders at once do not.
     The scheduler counts the copies before admitting a request, so the others wait; every output still
     equals the same request run alone."""
+    from test_span_correctness import rag_query
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     from spanq_backend import vllm_plugin
     from spanq_backend.engine import SpanEngine
-    from test_span_correctness import rag_query
 
     engine = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=1024, max_num_seqs=8, num_blocks=64)
     try:

@@ -75,7 +75,7 @@ def test_reordered_spans_hit_cache_and_match_reference(engine, hf_model):
         second = await run_with_logprobs(engine, rag_query("DCBA"))
         return first, second
 
-    (lw1, prep1, out1, tok1, lp1), (lw2, prep2, out2, tok2, lp2) = asyncio.run(scenario())
+    (lw1, prep1, _, tok1, lp1), (lw2, prep2, out2, tok2, lp2) = asyncio.run(scenario())
     assert prep1 == 4, "all four spans were new on the first run"
     assert prep2 == 0, "the second run found every span already cached"
     span_tokens = sum(e - s for s, e in lw2.table.spans)
@@ -112,7 +112,7 @@ def test_nested_judge_reuses_inner_generations_and_matches_reference(engine, hf_
         closed_outer = result.tree.source
         return result, await run_with_logprobs(engine, closed_outer)
 
-    result, (lowered, prepared, out, tokens, lps) = asyncio.run(scenario())
+    result, (lowered, prepared, _, tokens, lps) = asyncio.run(scenario())
     assert len(result.calls) == 4
     candidates = [c.text for c in result.tree.source.input.children[1].children]
     assert len(set(candidates)) == 3, candidates

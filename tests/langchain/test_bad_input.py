@@ -16,8 +16,8 @@ from spanq_integrations.langchain import (
     UnsupportedMessageError,
     create_span_retrieval_chain,
 )
-from tests.servers import free_port
 from tests.langchain.rag_app import OrderedRetriever, format_docs, town_documents
+from tests.servers import free_port
 
 PROMPT = ChatPromptTemplate.from_messages([("system", "Context:\n{context}"), ("human", "{input}")])
 

@@ -18,7 +18,6 @@ from llama_index.core.node_parser import SentenceSplitter
 
 from spanq_integrations.llamaindex import MiniLMEmbedding, SpanQueryLLM
 
-
 TOWNS = {
     "harbor": "Lindale Harbor is a fishing town on the north coast. Its town hall is painted sea green.",
     "orchard": "Brackwell is an orchard village in the south. Its town hall is painted bright yellow.",
