@@ -43,8 +43,21 @@ def _cflags() -> list[str]:
     flags = ["-O3"]
     capability = torch.backends.cpu.get_cpu_capability()  # what torch's own kernels dispatch to on this CPU
     if capability in ("AVX2", "AVX512"):
-        flags += ["-mavx2", "-mfma"]
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+        if {"avx512_bf16", "avx512vl"} <= _cpu_flags():
+            flags += ["-mavx512f", "-mavx512vl", "-mavx512bf16"]  # bfloat16 narrowing in one instruction
     return flags
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def kernel_build_dir() -> Path:

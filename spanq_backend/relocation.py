@@ -292,7 +292,7 @@ class KVRelocator:
             fits = self.compiled and self.layout.kind in ("row_major", "transposed") and all(
                 kv.device.type == "cpu" and kv.dim() == 4 and kv.shape[2:] == (bs, 2 * hd) and kv.stride(3) == 1
                 and kv.stride(2) == 2 * hd and kv.dtype == first.dtype and kv.shape[1] == first.shape[1]
-                and kv.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+                and kv.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 for kv in self.kv_caches
             )
             if fits:

@@ -196,6 +196,8 @@ class SpanRuntime:
         spec = rope_spec_of_model(runner.get_model())
         layout = discover_cpu_k_layout(runner, self.block_size, spec.head_dim)
         self.relocator = KVRelocator(kv_caches, layout, spec)
+        # Build or load the compiled op now, at start-up, not in the middle of the first step that moves keys.
+        log.info("spanq: keys move with %s", "the compiled CPU op" if self.relocator.uses_compiled_kernel else "torch")
         self.pending: list[Any] = []
 
     def before_step(self, scheduler_output: Any) -> None:

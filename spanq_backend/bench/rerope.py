@@ -94,7 +94,7 @@ def moved_blocks(num_blocks: int, count: int, pattern: str, rng: random.Random, 
 
 def time_relocation(
     shape: KVShape, layout: Any, *, num_blocks: int, moved: int, pattern: str, reps: int, seed: int,
-    device: str = "cpu",
+    device: str = "cpu", dtype: str = "float32",
 ) -> dict[str, Any]:
     """Relocator and plain-copy timings for one setting, paired repetition by repetition."""
     import torch
@@ -104,7 +104,8 @@ def time_relocation(
     bs, hd = layout.block_size, shape.head_dim
     # The values do not change the speed; a fill is much faster to set up than random numbers.
     caches = [
-        torch.empty(num_blocks, shape.kv_heads, bs, 2 * hd, device=device).fill_(0.5) for _ in range(shape.layers)
+        torch.empty(num_blocks, shape.kv_heads, bs, 2 * hd, device=device, dtype=getattr(torch, dtype)).fill_(0.5)
+        for _ in range(shape.layers)
     ]
     rng = random.Random(seed)
     blocks = moved_blocks(num_blocks, moved, pattern, rng)
@@ -112,7 +113,7 @@ def time_relocation(
     relocator = KVRelocator(caches, layout, rope_spec(hd))  # spanq's compiled op where it applies
     fallback = KVRelocator(caches, layout, rope_spec(hd), compiled=False)  # the plain torch passes
     k_elems = moved * shape.layers * shape.kv_heads * bs * hd
-    src = torch.empty(k_elems, device=device).fill_(0.25)
+    src = torch.empty(k_elems, device=device, dtype=getattr(torch, dtype)).fill_(0.25)
     dst = torch.empty_like(src)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
@@ -136,7 +137,7 @@ def time_relocation(
     ratios = [c / r for c, r in zip(copy, reloc)]
     return {
         "shape": shape.name, "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": hd,
-        "layout": layout.kind, "compiled": relocator.uses_compiled_kernel, "pattern": pattern, "moved_blocks": moved, "tokens": tokens, "k_bytes": k_bytes,
+        "layout": layout.kind, "dtype": dtype, "compiled": relocator.uses_compiled_kernel, "pattern": pattern, "moved_blocks": moved, "tokens": tokens, "k_bytes": k_bytes,
         "relocate_s": summarize(reloc), "copy_s": summarize(copy),
         "relocate_tokens_per_ms": tokens / (summarize(reloc)["median"] * 1e3),
         "relocate_tokens_per_ms_best": tokens / (min(reloc) * 1e3),
@@ -242,6 +243,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--layout", choices=["discovered", "row", "transposed"], default="discovered")
     parser.add_argument("--num-blocks", type=int, default=1024, help="blocks per layer cache (default: 1024)")
     parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="KV cache dtype (default: float32, what spanq's CPU engine runs)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default: 1; the 2 shared cores thrash with more)")
     parser.add_argument("--requests", type=int, default=64, help="planning: requests admitted in one step")
@@ -268,7 +271,7 @@ def main(argv: Sequence[str] = ()) -> int:
             continue
         lay = layout if shape.head_dim == 64 else k_layout(args.layout, args.block_size, shape.head_dim)
         report.rows.append(time_relocation(shape, lay, num_blocks=args.num_blocks, moved=moved, pattern=pattern,
-                                           reps=args.reps, seed=args.seed))
+                                           reps=args.reps, seed=args.seed, dtype=args.dtype))
         bar.update(1)
     bar.close()
     planning = time_planning(args.requests, args.spans, args.blocks_per_span, args.block_size, max(5, args.reps))
@@ -304,7 +307,7 @@ def render_tables(report: BenchReport, args: argparse.Namespace) -> str:
             plan_rows.append([f"decode step ({key.rsplit('batch', 1)[1]} seq), us", p[key] * 1e6])
             plan_rows.append(["  planning share of it", p["share_of_" + key.replace("_s_", "_")]])
     return (
-        f"rerope: K relocation in place (layout {report.config['layout']}, "
+        f"rerope: K relocation in place ({args.dtype}, layout {report.config['layout']}, "
         f"{'compiled op' if report.config['compiled'] else 'torch fallback: kernels unavailable'}; "
         f"torch = the plain torch fallback; {args.threads} torch thread(s), "
         f"{args.reps} reps; x copy = median of per-rep copy/relocate time ratios; max error vs rerope_ "

@@ -442,7 +442,7 @@ def layout_of(kind: str, bs: int) -> KLayout:
 
 @pytest.mark.parametrize("kind", ["row_major", "transposed", "permuted"])
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_relocator_in_any_layout(kind, neox, dtype, compiled):
     """Synthetic caches in a given K layout: each moved block's keys are re-roped by their net delta."""
     bs, heads, nb = 8, 2, 7
@@ -513,6 +513,7 @@ def test_compiled_op_refuses_bad_input_before_touching_the_cache():
         (([kv, kv.to(torch.bfloat16)], ids(1), ids(32), table), "share dtype"),
         (([kv], ids(1, 2), ids(32), table), "one length"),
         (([kv], ids(1), ids(32), table.double()), "float32"),
+        (([kv.double()], ids(1), ids(32), table), "not supported"),
     ]
     for (caches, block_ids, deltas, tab), message in cases:
         with pytest.raises(RuntimeError, match=message):
