@@ -37,14 +37,22 @@ class KernelUnavailable(RuntimeError):
     """The compiled kernels could not be built or loaded here (the message says why)."""
 
 
+_ISAS = ("native", "avx2", "generic")
+
+
 def _cflags() -> list[str]:
+    """Compiler flags for this CPU. `SPANQ_KERNEL_ISA` caps them: "avx2" (no AVX-512), "generic" (plain C++,
+    what a CPU without AVX2 gets); the default, "native", uses what the CPU has."""
     import torch
 
+    isa = os.environ.get("SPANQ_KERNEL_ISA", "native") or "native"
+    if isa not in _ISAS:
+        raise KernelUnavailable(f"SPANQ_KERNEL_ISA={isa!r}: expected one of {', '.join(_ISAS)}")
     flags = ["-O3"]
     capability = torch.backends.cpu.get_cpu_capability()  # what torch's own kernels dispatch to on this CPU
-    if capability in ("AVX2", "AVX512"):
+    if capability in ("AVX2", "AVX512") and isa != "generic":
         flags += ["-mavx2", "-mfma", "-mf16c"]
-        if {"avx512_bf16", "avx512vl"} <= _cpu_flags():
+        if isa == "native" and {"avx512_bf16", "avx512vl"} <= _cpu_flags():
             flags += ["-mavx512f", "-mavx512vl", "-mavx512bf16"]  # bfloat16 narrowing in one instruction
     return flags
 
