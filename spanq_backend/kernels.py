@@ -6,7 +6,8 @@ seconds: it includes only ATen headers) under `cache_dir()/kernels/<key>`, where
 torch's version and the compiler flags, so an upgrade rebuilds and concurrent processes share one build (torch's
 file lock). `scripts/setup.sh` builds it ahead of time. Where it cannot be built (no C++ compiler, say) the
 reason is logged once and callers fall back to plain torch (`relocation.KVRelocator`); `SPANQ_NO_KERNELS=1`
-forces that fallback.
+forces that fallback, and `SPANQ_KERNEL_ISA=avx2|generic` caps the instruction set the build may use (the tests
+build every path this way).
 
     python -m spanq_backend.kernels build    # build (or find) the kernels and print where they are
 """
