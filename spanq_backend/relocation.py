@@ -281,7 +281,6 @@ class KVRelocator:
                     region.index_copy_(0, sel, flat)
         self.moved_blocks += len(net)
 
-
     def _compiled_op(self) -> object | None:
         """spanq's compiled CPU op when it applies to these caches (CPU, a known layout, one contiguous K run
         per block and head), else None: `apply` then runs the plain torch passes."""
