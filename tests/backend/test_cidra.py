@@ -198,3 +198,40 @@ def test_duplicates_that_do_not_fit_defer_requests_instead_of_corrupting_them(ti
             assert max(abs(x - y) for x, y in zip(t_lp, a_lp)) < 1e-4, order
     finally:
         engine.close()
+
+
+@pytest.mark.vllm
+def test_a_stock_request_over_a_span_block_in_use_elsewhere_gets_a_copy(tiny_backend):
+    """A plain request whose prompt starts like a span's prepare prompt hits that span's blocks by stock
+    hashing, at the span's prepared position, while span requests read them elsewhere: both must be exact."""
+    from test_span_correctness import rag_query
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from spanq_backend import vllm_plugin
+
+    engine = tiny_backend.engine
+    base = engine.lower(rag_query("ABCD", question="Which lamp is lit?"))
+    stock_ids = base.prepare_prompt(0) + base.token_ids[-12:]  # [anchor][span A] + a tail: no span table
+
+    async def run(ids, table):
+        params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
+        outs, _ = await engine.run_tokens(ids, params, {}, table)
+        return [(t, lp[t].logprob) for o in outs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+
+    async def scenario():
+        await engine.prepare(base)
+        spans = [engine.lower(rag_query("DCBA", question="Which lamp is lit?"))]  # A moves from block 1
+        before = vllm_plugin.stats()
+        together = await asyncio.gather(run(stock_ids, None), *(run(s.token_ids, s.table) for s in spans))
+        after = vllm_plugin.stats()
+        alone = [await run(stock_ids, None)] + [await run(s.token_ids, s.table) for s in spans]
+        return together, alone, before, after
+
+    together, alone, before, after = asyncio.run(scenario())
+    # One span request and one stock request: a copy was needed only because they share span A's block.
+    assert after["duplicates"] > before["duplicates"]
+    assert after["conflicts"] == before["conflicts"]
+    for t, a in zip(together, alone):
+        assert [x for x, _ in t] == [x for x, _ in a]
+        assert max(abs(x - y) for (_, x), (_, y) in zip(t, a)) < 1e-4
