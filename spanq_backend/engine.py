@@ -29,6 +29,7 @@ from spanq_integrations.backends.base import Completion, TokenCallback
 from spanq_integrations.errors import BackendError, BackendUnavailableError
 from spanq_integrations.ir import Generate
 
+from .cache_probe import BlockPoolProbe
 from .lowering import LoweredPrompt
 from .span_generation import SpanClaims, SpanGenerator, engine_error, load_chat_tokenizer
 from .span_table import SpanTable
@@ -95,50 +96,6 @@ def _retire(engine: Any) -> None:
             log.exception("shutting the engine down failed")
         finally:
             core.cleanup_dist_env_and_memory = stock_cleanup
-
-
-class _CacheProbe:
-    """Whether a prompt's blocks are all in an in-process engine's prefix cache, read from the caller's thread.
-
-    A prepare request for a span that is cached already computes nothing but still costs an engine step; the
-    probe lets `SpanGenerator` skip it. The answer may be stale by the time the real request is scheduled (the
-    engine thread evicts concurrently): then the span's blocks miss, and the plugin's isolation guard computes
-    them in context (correct, just slower) — which is why a stale "cached" is acceptable and an error reads as
-    "not cached".
-    """
-
-    def __init__(self, pool: Any, hash_fn: Any, block_size: int):
-        self.pool, self.hash_fn, self.block_size = pool, hash_fn, block_size
-
-    @classmethod
-    def of(cls, engine: Any, block_size: int) -> _CacheProbe | None:
-        from . import vllm_plugin
-
-        try:
-            manager = engine.engine_core.engine_core.scheduler.kv_cache_manager  # InprocClient only
-            groups = manager.kv_cache_config.kv_cache_groups
-        except AttributeError:
-            return None  # an engine core in another process: always prepare
-        if len(groups) != 1 or vllm_plugin._hash_fn is None:
-            return None
-        return cls(manager.block_pool, vllm_plugin._hash_fn, block_size)
-
-    def cached(self, token_ids: list[int]) -> bool:
-        """True if `token_ids` is whole blocks and every one of them is in the prefix cache."""
-        from vllm.v1.core.kv_cache_utils import hash_block_tokens
-
-        bs = self.block_size
-        if not token_ids or len(token_ids) % bs:
-            return False
-        parent = None
-        try:
-            for start in range(0, len(token_ids), bs):
-                parent = hash_block_tokens(self.hash_fn, parent, token_ids[start : start + bs], None)
-                if self.pool.get_cached_block(parent, [0]) is None:
-                    return False
-        except Exception:  # noqa: BLE001  (the pool changed under us: read it as a miss)
-            return False
-        return True
 
 
 class SpanEngine:
@@ -209,7 +166,7 @@ class SpanEngine:
         )
         engine = LLMEngine.from_engine_args(args)
         self.max_model_len = engine.model_config.max_model_len
-        self._probe = _CacheProbe.of(engine, c.block_size) if c.spans else None
+        self._probe = BlockPoolProbe.of(engine, c.block_size) if c.spans else None
         return engine
 
     def _run(self) -> None:

@@ -89,7 +89,10 @@ class EngineClientBackend(Backend):
         max_model_len: int | None,
         max_concurrency: int = 16,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        span_cached: Any = None,
     ):
+        """`span_cached(token_ids)`: whether a span's prepare prompt is wholly in the engine's prefix cache
+        (`cache_probe.KVEventsMirror`); its prepare request is then skipped."""
         self.engine_client = engine_client
         self.served_model_names = tuple(served_model_names)
         self.claims = AsyncSpanClaims()
@@ -100,6 +103,7 @@ class EngineClientBackend(Backend):
             max_model_len=max_model_len,
             model_name=self.served_model_names[0],
             default_max_tokens=default_max_tokens,
+            span_cached=span_cached,
         )
         self.capabilities = BackendCapabilities(
             name="spanq-serve", span_aware=True, prepares_spans=True, max_concurrency=max_concurrency
@@ -311,6 +315,9 @@ def build_query_router(tokenizer: Any, served_model_names: Sequence[str]) -> Any
         backend = getattr(state, "spanq_backend", None)
         if backend is None:
             config = state.vllm_config
+            from .cache_probe import KVEventsMirror
+
+            mirror = state.spanq_kv_mirror = KVEventsMirror.for_engine(config)
             backend = state.spanq_backend = EngineClientBackend(
                 state.engine_client,
                 tokenizer,
@@ -318,6 +325,7 @@ def build_query_router(tokenizer: Any, served_model_names: Sequence[str]) -> Any
                 block_size=config.cache_config.block_size,
                 max_model_len=config.model_config.max_model_len,
                 max_concurrency=config.scheduler_config.max_num_seqs,
+                span_cached=mirror.cached if mirror is not None else None,
             )
         return backend
 
@@ -417,6 +425,18 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     args.model, args.model_tag = str(path), None
     if not args.served_model_name:
         args.served_model_name = [path.name]
+    if args.kv_events_config is None:
+        # vLLM's KV cache events on a private socket: the query route follows the prefix cache through them
+        # and skips prepare requests for spans already cached (`cache_probe.KVEventsMirror`).
+        import tempfile
+        import uuid
+
+        from vllm.config.kv_events import KVEventsConfig
+
+        args.kv_events_config = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", topic="spanq-kv",
+            endpoint=f"ipc://{tempfile.gettempdir()}/spanq-kv-{uuid.uuid4().hex[:12]}",
+        )
     return args
 
 

@@ -133,6 +133,38 @@ def test_reordered_fragments_are_served_from_the_span_cache(server: Server, tiny
     assert second.metrics.ttft_s is not None and second.text
 
 
+def _counter(url: str, name: str) -> float:
+    """Sum of a vLLM counter over its labels, from /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^vllm:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE))
+
+
+def test_cached_fragments_send_no_prepare_requests(server: Server):
+    """The route follows the engine's prefix cache through vLLM's KV events: fragments it knows are cached
+    are not prepared again; the engine finishes exactly one request for the reordered query."""
+    fresh = {c: f"Memo {c}: " + " ".join(f"the {c} valve reads {i}." for i in range(40)) for c in "ABCD"}
+
+    def query(order: str):
+        return generate(
+            cross(system("Answer from the memos."), plus(*[fragment(fresh[c]) for c in order]), user("Which valve?")),
+            max_tokens=3, temperature=0.0,
+        )
+
+    async def scenario():
+        async with SpanBackend(server.url) as backend:
+            first = await backend.generate(query("ABCD"))
+            await asyncio.sleep(0.5)  # events are published after each engine step
+            before = _counter(server.url, "request_success_total")
+            second = await backend.generate(query("CADB"))
+            return first, second, _counter(server.url, "request_success_total") - before
+
+    first, second, finished = asyncio.run(scenario())
+    assert first.metrics.prepared_spans == 4
+    assert second.metrics.prepared_spans == 0
+    assert finished == 1, f"{finished} requests ran for a query whose four fragments were all cached"
+    assert second.metrics.cached_tokens >= 4 * 32
+
+
 def test_execute_without_streaming_returns_the_closed_tree_and_usage(server: Server):
     query = rag_query("BADC")
     answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(query), timeout=120)
