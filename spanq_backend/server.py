@@ -433,9 +433,11 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
 
         from vllm.config.kv_events import KVEventsConfig
 
+        socket_path = f"{tempfile.gettempdir()}/spanq-kv-{uuid.uuid4().hex[:12]}"
+        if len(socket_path) > 100:  # a Unix socket path holds at most ~107 bytes
+            socket_path = f"/tmp/spanq-kv-{uuid.uuid4().hex[:12]}"
         args.kv_events_config = KVEventsConfig(
-            enable_kv_cache_events=True, publisher="zmq", topic="spanq-kv",
-            endpoint=f"ipc://{tempfile.gettempdir()}/spanq-kv-{uuid.uuid4().hex[:12]}",
+            enable_kv_cache_events=True, publisher="zmq", topic="spanq-kv", endpoint=f"ipc://{socket_path}"
         )
     return args
 
