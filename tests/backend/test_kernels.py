@@ -22,30 +22,30 @@ from spanq_backend.rerope import RopeSpec
 
 torch.manual_seed(0)
 bs, hd, heads, nb = 32, 64, 2, 9
-inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-angles = torch.arange(4096, dtype=torch.float32)[:, None] * inv[None]
-table = torch.cat([angles.cos(), angles.sin()], -1)
 moves = [Move(1, 40), Move(3, -7), Move(4, 1000), Move(8, -2000)]
 out = {"cflags": kernels._cflags(), "cases": []}
-for dtype in (torch.float32, torch.bfloat16, torch.float16):
-    for layout in (KLayout.row_major(bs, hd), KLayout.transposed(bs, hd)):
-        for neox in (True, False):
-            spec = RopeSpec.from_cos_sin_cache(table, hd, hd, neox)
-            base = [torch.randn(nb, heads, bs, 2 * hd).to(dtype) for _ in range(3)]
-            base[0][4, 0, 0, 0] = float("nan")
-            fast, slow = [t.clone() for t in base], [t.clone() for t in base]
-            compiled = KVRelocator(fast, layout, spec)
-            compiled.apply(moves)
-            KVRelocator(slow, layout, spec, compiled=False).apply(moves)
-            a = torch.cat([t.float().flatten() for t in fast])
-            b = torch.cat([t.float().flatten() for t in slow])
-            same_nan = bool(torch.equal(a.isnan(), b.isnan()))
-            ok = ~a.isnan()
-            out["cases"].append({
-                "dtype": str(dtype), "layout": layout.kind, "neox": neox, "compiled": compiled.uses_compiled_kernel,
-                "max_diff": float((a[ok] - b[ok]).abs().max()), "same_nan": same_nan,
-                "nan_kept": bool(a.isnan().any()),
-            })
+cases = [(d, l, n, r) for d in (torch.float32, torch.bfloat16, torch.float16)
+         for l in (KLayout.row_major(bs, hd), KLayout.transposed(bs, hd)) for n in (True, False) for r in (hd, hd // 2)]
+for dtype, layout, neox, rot in cases:  # rot < hd: partial rotary, the last dims stay as they are
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+    angles = torch.arange(4096, dtype=torch.float32)[:, None] * inv[None]
+    spec = RopeSpec.from_cos_sin_cache(torch.cat([angles.cos(), angles.sin()], -1), rot, hd, neox)
+    base = [torch.randn(nb, heads, bs, 2 * hd).to(dtype) for _ in range(3)]
+    base[0][4, 0, 0, 0] = float("nan")
+    fast, slow = [t.clone() for t in base], [t.clone() for t in base]
+    compiled = KVRelocator(fast, layout, spec)
+    compiled.apply(moves)
+    KVRelocator(slow, layout, spec, compiled=False).apply(moves)
+    a = torch.cat([t.float().flatten() for t in fast])
+    b = torch.cat([t.float().flatten() for t in slow])
+    same_nan = bool(torch.equal(a.isnan(), b.isnan()))
+    ok = ~a.isnan()
+    out["cases"].append({
+        "dtype": str(dtype), "layout": layout.kind, "neox": neox, "rotary_dim": rot,
+        "compiled": compiled.uses_compiled_kernel,
+        "max_diff": float((a[ok] - b[ok]).abs().max()), "same_nan": same_nan,
+        "nan_kept": bool(a.isnan().any()),
+    })
 print(json.dumps(out))
 """
 
