@@ -255,6 +255,13 @@ _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolErro
 # --------------------------------------------------------------------------------------------- base class
 
 
+def _json_body(response: httpx.Response, url: str) -> Any:
+    try:
+        return response.json()
+    except ValueError as e:
+        raise BackendError(f"{url} answered with something that is not JSON: {response.text[:200]!r}") from e
+
+
 class HTTPBackend(Backend):
     """A backend that talks to a server over HTTP with one pooled `httpx.AsyncClient`."""
 
@@ -266,7 +273,11 @@ class HTTPBackend(Backend):
         max_retries: int = 2,
         headers: dict[str, str] | None = None,
         max_concurrency: int = 8,
+        api_key: str | None = None,
     ):
+        headers = dict(headers or {})
+        if api_key:
+            headers.setdefault("Authorization", f"Bearer {api_key}")
         self.base_url = normalize_base_url(base_url)
         self.max_retries = max(0, max_retries)
         self._client = httpx.AsyncClient(
@@ -306,24 +317,14 @@ class HTTPBackend(Backend):
         response = await self._with_retries(lambda: self._client.get(path), url)
         if response.status_code >= 400:
             raise error_from_payload(_parse_body(response.content), status=response.status_code, where=url)
-        try:
-            return response.json()
-        except ValueError as e:
-            raise BackendError(
-                f"{url} answered with something that is not JSON: {response.text[:200]!r}"
-            ) from e
+        return _json_body(response, url)
 
     async def _post_json(self, path: str, body: dict[str, Any], *, model: str = "") -> Any:
         url = f"{self.base_url}{path}"
         response = await self._with_retries(lambda: self._client.post(path, json=body), url)
         if response.status_code >= 400:
             raise await self._http_error(response.status_code, response.content, url, model)
-        try:
-            return response.json()
-        except ValueError as e:
-            raise BackendError(
-                f"{url} answered with something that is not JSON: {response.text[:200]!r}"
-            ) from e
+        return _json_body(response, url)
 
     async def served_models(self) -> list[str]:
         """The model ids the server lists under GET /v1/models (fetched once, then cached)."""

@@ -46,15 +46,13 @@ class OpenAIBackend(HTTPBackend):
         max_concurrency: int = 8,
         headers: dict[str, str] | None = None,
     ):
-        all_headers = dict(headers or {})
-        if api_key:
-            all_headers.setdefault("Authorization", f"Bearer {api_key}")
         super().__init__(
             base_url,
             timeout=timeout,
             max_retries=max_retries,
-            headers=all_headers,
+            headers=headers,
             max_concurrency=max_concurrency,
+            api_key=api_key,
         )
         self.model = server_model_name(model) if model else None
         self.capabilities = BackendCapabilities(

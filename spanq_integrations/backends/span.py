@@ -49,15 +49,13 @@ class SpanBackend(HTTPBackend):
         headers: dict[str, str] | None = None,
         api_key: str | None = None,
     ):
-        all_headers = dict(headers or {})
-        if api_key:
-            all_headers.setdefault("Authorization", f"Bearer {api_key}")
         super().__init__(
             base_url,
             timeout=timeout,
             max_retries=max_retries,
-            headers=all_headers,
+            headers=headers,
             max_concurrency=max_concurrency,
+            api_key=api_key,
         )
         self.model = model or None
         self.capabilities = BackendCapabilities(
