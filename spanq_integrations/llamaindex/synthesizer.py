@@ -253,6 +253,15 @@ class SpanQuerySynthesizer(BaseSynthesizer):
             return StreamingResponse(answer, source_nodes=source_nodes, metadata=metadata)
         return AsyncStreamingResponse(answer, source_nodes=source_nodes, metadata=metadata)
 
+    def _start(
+        self, query: QueryType, nodes: list[NodeWithScore], additional: Sequence[NodeWithScore] | None
+    ) -> tuple[QueryBundle, list[NodeWithScore], list[Fragment]]:
+        """What `synthesize` and `asynthesize` share before answering: the query bundle (start event sent),
+        the source nodes to return, and the nodes' fragments."""
+        bundle = QueryBundle(query_str=query) if isinstance(query, str) else query
+        dispatcher.event(SynthesizeStartEvent(query=bundle))
+        return bundle, list(nodes) + list(additional or ()), self.node_fragments(nodes)
+
     # ----------------------------------------------------------------------------------------- LlamaIndex API
 
     @dispatcher.span
@@ -263,10 +272,7 @@ class SpanQuerySynthesizer(BaseSynthesizer):
         additional_source_nodes: Sequence[NodeWithScore] | None = None,
         **response_kwargs: Any,
     ) -> RESPONSE_TYPE:
-        bundle = QueryBundle(query_str=query) if isinstance(query, str) else query
-        dispatcher.event(SynthesizeStartEvent(query=bundle))
-        source_nodes = list(nodes) + list(additional_source_nodes or ())
-        fragments = self.node_fragments(nodes)
+        bundle, source_nodes, fragments = self._start(query, nodes, additional_source_nodes)
         if not fragments:
             response = self._empty(source_nodes, asynchronous=False)
         else:
@@ -288,10 +294,7 @@ class SpanQuerySynthesizer(BaseSynthesizer):
         additional_source_nodes: Sequence[NodeWithScore] | None = None,
         **response_kwargs: Any,
     ) -> RESPONSE_TYPE:
-        bundle = QueryBundle(query_str=query) if isinstance(query, str) else query
-        dispatcher.event(SynthesizeStartEvent(query=bundle))
-        source_nodes = list(nodes) + list(additional_source_nodes or ())
-        fragments = self.node_fragments(nodes)
+        bundle, source_nodes, fragments = self._start(query, nodes, additional_source_nodes)
         if not fragments:
             response = self._empty(source_nodes, asynchronous=True)
         else:
