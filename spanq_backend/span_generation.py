@@ -316,11 +316,12 @@ class SpanGenerator:
         from vllm import SamplingParams
 
         async def one(i: int) -> int:
-            if self.span_cached is not None and self.span_cached(lowered.prepare_prompt(i)):
+            prompt = lowered.prepare_prompt(i)
+            if self.span_cached is not None and self.span_cached(prompt):
                 return 0
             # One token past the span: vLLM always recomputes a prompt's last token, and this way that is all
             # it recomputes when the span is cached already (not the span's whole last block).
-            ids = lowered.prepare_prompt(i) + [self.pad_token_id]
+            ids = prompt + [self.pad_token_id]
             params = SamplingParams(max_tokens=1, temperature=0.0)
             claims = {lowered.span_key(i): lowered.table.anchor_of(i)} if self.serialize_spans else {}
             run = await self.run(ids, params, claims)
