@@ -33,6 +33,7 @@ from .cache_probe import BlockPoolProbe
 from .lowering import LoweredPrompt
 from .span_generation import SpanClaims, SpanGenerator, engine_error, load_chat_tokenizer
 from .span_table import SpanTable
+from .vllm_plugin import SpanSupport, query_span_support
 
 __all__ = ["EngineConfig", "SpanEngine"]
 
@@ -140,8 +141,9 @@ class SpanEngine:
             max_model_len=self.max_model_len,
             model_name=self.model_name,
             default_max_tokens=self.config.default_max_tokens,
-            spans=self.config.spans,
+            spans=self.config.spans and self.span_support.enabled,
             span_cached=self._probe.cached if self._probe is not None else None,
+            fallback=self.span_support.reason if self.config.spans and not self.span_support.enabled else None,
         )
         self.pad_token_id = self.generator.pad_token_id
 
@@ -164,9 +166,16 @@ class SpanEngine:
             enforce_eager=c.enforce_eager,
             num_gpu_blocks_override=c.num_blocks,
         )
-        engine = LLMEngine.from_engine_args(args)
+        engine = self.llm_engine = LLMEngine.from_engine_args(args)  # stepped by the engine thread only
         self.max_model_len = engine.model_config.max_model_len
-        self._probe = BlockPoolProbe.of(engine, c.block_size) if c.spans else None
+        self.span_support = SpanSupport(False, "a stock engine (spans=False)")
+        if c.spans:
+            # The engine core asked its workers the same at start-up and ignores span tables unless all move
+            # keys; this engine then lays prompts out as stock and says why on every call.
+            self.span_support = query_span_support(engine.collective_rpc)
+            if not self.span_support.enabled:
+                log.warning("spans are off for %s: %s", self.model_path.name, self.span_support.reason)
+        self._probe = BlockPoolProbe.of(engine, c.block_size) if self.span_support.enabled else None
         return engine
 
     def _run(self) -> None:

@@ -44,6 +44,7 @@ from spanq_integrations.ir import Chat, Generate, Map, Node, walk
 from spanq_integrations.spnl_json import from_json, to_json
 
 from .span_generation import AsyncSpanClaims, SpanGenerator, engine_error, load_chat_tokenizer
+from .vllm_plugin import SpanSupport, aquery_span_support
 
 __all__ = ["EXECUTE_PATH", "EngineClientBackend", "build_query_router", "parse_serve_args", "serve_main"]
 
@@ -90,9 +91,12 @@ class EngineClientBackend(Backend):
         max_concurrency: int = 16,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         span_cached: Any = None,
+        span_support: SpanSupport | None = None,
     ):
         """`span_cached(token_ids)`: whether a span's prepare prompt is wholly in the engine's prefix cache
-        (`cache_probe.KVEventsMirror`); its prepare request is then skipped."""
+        (`cache_probe.KVEventsMirror`); its prepare request is then skipped. `span_support`: what the engine's
+        workers said at start-up (`vllm_plugin.aquery_span_support`); without spans, prompts go out as stock."""
+        support = span_support or SpanSupport(True)
         self.engine_client = engine_client
         self.served_model_names = tuple(served_model_names)
         self.claims = AsyncSpanClaims()
@@ -103,7 +107,9 @@ class EngineClientBackend(Backend):
             max_model_len=max_model_len,
             model_name=self.served_model_names[0],
             default_max_tokens=default_max_tokens,
-            span_cached=span_cached,
+            span_cached=span_cached if support.enabled else None,
+            spans=support.enabled,
+            fallback=None if support.enabled else support.reason,
         )
         self.capabilities = BackendCapabilities(
             name="spanq-serve", span_aware=True, prepares_spans=True, max_concurrency=max_concurrency
@@ -191,6 +197,7 @@ def usage_of(result: ExecutionResult) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in calls)},
         "padded_tokens": sum(c.padded_tokens for c in calls),
         "prepared_spans": sum(c.prepared_spans for c in calls),
+        "span_fallback": next((c.fallback for c in calls if c.fallback), None),
     }
 
 
@@ -309,15 +316,21 @@ def build_query_router(tokenizer: Any, served_model_names: Sequence[str]) -> Any
     from vllm.entrypoints.serve.utils.api_utils import with_cancellation
 
     router = APIRouter()
+    started = asyncio.Lock()
 
-    def backend_of(request: Request) -> EngineClientBackend:
+    async def backend_of(request: Request) -> EngineClientBackend:
         state = request.app.state
-        backend = getattr(state, "spanq_backend", None)
-        if backend is None:
+        async with started:
+            backend = getattr(state, "spanq_backend", None)
+            if backend is not None:
+                return backend
             config = state.vllm_config
             from .cache_probe import KVEventsMirror
 
-            mirror = state.spanq_kv_mirror = KVEventsMirror.for_engine(config)
+            support = await aquery_span_support(state.engine_client.collective_rpc)
+            if not support.enabled:
+                log.warning("spanq serve: spans are off for this engine; queries run as stock: %s", support.reason)
+            mirror = state.spanq_kv_mirror = KVEventsMirror.for_engine(config) if support.enabled else None
             backend = state.spanq_backend = EngineClientBackend(
                 state.engine_client,
                 tokenizer,
@@ -326,6 +339,7 @@ def build_query_router(tokenizer: Any, served_model_names: Sequence[str]) -> Any
                 max_model_len=config.model_config.max_model_len,
                 max_concurrency=config.scheduler_config.max_num_seqs,
                 span_cached=mirror.cached if mirror is not None else None,
+                span_support=support,
             )
         return backend
 
@@ -358,7 +372,7 @@ def build_query_router(tokenizer: Any, served_model_names: Sequence[str]) -> Any
         raw_request: Request, stream: bool = False, body: bytes = Depends(read_body)
     ) -> Any:
         """Run a span query (spnl JSON); `?stream=true` streams the answer as chat.completion.chunk events."""
-        backend = backend_of(raw_request)
+        backend = await backend_of(raw_request)
         try:
             query = parse_query(body)
             backend.check_models(query)

@@ -200,6 +200,7 @@ class SpanGenerator:
         generated_ids: Callable[[Assistant], list[int] | None] | None = None,
         serialize_spans: bool = False,
         span_cached: Callable[[list[int]], bool] | None = None,
+        fallback: str | None = None,
     ):
         self.stream = stream
         self.tokenizer = tokenizer
@@ -208,6 +209,9 @@ class SpanGenerator:
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.spans = spans  # False: a stock engine's prompts (flattened messages, no span layout)
+        # Why spans are off on a span engine (its workers cannot move keys): reported on every call whose
+        # spans were flattened because of it.
+        self.fallback = fallback
         self.serialize_spans = serialize_spans  # claim span positions (only where CIDRA is unavailable)
         # Whether a `[anchor][span]` prompt is wholly in the prefix cache (an in-process engine can tell): its
         # prepare request would compute nothing, so it is skipped.
@@ -246,6 +250,10 @@ class SpanGenerator:
         return self._generated.get((tuple(lowered.token_ids), node.text))
 
     def lower(self, call: Generate) -> LoweredPrompt:
+        return self._lower(call)[0]
+
+    def _lower(self, call: Generate) -> tuple[LoweredPrompt, bool]:
+        """The call's prompt, and whether its spans were flattened (a stock engine's layout)."""
         lowered = lower(
             call.input,
             self.tokenizer,
@@ -263,8 +271,8 @@ class SpanGenerator:
                 to_chat_messages(call.input), tokenize=False, add_generation_prompt=True
             )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-            lowered = LoweredPrompt(token_ids=ids, table=SpanTable(self.block_size, ()))
-        return lowered
+            return LoweredPrompt(token_ids=ids, table=SpanTable(self.block_size, ())), True
+        return lowered, False
 
     def sampling_params(self, call: Generate, seed: int | None = None) -> Any:
         from vllm import SamplingParams
@@ -335,7 +343,7 @@ class SpanGenerator:
     ) -> Completion:
         """Run one closed `Generate`: lower, prepare spans, run its `n` choices; with TTFT and cache usage."""
         t0 = time.perf_counter()
-        lowered = self.lower(call)
+        lowered, flattened = self._lower(call)
         prepared, prepare_tokens = await self.prepare_detail(lowered) if lowered.has_spans else (0, 0)
         claims = span_claims(lowered) if self.serialize_spans else {}
         runs = await asyncio.gather(
@@ -362,6 +370,7 @@ class SpanGenerator:
             generated_tokens=sum(r.generated_tokens for r in runs),
             padded_tokens=lowered.padded_tokens,
             prepared_spans=prepared,
+            fallback=self.fallback if flattened else None,
             extra={"spans": len(lowered.table.spans), "prepare_computed_tokens": prepare_tokens},
         )
         return Completion(

@@ -1,14 +1,19 @@
 """The span-aware pieces installed into vLLM through the `vllm.general_plugins` entry point (no fork).
 
-`register()` runs in every vLLM process (driver, engine core, workers) and patches three hooks, all listed in
+`register()` runs in every vLLM process (driver, engine core, workers) and patches these hooks, all listed in
 `vllm_symbols`:
-1. the engine core's request block hasher → `span_block_hashes` for requests that carry a span table;
-2. `KVCacheManager.get_computed_blocks` → after the cache lookup, blocks of spans that missed are re-keyed
+1. the engine core's request block hasher → `span_block_hashes` for requests that carry a span table, once
+   the engine has checked that it may (2);
+2. `EngineCore._initialize_kv_caches` → once the KV cache exists, every worker is asked (`WORKER_STATUS_METHOD`, added to vLLM's
+   `WorkerBase`) whether its model runner moves span keys for the loaded model; unless all do, span tables
+   are ignored and requests run as stock (`SpanSupport`): never a span block at a new position with keys
+   that were not moved;
+3. `KVCacheManager.get_computed_blocks` → after the cache lookup, blocks of spans that missed are re-keyed
    as context, so KV computed in context is never registered under a span's key (isolation); and CIDRA
    plans the hit: blocks that running requests read at another position get a private copy;
-3. the single-type KV manager's `get_num_blocks_to_allocate` / `allocate_new_blocks` → those copies are
+4. the single-type KV manager's `get_num_blocks_to_allocate` / `allocate_new_blocks` → those copies are
    counted against capacity before admission and made through vLLM's own copy-on-write path;
-4. the model runner's `execute_model` (and the block-copy step inside it) → before the forward pass,
+5. the CPU model runner's `execute_model` (and the block-copy step inside it) → before the forward pass,
    blocks whose keys encode another position are re-rotated (ReRoPE), tracked block by block, after the
    step's copies ran.
 Requests without a span table keep stock hashing and never need a move (invariant 7). Set
@@ -19,13 +24,25 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .span_hashing import span_block_hashes
 from .span_table import SpanTable, SpanTableError
 
-__all__ = ["SpanRuntime", "register", "runtime_of", "stats"]
+__all__ = [
+    "WORKER_STATUS_METHOD",
+    "SpanRuntime",
+    "SpanSupport",
+    "query_span_support",
+    "register",
+    "runner_span_status",
+    "runtime_of",
+    "stats",
+]
 
 log = logging.getLogger("spanq.vllm_plugin")
 
@@ -38,7 +55,11 @@ def _span_table(request: Any) -> SpanTable | None:
     if cached is not False:
         return cached
     params = getattr(request, "sampling_params", None)
-    table = SpanTable.from_extra_args(getattr(params, "extra_args", None)) if params is not None else None
+    try:
+        table = SpanTable.from_extra_args(getattr(params, "extra_args", None)) if params is not None else None
+    except SpanTableError as e:  # a client's malformed table: the request runs as stock, the engine goes on
+        log.warning("request %s: span table ignored (%s); hashed as stock", getattr(request, "request_id", "?"), e)
+        table = None
     if table is not None and not table.spans:
         table = None
     try:
@@ -48,41 +69,161 @@ def _span_table(request: Any) -> SpanTable | None:
     return table
 
 
+# --------------------------------------------------------------------------------------------- span support
+
+
+@dataclass(frozen=True)
+class SpanSupport:
+    """Whether an engine honours span tables. Only where every worker has a live relocation runtime for the
+    loaded model: a span block found at a new position must have its keys moved, and only a hooked runner with
+    a runtime moves them. Anywhere else a span table is ignored and the request runs as a stock request."""
+
+    enabled: bool
+    reason: str = ""  # why not, when not
+
+    @classmethod
+    def of_workers(cls, statuses: Sequence[Sequence[Any]]) -> SpanSupport:
+        """The engine's answer from every worker's `(ok, reason)`."""
+        if not statuses:
+            return cls(False, "the engine reported no workers")
+        problems = [f"worker {i}: {why}" for i, (ok, why) in enumerate(statuses) if not ok]
+        return cls(False, "; ".join(problems)) if problems else cls(True)
+
+
+UNCHECKED = SpanSupport(False, "the engine has not checked its workers yet")
+
+# The method the plugin adds to vLLM's workers, reached through `collective_rpc` by name (a name travels
+# between the front end, the engine core and the workers, a function does not).
+WORKER_STATUS_METHOD = "spanq_span_status"
+
+
+def runner_span_status(runner: Any) -> tuple[bool, str]:
+    """`(True, "")` when this model runner moves span keys for its model, else `(False, why)`."""
+    if runner is None:
+        return False, "the worker has no model runner"
+    if not getattr(getattr(type(runner), "execute_model", None), "__spanq_hook__", False):
+        return False, (
+            f"{type(runner).__name__} is not hooked by spanq, so cached keys would never be moved "
+            "(spanq moves keys on vLLM's CPU model runner only)"
+        )
+    if not getattr(runner, "kv_caches", None):
+        return False, "the KV cache is not allocated"
+    if runtime_of(runner) is None:
+        return False, _runtime_errors.get(runner, "no relocation runtime")
+    return True, ""
+
+
+def _worker_span_status(worker: Any) -> tuple[bool, str]:
+    """Installed on vLLM's `WorkerBase` as `WORKER_STATUS_METHOD`."""
+    try:
+        return runner_span_status(getattr(worker, "model_runner", None))
+    except Exception as e:  # noqa: BLE001  (any failure means: no spans here)
+        return False, f"checking the model runner failed: {type(e).__name__}: {e}"
+
+
+def query_span_support(collective_rpc: Callable[[str], Any]) -> SpanSupport:
+    """Ask every worker of an engine (through its `collective_rpc`) whether it moves span keys."""
+    try:
+        statuses = collective_rpc(WORKER_STATUS_METHOD)
+    except Exception as e:  # noqa: BLE001  (a worker without the plugin cannot answer: no spans)
+        return SpanSupport(False, f"the workers could not answer ({type(e).__name__}: {e}); "
+                           "is the spanq plugin loaded in every vLLM process?")
+    return SpanSupport.of_workers(statuses)
+
+
+async def aquery_span_support(collective_rpc: Callable[[str], Any]) -> SpanSupport:
+    """`query_span_support` for an async engine client (`AsyncLLM.collective_rpc`)."""
+    try:
+        statuses = await collective_rpc(WORKER_STATUS_METHOD)
+    except Exception as e:  # noqa: BLE001
+        return SpanSupport(False, f"the workers could not answer ({type(e).__name__}: {e}); "
+                           "is the spanq plugin loaded in every vLLM process?")
+    return SpanSupport.of_workers(statuses)
+
+
 # --------------------------------------------------------------------------------------------- scheduler side
 
 _hash_fn: Any = None
 
 
-def _make_hasher_factory(stock_factory: Any) -> Any:
-    from vllm.v1.core import kv_cache_utils as kcu
+class SpanBlockHasher:
+    """The engine core's request block hasher: span-aware for requests with a span table, once the engine's
+    workers have said they move keys (`support`, set when the engine core has started); stock otherwise."""
 
-    def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Any) -> Any:
-        global _hash_fn
-        _hash_fn = caching_hash_fn
-        stock = stock_factory(hash_block_size, caching_hash_fn)
+    def __init__(self, stock: Any, hash_block_size: int, caching_hash_fn: Any):
+        from vllm.v1.core import kv_cache_utils as kcu
+
+        self.stock = stock
+        self.hash_block_size = hash_block_size
+        self.support = UNCHECKED
+        self._warned = False
 
         def hash_block(parent: Any, tokens: Any, extra: Any) -> Any:
             return kcu.hash_block_tokens(caching_hash_fn, parent, tokens, extra)
 
-        def request_block_hasher(request: Any) -> list[Any]:
-            table = _span_table(request)
-            if table is not None and not request.block_hashes:
-                try:
-                    if table.block_size != hash_block_size:
-                        raise SpanTableError(f"built for blocks of {table.block_size}, the engine uses {hash_block_size}")
-                    table.validate(request.num_prompt_tokens)
-                except SpanTableError as e:
-                    log.warning("request %s: span table ignored (%s); hashed as stock", request.request_id, e)
-                    table = request._spanq_table = None
-            if table is None:
-                return stock(request)
+        self._hash_block = hash_block
+        self._extra_keys = kcu.generate_block_hash_extra_keys
 
-            def extra_keys(start: int, end: int) -> Any:
-                return kcu.generate_block_hash_extra_keys(request, start, end, 0)[0]
+    def __call__(self, request: Any) -> list[Any]:
+        table = _span_table(request)
+        if table is not None and not request.block_hashes:  # a new request: its table is checked once
+            problem = self._refusal(table, request.num_prompt_tokens)
+            if problem is not None:
+                table = request._spanq_table = None  # every other hook now sees a stock request
+                if self.support.enabled:
+                    log.warning("request %s: span table ignored (%s); hashed as stock", request.request_id, problem)
+                elif not self._warned:
+                    self._warned = True
+                    log.warning("spanq: span tables are ignored by this engine; they run as stock requests: %s",
+                                problem)
+        if table is None:
+            return self.stock(request)
 
-            return span_block_hashes(request.all_token_ids, table, hash_block, request.block_hashes, extra_keys)
+        def extra_keys(start: int, end: int) -> Any:
+            return self._extra_keys(request, start, end, 0)[0]
 
-        return request_block_hasher
+        return span_block_hashes(request.all_token_ids, table, self._hash_block, request.block_hashes, extra_keys)
+
+    def _refusal(self, table: SpanTable, num_prompt_tokens: int) -> str | None:
+        if not self.support.enabled:
+            return self.support.reason
+        if table.block_size != self.hash_block_size:
+            return f"built for blocks of {table.block_size}, the engine uses {self.hash_block_size}"
+        try:
+            table.validate(num_prompt_tokens)
+        except SpanTableError as e:
+            return str(e)
+        return None
+
+
+# What an engine core's workers said at start-up, waiting for the hasher that the same `EngineCore.__init__`
+# builds next, on the same thread (the plugin itself may only be loaded inside that `__init__`, so the hooks
+# are the KV cache set-up and the hasher factory it calls by name, not `__init__` itself).
+_startup = threading.local()
+
+
+def _wrap_initialize_kv_caches(orig: Any) -> Any:
+    def _initialize_kv_caches(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig(self, *args, **kwargs)
+        support = query_span_support(self.collective_rpc)
+        if not support.enabled:
+            log.warning("spanq: span reuse is off for this engine (span tables run as stock requests): %s",
+                        support.reason)
+        _startup.support = support
+        return result
+
+    _initialize_kv_caches.__wrapped__ = orig  # type: ignore[attr-defined]
+    return _initialize_kv_caches
+
+
+def _make_hasher_factory(stock_factory: Any) -> Any:
+    def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Any) -> Any:
+        global _hash_fn
+        _hash_fn = caching_hash_fn
+        hasher = SpanBlockHasher(stock_factory(hash_block_size, caching_hash_fn), hash_block_size, caching_hash_fn)
+        hasher.support = getattr(_startup, "support", UNCHECKED)
+        _startup.support = UNCHECKED
+        return hasher
 
     return get_request_block_hasher
 
@@ -232,7 +373,9 @@ class SpanRuntime:
             self.relocator.apply(moves)
 
 
-_runtimes: dict[int, SpanRuntime | None] = {}
+# Per model runner (weakly: an engine's runner goes away with it, and a new one must not inherit its answer).
+_runtimes: weakref.WeakKeyDictionary[Any, SpanRuntime | None] = weakref.WeakKeyDictionary()
+_runtime_errors: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def runtime_of(runner: Any) -> SpanRuntime | None:
@@ -240,15 +383,14 @@ def runtime_of(runner: Any) -> SpanRuntime | None:
 
     spanq's own engines refuse such models before they start (`kv_layout.check_relocatable`); any other vLLM
     in this environment loads the plugin too and must keep serving as stock."""
-    if id(runner) not in _runtimes:
-        from .rerope import RelocationError
-
+    if runner not in _runtimes:
         try:
-            _runtimes[id(runner)] = SpanRuntime(runner)
-        except RelocationError as e:
+            _runtimes[runner] = SpanRuntime(runner)
+        except Exception as e:  # noqa: BLE001  (a runtime that cannot start means: no spans on this engine)
             log.warning("span reuse is off for this engine: %s", e)
-            _runtimes[id(runner)] = None
-    return _runtimes[id(runner)]
+            _runtime_errors[runner] = f"keys cannot be moved for this model: {e}"
+            _runtimes[runner] = None
+    return _runtimes[runner]
 
 
 _current: SpanRuntime | None = None  # the runtime whose step is between its copies and its forward pass
@@ -271,6 +413,7 @@ def _wrap_execute_model(orig: Any) -> Any:
             rt.flush()  # only if the step had copies but never ran them (nothing else is pending)
 
     execute_model.__wrapped__ = orig  # type: ignore[attr-defined]
+    execute_model.__spanq_hook__ = True  # type: ignore[attr-defined]  # what `runner_span_status` looks for
     return execute_model
 
 
@@ -298,9 +441,12 @@ def register() -> None:
     vllm_symbols.check_symbols()
     from vllm.v1.core import kv_cache_manager, single_type_kv_cache_manager
     from vllm.v1.engine import core as engine_core
-    from vllm.v1.worker import cpu_model_runner, gpu_model_runner
+    from vllm.v1.worker import cpu_model_runner, gpu_model_runner, worker_base
 
     engine_core.get_request_block_hasher = _make_hasher_factory(engine_core.get_request_block_hasher)
+    core = engine_core.EngineCore
+    core._initialize_kv_caches = _wrap_initialize_kv_caches(core._initialize_kv_caches)
+    setattr(worker_base.WorkerBase, WORKER_STATUS_METHOD, _worker_span_status)
     mgr = kv_cache_manager.KVCacheManager
     mgr.get_computed_blocks = _wrap_get_computed_blocks(mgr.get_computed_blocks)
     single = single_type_kv_cache_manager.FullAttentionManager

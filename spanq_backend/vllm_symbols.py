@@ -16,6 +16,11 @@ WRITTEN_FOR = "0.32.0"
 # (module, attribute path, what we rely on)
 SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.engine.core", "get_request_block_hasher", "imported by name; EngineCore.__init__ builds the hasher after plugins load"),
+    ("vllm.v1.engine.core", "EngineCore._initialize_kv_caches", "EngineCore.__init__ calls it before it builds the hasher; spans are checked right after it"),
+    ("vllm.v1.engine.core", "EngineCore.collective_rpc", "(method name) -> one answer per worker"),
+    ("vllm.v1.worker.worker_base", "WorkerBase", "every worker; gains the span-status method; model_runner"),
+    ("vllm.v1.engine.llm_engine", "LLMEngine.collective_rpc", "the embedded engine asks its workers the same"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc", "spanq serve asks its workers the same"),
     ("vllm.v1.core.kv_cache_utils", "hash_block_tokens", "(hash_fn, parent_hash, token_ids, extra_keys) -> BlockHash"),
     ("vllm.v1.core.kv_cache_utils", "generate_block_hash_extra_keys", "(request, start, end, mm_idx) -> (keys, mm_idx)"),
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_computed_blocks", "(request) -> (blocks, num_computed_tokens, boundary)"),

@@ -38,6 +38,7 @@ class CallMetrics(BaseModel):
     generated_tokens: int = 0
     padded_tokens: int = 0
     prepared_spans: int = 0
+    fallback: str | None = None  # why the call's spans were sent as ordinary prompt text, when they were
     extra: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -121,7 +121,7 @@ class CallOutcome:
             "wall_s": m.wall_s,
             "spans": int(m.extra.get("spans", self.spans_sent if self.span_aware else 0)),
             "span_source": self.prepared.span_source,
-            "fallback": self.prepared.fallback,
+            "fallback": self.prepared.fallback or m.fallback,
             "span_aware": self.span_aware,
             "backend": self.backend,
         }

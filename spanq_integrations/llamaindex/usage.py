@@ -27,6 +27,7 @@ def usage_of(result: ExecutionResult) -> dict[str, Any]:
         "generated_tokens": sum(c.generated_tokens for c in calls),
         "padded_tokens": sum(c.padded_tokens for c in calls),
         "prepared_spans": sum(c.prepared_spans for c in calls),
+        "fallback": next((c.fallback for c in calls if c.fallback), None),
         "ttft_s": answer.ttft_s if answer is not None else None,
         "wall_s": result.wall_s,
         "model": answer.model if answer is not None else "",

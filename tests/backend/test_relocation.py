@@ -8,6 +8,7 @@ layout `discover_cpu_k_layout` finds: moved K equals RoPE at the new position, V
 from __future__ import annotations
 
 import os
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -564,10 +565,15 @@ def test_stock_steps_run_on_a_runner_whose_keys_cannot_move(monkeypatch, model, 
     """Invariant 7: with the plugin installed, a model spanq cannot relocate still serves stock requests."""
     from spanq_backend import vllm_plugin
 
-    monkeypatch.setattr(vllm_plugin, "_runtimes", {})
+    monkeypatch.setattr(vllm_plugin, "_runtimes", weakref.WeakKeyDictionary())
     ran = []
     execute_model = vllm_plugin._wrap_execute_model(lambda self, step, *a, **k: ran.append(step) or "output")
-    runner = SimpleNamespace(
+
+    class Runner(SimpleNamespace):  # a model runner: hashed by identity, as vLLM's are
+        __hash__ = object.__hash__
+        __eq__ = object.__eq__
+
+    runner = Runner(
         kv_caches=[torch.zeros(4, 2, BS, 2 * HEAD_DIM, dtype=dtype)],
         cache_config=SimpleNamespace(block_size=BS),
         get_model=lambda: model,

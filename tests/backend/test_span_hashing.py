@@ -68,12 +68,9 @@ def hashing():
     def hash_block(parent, tokens, extra):
         return kcu.hash_block_tokens(hash_fn, parent, tokens, extra)
 
-    return SimpleNamespace(
-        fn=hash_fn,
-        block=hash_block,
-        stock=kcu.get_request_block_hasher(BS, hash_fn),
-        plugin=vllm_plugin._make_hasher_factory(kcu.get_request_block_hasher)(BS, hash_fn),
-    )
+    plugin = vllm_plugin._make_hasher_factory(kcu.get_request_block_hasher)(BS, hash_fn)
+    plugin.support = vllm_plugin.SpanSupport(True)  # as on an engine whose workers all move keys
+    return SimpleNamespace(fn=hash_fn, block=hash_block, stock=kcu.get_request_block_hasher(BS, hash_fn), plugin=plugin)
 
 
 def request(
@@ -253,6 +250,18 @@ def test_plugin_hasher_gives_span_hashes_for_requests_with_a_span_table(hashing)
         )
 
 
+def test_a_hasher_whose_engine_has_not_confirmed_spans_hashes_span_tables_as_stock(hashing):
+    """Spans are off until the engine's workers said they move keys (the hasher's default)."""
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    unchecked = vllm_plugin._make_hasher_factory(kcu.get_request_block_hasher)(BS, hashing.fn)
+    assert not unchecked.support.enabled
+    tokens, table = layout("DCBA")
+    req = request(tokens, unchecked, table=table)
+    assert req.block_hashes == stock_hashes(hashing, tokens)
+    assert vllm_plugin._span_table(req) is None  # the other hooks see a stock request too
+
+
 def test_plugin_span_hashes_keep_the_cache_salt(hashing):
     """A salted request's spans match its salted prepare requests, and nothing unsalted."""
     tokens, table = layout("BA")
@@ -270,6 +279,9 @@ def test_plugin_hasher_ignores_a_table_it_cannot_trust(hashing):
     assert request(tokens, hashing.plugin, table=SpanTable(32, ((32, 64),))).block_hashes == stock
     past_the_end = SpanTable(BS, ((BS, len(tokens) + 2 * BS),))
     assert request(tokens, hashing.plugin, table=past_the_end).block_hashes == stock
+    # A malformed table from a client is not an error of the engine: the request runs as stock.
+    for raw in ({"v": 1, "block_size": "x", "spans": []}, {"v": 2}, "not a table", {"v": 1, "spans": [[1]]}):
+        assert request(tokens, hashing.plugin, extra={EXTRA_ARGS_KEY: raw}).block_hashes == stock
 
 
 # --------------------------------------------------------------------------------------------- (e) incremental

@@ -1,0 +1,245 @@
+"""Never silently wrong: span tables are honoured only where every worker moves keys for the loaded model.
+
+A span block found at a new position is only right once its keys are re-rotated, and only a hooked model
+runner with a relocation runtime does that. These tests take that away — a runner without spanq's hook, a
+model whose rotary embedding the runtime refuses, in one process and with the engine core and the worker in
+processes of their own — and check that span queries then run as stock requests (exact under ordinary
+attention), say why (`fallback`), and that without the guard the same request would be wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from spanq_backend.bench.hf_span import full_attention_logprobs, load_hf_model, span_reference_logprobs
+from spanq_backend.vllm_plugin import SpanSupport, runner_span_status
+from spanq_integrations import cross, fragment, generate, plus, system, user
+from spanq_integrations.spnl_json import to_json
+from tests.servers import free_port, log_tail, running_server
+
+pytestmark = [pytest.mark.vllm]
+
+TOL = 2e-4
+
+
+def docs(tag: str) -> dict[str, str]:
+    return {
+        c: f"Note {c}{tag}. " + " ".join(f"{c.lower()}{tag} item {i} is {i * 7 % 11}." for i in range(15))
+        for c in "ABCD"
+    }
+
+
+def query(d: dict[str, str], order: str, max_tokens: int = 5):
+    return generate(
+        cross(system("Answer from the notes."), plus(*[fragment(d[c]) for c in order]), user("Which item is 3?")),
+        max_tokens=max_tokens,
+        temperature=0.0,
+    )
+
+
+# --------------------------------------------------------------------------------------------- the decision
+
+
+def test_one_worker_that_cannot_move_keys_turns_spans_off_for_the_engine():
+    assert SpanSupport.of_workers([(True, ""), (True, "")]).enabled
+    off = SpanSupport.of_workers([(True, ""), (False, "no runtime")])
+    assert not off.enabled and off.reason == "worker 1: no runtime"
+    assert not SpanSupport.of_workers([]).enabled
+
+
+def test_a_runner_class_without_the_hook_is_reported():
+    class GPUishModelRunner:
+        def __init__(self):
+            self.kv_caches = [torch.zeros(1)]
+
+        def execute_model(self, scheduler_output):
+            return None
+
+    ok, why = runner_span_status(GPUishModelRunner())
+    assert not ok and "GPUishModelRunner is not hooked" in why
+
+
+# --------------------------------------------------------------------------------------------- engines
+
+
+def _engine(tiny_model: Path):
+    from spanq_backend.engine import SpanEngine
+
+    return SpanEngine(model=str(tiny_model), block_size=32, max_model_len=1024, max_num_seqs=4, num_blocks=96)
+
+
+async def _run_with_table(engine, lowered, with_table: bool = True):
+    """One request with the span table attached out of band (as a client of the plugin may send it)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
+    outs, _ = await engine.run_tokens(lowered.token_ids, params, {}, lowered.table if with_table else None)
+    toks = [t for o in outs for t in o.outputs[0].token_ids]
+    lps = [lp[t].logprob for o in outs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
+    return outs[-1].num_cached_tokens or 0, toks, torch.tensor(lps, dtype=torch.float64)
+
+
+def _span_lowering(engine, call):
+    """The span layout of `call` (the engine's own generator lays prompts out as stock once spans are off)."""
+    from spanq_backend.lowering import lower
+
+    return lower(call.input, engine.tokenizer, engine.config.block_size, engine.pad_token_id, 1024, 5)
+
+
+async def _prepare_by_hand(engine, lowered) -> None:
+    """What a span engine's prepare requests do: each `[anchor][span]` as a plain request."""
+    from vllm import SamplingParams
+
+    for i in range(len(lowered.table.spans)):
+        ids = lowered.prepare_prompt(i) + [engine.pad_token_id]
+        await engine.run_tokens(ids, SamplingParams(max_tokens=1, temperature=0.0), {})
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model):
+    return load_hf_model(tiny_model)
+
+
+@pytest.fixture
+def unhooked_runner(monkeypatch):
+    """vLLM's CPU model runner as a platform spanq does not hook (a GPU runner, vLLM's V2 runner) would be."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    from spanq_backend import vllm_plugin
+
+    vllm_plugin.register()  # idempotent; makes sure the hook is there to take away
+    hooked = CPUModelRunner.execute_model
+    assert getattr(hooked, "__spanq_hook__", False)
+    monkeypatch.setattr(CPUModelRunner, "execute_model", hooked.__wrapped__)
+
+
+@pytest.mark.slow
+def test_an_engine_whose_runner_is_not_hooked_runs_span_tables_as_stock(tiny_model, hf_model, unhooked_runner):
+    engine = _engine(tiny_model)
+    try:
+        assert not engine.span_support.enabled
+        assert "CPUModelRunner is not hooked" in engine.span_support.reason
+        d = docs("u")
+
+        async def scenario():
+            # The generator lays the query out as stock and says why.
+            completion = await engine.generate(query(d, "ABCD"))
+            # A client that attaches a span table itself, spans prepared by hand and read in another order:
+            first = _span_lowering(engine, query(d, "ABCD"))
+            await _prepare_by_hand(engine, first)
+            second = _span_lowering(engine, query(d, "DCBA"))
+            return completion, second, await _run_with_table(engine, second)
+
+        completion, second, (cached, toks, lps) = asyncio.run(scenario())
+        assert completion.metrics.fallback == engine.span_support.reason
+        assert completion.metrics.prepared_spans == 0 and completion.metrics.padded_tokens == 0
+        # Hashed as stock: only the first span (right after the anchor, where it was prepared) is found.
+        spans = second.table.spans
+        assert cached <= spans[0][1] < spans[1][1]
+        ref = full_attention_logprobs(hf_model, second.token_ids, toks).double()
+        assert torch.allclose(lps, ref, atol=TOL), f"max |diff| = {(lps - ref).abs().max():.2e}"
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_without_the_guard_an_unhooked_runner_reads_unmoved_keys(tiny_model, hf_model, unhooked_runner):
+    """The failure the guard prevents: the same engine with span tables honoured regardless answers wrong."""
+    engine = _engine(tiny_model)
+    try:
+        hasher = engine.llm_engine.engine_core.engine_core.request_block_hasher
+        hasher.support = SpanSupport(True)  # the broken guard
+        d = docs("w")
+
+        async def scenario():
+            first = _span_lowering(engine, query(d, "ABCD"))
+            await _prepare_by_hand(engine, first)
+            second = _span_lowering(engine, query(d, "DCBA"))
+            return second, await _run_with_table(engine, second)
+
+        second, (cached, toks, lps) = asyncio.run(scenario())
+        assert cached >= second.table.spans[-1][1], "every span was read from the cache at a new position"
+        span_ref = span_reference_logprobs(hf_model, second.token_ids, second.table.spans, toks).double()
+        full_ref = full_attention_logprobs(hf_model, second.token_ids, toks).double()
+        # Neither reference holds: the keys of the moved spans still encode their old positions.
+        assert not torch.allclose(lps, span_ref, atol=TOL)
+        assert not torch.allclose(lps, full_ref, atol=TOL)
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_a_model_the_runtime_refuses_turns_spans_off_with_the_reason(tiny_model, monkeypatch):
+    from spanq_backend import kv_layout
+    from spanq_backend.rerope import RelocationError
+
+    def refuse(model):
+        raise RelocationError("this model's rotary embedding is refused (simulated)")
+
+    monkeypatch.setattr(kv_layout, "rope_spec_of_model", refuse)
+    engine = _engine(tiny_model)
+    try:
+        assert not engine.span_support.enabled
+        assert "refused (simulated)" in engine.span_support.reason
+        d = docs("m")
+        completion = asyncio.run(engine.generate(query(d, "BADC")))
+        assert completion.metrics.fallback and "refused (simulated)" in completion.metrics.fallback
+        assert completion.metrics.prepared_spans == 0 and completion.text
+    finally:
+        engine.close()
+
+
+# --------------------------------------------------------------------------------------------- processes
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tiny_model: Path, tmp_path_factory) -> Path:
+    """A tiny random GPT-2 (learned absolute positions, no rotary embedding) with SmolLM2's tokenizer: its
+    config passes the start-up check, and the worker's relocation runtime refuses it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    out = tmp_path_factory.mktemp("tiny-gpt2")
+    config = GPT2Config(vocab_size=49152, n_positions=2048, n_embd=64, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(out)
+    for name in os.listdir(tiny_model):
+        if name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            shutil.copy(tiny_model / name, out / name)
+    return out
+
+
+@pytest.mark.slow
+def test_spanq_serve_with_workers_in_other_processes_serves_span_queries_as_stock(tiny_gpt2, tmp_path):
+    port = free_port()
+    log = tmp_path / "server.log"
+    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", str(tiny_gpt2),
+               "--port", str(port), "--max-model-len", "2048"]
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine core in its own process
+    url = f"http://127.0.0.1:{port}"
+    d = docs("p")
+    with running_server(command, log, "spanq serve (multiprocess)", env):
+        answers = []
+        for order in ("ABCD", "DCBA"):
+            r = httpx.post(f"{url}/v1/query/execute", json=to_json(query(d, order)), timeout=120)
+            assert r.status_code == 200, r.text
+            answers.append(r.json())
+        text = log.read_text(errors="replace")
+    assert "EngineCore" in text  # the engine core did run in a process of its own
+    for body in answers:
+        usage = body["usage"]
+        assert usage["span_fallback"] and "keys cannot be moved" in usage["span_fallback"], usage
+        assert usage["prepared_spans"] == 0 and usage["padded_tokens"] == 0
+    # The engine core (its own process) ignores span tables too, whatever a client sends.
+    assert "span tables run as stock requests" in text, log_tail(log)
+    assert json.dumps(answers[1]["calls"][0]["fallback"]) != "null"
