@@ -1,4 +1,4 @@
-"""ReRoPE relocation throughput on a GPU: `spanq_backend.relocation.KVRelocator` beside a plain copy of the same bytes.
+"""ReRoPE relocation throughput on a GPU: `spanq_backend.kv.relocation.KVRelocator` beside a plain copy of the same bytes.
 
 Self-contained: needs torch (with CUDA) and this repository's `spanq_backend/rerope.py` and `relocation.py`, which
 import nothing but torch — vLLM need not be installed. Run from the repository root:
@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from spanq_backend.relocation import KLayout, KVRelocator, Move
-from spanq_backend.rerope import RopeSpec, rerope_
+from spanq_backend.kv.relocation import KLayout, KVRelocator, Move
+from spanq_backend.kv.rerope import RopeSpec, rerope_
 
 SHAPES = {
     "tiny": (4, 2, 64),  # spanq's tiny test model

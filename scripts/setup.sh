@@ -76,11 +76,11 @@ print(f"setup: torch {torch.__version__}, vllm {vllm.__version__}")
 EOF
 
 log "materializing the models (once; about a minute the first time)"
-"$PY" -m spanq_backend.models materialize all
+"$PY" -m spanq_backend.serving.models materialize all
 
 # spanq's CPU kernel for moving cached keys (a few seconds; without a C++ compiler spanq falls back to torch).
 log "building spanq's CPU kernels"
-"$PY" -m spanq_backend.kernels build || log "kernels not built: key relocation will use plain torch"
+"$PY" -m spanq_backend.kv.kernels build || log "kernels not built: key relocation will use plain torch"
 
 stamp_key >"$STAMP"
 log "done in $((SECONDS - started)) s"

@@ -6,7 +6,7 @@ imports neither torch nor vLLM; the embedded span-aware engine is loaded on firs
 
 from __future__ import annotations
 
-from .backends import (
+from spanq_integrations.backends import (
     Backend,
     BackendCapabilities,
     CallMetrics,
@@ -14,7 +14,7 @@ from .backends import (
     default_backend,
     resolve_backend,
 )
-from .errors import (
+from spanq_integrations.query.errors import (
     BackendError,
     BackendUnavailableError,
     ContextLengthError,
@@ -26,8 +26,7 @@ from .errors import (
     ReducerParseError,
     SpanQueryError,
 )
-from .executor import ExecutionResult, aexecute, execute
-from .ir import (
+from spanq_integrations.query.ir import (
     Assistant,
     Chat,
     Cross,
@@ -53,7 +52,8 @@ from .ir import (
     system,
     user,
 )
-from .judge import JudgeResult, ajudge, judge
+from spanq_integrations.runtime.executor import ExecutionResult, aexecute, execute
+from spanq_integrations.runtime.judge import JudgeResult, ajudge, judge
 
 __version__ = "0.1.0"
 

@@ -16,11 +16,12 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from .backends.base import BackendCapabilities, CallMetrics
-from .errors import SpanQueryError
-from .ir import Chat, Generate, Map, Node, render, transform
+from spanq_integrations.backends.protocol import BackendCapabilities, CallMetrics
+from spanq_integrations.query.errors import SpanQueryError, check_fan_in
+from spanq_integrations.query.ir import Chat, Generate, Map, Node, render, transform
 
 __all__ = ["main"]
 
@@ -28,7 +29,7 @@ EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 
 # Subcommands that live in the server package; each module has `<name>_main(argv) -> int`.
-DELEGATED = {"serve": "spanq_backend.server", "bench": "spanq_backend.bench"}
+DELEGATED = {"serve": "spanq_backend.serving.server", "bench": "benchmarks"}
 BACKEND_EXTRA_HINT = "pip install 'spanq[backend]'"
 
 
@@ -41,7 +42,7 @@ class CommandError(Exception):
 
 def read_query(file: str) -> Node:
     """The query in `file` (spnl JSON; `-` reads stdin)."""
-    from .spnl_json import loads
+    from spanq_integrations.query.spnl_json import loads
 
     if file == "-":
         text = sys.stdin.read()
@@ -113,7 +114,7 @@ def metrics_table(calls: Sequence[CallMetrics], totals: dict[str, float]) -> str
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .optimizer import optimize
+    from spanq_integrations.optimizer import optimize
 
     query = read_query(args.file)
     capabilities = BackendCapabilities(
@@ -121,7 +122,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     plan = optimize(query, capabilities, tree_reduction_k=args.tree_k)
     if args.json:
-        from .spnl_json import to_json
+        from spanq_integrations.query.spnl_json import to_json
 
         print(json.dumps(to_json(plan), indent=2, ensure_ascii=False))
     else:
@@ -130,7 +131,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .executor import execute
+    from spanq_integrations.runtime.executor import execute
 
     query = read_query(args.file)
     if args.model:
@@ -157,7 +158,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "or pass --backend URL of a running server"
         ) from e
     if args.json:
-        from .spnl_json import to_json
+        from spanq_integrations.query.spnl_json import to_json
 
         report: dict[str, Any] = {
             "answer": result.answer,
@@ -176,9 +177,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _source_checkout() -> Path | None:
+    """The repository this package runs from, if it is a source checkout with its `benchmarks/` folder."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "benchmarks" / "__init__.py").is_file() else None
+
+
 def delegate(name: str, argv: list[str]) -> int:
-    """Run `spanq serve` / `spanq bench` from the server package, imported only now."""
+    """Run `spanq serve` (the server package) / `spanq bench` (a source checkout's `benchmarks/`), imported
+    only now."""
     module_name = DELEGATED[name]
+    if name == "bench":
+        root = _source_checkout()
+        if root is None:
+            raise CommandError(
+                "spanq bench runs from a source checkout of spanq: the benchmarks/ folder is not installed "
+                "with the package"
+            )
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -235,8 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = build_parser().parse_args(args_list)
         except SystemExit as e:  # --help, or a usage error argparse already printed
             return e.code if isinstance(e.code, int) else EXIT_ERROR
-        if args.tree_k is not None and args.tree_k < 2:
-            raise CommandError("--tree-k must be at least 2")
+        check_fan_in(args.tree_k, "--tree-k", "candidates", none="(leave it out) for no tree reduction")
         return args.handler(args)
     except KeyboardInterrupt:
         print("spanq: interrupted", file=sys.stderr)

@@ -7,7 +7,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from spanq_integrations.ir import (
+from spanq_integrations.query.ir import (
     Assistant,
     Chat,
     Cross,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from spanq_integrations import ReducerParseError, cross, generate, system, user
-from spanq_integrations.judge import JudgeResult, judge
+from spanq_integrations.runtime.judge import JudgeResult, judge
 
 QUESTION = "Why is the sky blue?"
 CRITERION = "Which answer explains it most accurately and clearly?"
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend
     model = args.model
     if backend is None and model:  # embedded on a named model (otherwise the shared default)
-        from spanq_backend.embedded import EmbeddedBackend
+        from spanq_backend.serving.embedded import EmbeddedBackend
 
         backend, model = EmbeddedBackend(model), ""
 

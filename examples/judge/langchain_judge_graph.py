@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     backend = None  # the embedded default
     if args.model != "default":
-        from spanq_backend.embedded import EmbeddedBackend
+        from spanq_backend.serving.embedded import EmbeddedBackend
 
         backend = EmbeddedBackend(args.model)
     state = run(ChatSpanQuery(backend=backend, max_tokens=args.max_tokens), n=args.n, k=args.k or None)

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None, backend: Any = None) -> dict[str, Any]:
 
     started = None
     if backend is None and args.model != "default":
-        from spanq_backend.embedded import EmbeddedBackend
+        from spanq_backend.serving.embedded import EmbeddedBackend
 
         backend = started = EmbeddedBackend(args.model)
     judge = SpanQueryPairwiseEvaluator(llm=SpanQueryLLM(backend=backend), max_tokens=48)

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-stock", action="store_true", help="skip the stock vLLM comparison")
     args = ap.parse_args(argv)
 
-    from spanq_backend.embedded import EmbeddedBackend
+    from spanq_backend.serving.embedded import EmbeddedBackend
 
     docs = json.loads((HERE / "documents.json").read_text())
     orders = [list(docs), random.Random(7).sample(docs, len(docs))]

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
     backend = None  # the embedded default
     if args.model != "default":
-        from spanq_backend.embedded import EmbeddedBackend
+        from spanq_backend.serving.embedded import EmbeddedBackend
 
         backend = EmbeddedBackend(args.model)
     llm = ChatSpanQuery(backend=backend, max_tokens=args.max_tokens, temperature=0)  # the only change

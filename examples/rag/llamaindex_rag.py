@@ -61,7 +61,7 @@ def make_llm(model: str, max_tokens: int, backend: Any = None) -> tuple[SpanQuer
         return SpanQueryLLM(backend=backend, max_tokens=max_tokens), None
     if model == "default":
         return SpanQueryLLM(max_tokens=max_tokens), None  # the shared embedded engine on SmolLM2
-    from spanq_backend.embedded import EmbeddedBackend
+    from spanq_backend.serving.embedded import EmbeddedBackend
 
     started = EmbeddedBackend(model)
     return SpanQueryLLM(backend=started, max_tokens=max_tokens), started

@@ -2,7 +2,7 @@
 
 `OpenAIBackend` (any OpenAI-compatible server) and `SpanBackend` (a `spanq serve` server) both receive
 `chat.completion.chunk` events over Server-Sent Events and both map failures to the typed errors of
-`spanq_integrations.errors`; this module is the one place that does either.
+`spanq_integrations.query.errors`; this module is the one place that does either.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 
-from ..errors import (
+from spanq_integrations.backends.protocol import Backend, TokenCallback
+from spanq_integrations.query.errors import (
     BackendError,
     BackendUnavailableError,
     ContextLengthError,
@@ -28,7 +29,6 @@ from ..errors import (
     ReducerParseError,
     SpanQueryError,
 )
-from .base import Backend, TokenCallback
 
 __all__ = [
     "ChunkStream",

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..flatten import to_chat_messages
-from ..ir import Generate
-from ._http import HTTPBackend
-from .base import BackendCapabilities, CallMetrics, Completion, TokenCallback
+from spanq_integrations.backends._http import HTTPBackend
+from spanq_integrations.backends.protocol import BackendCapabilities, CallMetrics, Completion, TokenCallback
+from spanq_integrations.query.flatten import to_chat_messages
+from spanq_integrations.query.ir import Generate
 
 __all__ = ["PROVIDER_PREFIXES", "OpenAIBackend", "server_model_name"]
 
@@ -70,7 +70,7 @@ class OpenAIBackend(HTTPBackend):
             return self.model
         served = await self.served_models()
         if not served:
-            from ..errors import ModelNotFoundError
+            from spanq_integrations.query.errors import ModelNotFoundError
 
             raise ModelNotFoundError(f"{self.base_url}/v1/models lists no models: name one with model=...")
         return served[0]

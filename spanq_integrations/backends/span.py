@@ -11,14 +11,20 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..errors import BackendError
-from ..ir import Generate, Node
-from ._http import HTTPBackend
-from .base import BackendCapabilities, CallMetrics, Completion, TokenCallback
+from spanq_integrations.backends._http import HTTPBackend
+from spanq_integrations.backends.protocol import (
+    BackendCapabilities,
+    CallMetrics,
+    Completion,
+    ExecutionResult,
+    TokenCallback,
+)
+from spanq_integrations.query.errors import BackendError
+from spanq_integrations.query.ir import Generate, Node
 
 __all__ = ["EXECUTE_PATH", "SpanBackend"]
 
-EXECUTE_PATH = "/v1/query/execute"
+EXECUTE_PATH = "/v1/query/execute"  # the route of `spanq serve` (and of spnl's patched vLLM); defined once
 
 
 def _metrics_from_usage(usage: dict[str, Any], **fields: Any) -> CallMetrics:
@@ -69,7 +75,7 @@ class SpanBackend(HTTPBackend):
     def _with_default_model(self, query: Node) -> Node:
         if not self.model:
             return query
-        from ..ir import transform
+        from spanq_integrations.query.ir import transform
 
         def fill(node: Node) -> Node:
             if isinstance(node, Generate) and not node.model:
@@ -81,7 +87,7 @@ class SpanBackend(HTTPBackend):
     async def generate(
         self, call: Generate, *, path: str = "$", on_token: TokenCallback | None = None
     ) -> Completion:
-        from ..spnl_json import to_json
+        from spanq_integrations.query.spnl_json import to_json
 
         call = self._with_default_model(call)  # type: ignore[assignment]
         result = await self._stream_chunks(
@@ -96,10 +102,9 @@ class SpanBackend(HTTPBackend):
         )
         return Completion(texts=result.texts, finish_reasons=result.finish_reasons, metrics=metrics)
 
-    async def execute_remote(self, query: Node):  # -> ExecutionResult
+    async def execute_remote(self, query: Node) -> ExecutionResult:
         """Send a whole query; the server optimizes and runs it. Returns what `aexecute` returns."""
-        from ..executor import ExecutionResult
-        from ..spnl_json import from_json, to_json
+        from spanq_integrations.query.spnl_json import from_json, to_json
 
         started = time.perf_counter()
         answer = await self._post_json(

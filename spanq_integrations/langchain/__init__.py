@@ -14,14 +14,18 @@ except ImportError as e:  # pragma: no cover - depends on the installation
         "spanq_integrations.langchain needs langchain-core: pip install 'spanq[langchain]'"
     ) from e
 
-from .chat_models import ChatSpanQuery
-from .judge import DEFAULT_JUDGE_TASK, JudgeEnsemble, JudgeVerdict
-from .llms import SpanQueryLLM
-from .messages import UnsupportedMessageError
-from .retrieval_chain import NoDocumentsError, create_span_documents_chain, create_span_retrieval_chain
-from .retrievers import SpanRetriever
-from .run_documents import install_tracker
-from .spans import (
+from spanq_integrations.langchain.chat_models import ChatSpanQuery
+from spanq_integrations.langchain.judge import DEFAULT_JUDGE_TASK, JudgeEnsemble, JudgeVerdict
+from spanq_integrations.langchain.llms import SpanQueryLLM
+from spanq_integrations.langchain.messages import UnsupportedMessageError
+from spanq_integrations.langchain.retrieval_chain import (
+    NoDocumentsError,
+    create_span_documents_chain,
+    create_span_retrieval_chain,
+)
+from spanq_integrations.langchain.retrievers import SpanRetriever
+from spanq_integrations.langchain.run_documents import install_tracker
+from spanq_integrations.langchain.spans import (
     SpanDocuments,
     format_docs_as_spans,
     is_tagged_document,

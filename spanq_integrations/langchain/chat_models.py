@@ -11,8 +11,8 @@ from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 
-from .client import CallOutcome, SpanQueryClient
-from .messages import prompt_from_messages
+from spanq_integrations.langchain.client import CallOutcome, SpanQueryClient
+from spanq_integrations.langchain.messages import prompt_from_messages
 
 __all__ = ["ChatSpanQuery"]
 

@@ -20,20 +20,20 @@ from langchain_core.documents import Document
 from langchain_core.utils import secret_from_env
 from pydantic import BaseModel, Field, PrivateAttr, SecretStr, field_validator
 
-from ..backends.base import Backend, CallMetrics
-from ..background_loop import background_loop
-from ..errors import BackendUnavailableError, ContextLengthError
-from ..executor import aexecute
-from ..ir import DEFAULT_TEMPERATURE, generate
-from .messages import (
+from spanq_integrations.backends.protocol import Backend, CallMetrics
+from spanq_integrations.langchain.messages import (
     PromptMessage,
     SpanCandidate,
     query_input,
     span_count,
     split_at_documents,
 )
-from .run_documents import install_tracker, run_document_tracker
-from .spans import document_span_id, span_marker
+from spanq_integrations.langchain.run_documents import install_tracker, run_document_tracker
+from spanq_integrations.langchain.spans import document_span_id, span_marker
+from spanq_integrations.query.errors import BackendUnavailableError, ContextLengthError
+from spanq_integrations.query.ir import DEFAULT_TEMPERATURE, generate
+from spanq_integrations.runtime.background_loop import background_loop
+from spanq_integrations.runtime.executor import aexecute
 
 __all__ = ["CallOutcome", "CallSettings", "PreparedPrompt", "SpanQueryClient"]
 
@@ -218,7 +218,7 @@ class SpanQueryClient(BaseModel):
         return self.backend if isinstance(self.backend, str) else type(self.backend).__name__
 
     def _make_backend(self) -> tuple[Backend, bool]:
-        from ..backends import resolve_backend
+        from spanq_integrations.backends import resolve_backend
 
         spec = self.backend
         if isinstance(spec, Backend):
@@ -231,11 +231,11 @@ class SpanQueryClient(BaseModel):
             "api_key": key,
         }
         if isinstance(spec, str) and spec.startswith(("spanq+http://", "spanq+https://")):
-            from ..backends.span import SpanBackend
+            from spanq_integrations.backends.span import SpanBackend
 
             return SpanBackend(spec.removeprefix("spanq+"), **options), True
         if isinstance(spec, str) and spec.startswith(("http://", "https://")):
-            from ..backends.openai import OpenAIBackend
+            from spanq_integrations.backends.openai import OpenAIBackend
 
             return OpenAIBackend(spec, **options), True
         return resolve_backend(spec)  # None/"embedded": the shared default; anything else: a clear error

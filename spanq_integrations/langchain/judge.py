@@ -4,7 +4,7 @@
     verdict = judge.invoke("Which town can only be reached by ferry?")
     verdict.selection, verdict.candidates, verdict.reused_outputs
 
-It runs spanq's judge (`spanq_integrations.judge.ajudge`) with inner generations as its candidates: the judge is
+It runs spanq's judge (`spanq_integrations.runtime.judge.ajudge`) with inner generations as its candidates: the judge is
 `G(cross(system, plus(G_1 … G_n), instruction))`, so the candidates run concurrently inside the same query and
 each judge reads the finished candidates as spans of its `plus`. `tree_reduction_k=k` makes it a k-ary tree of
 judges (attention locality); the reducer template (`select` by default, also `extract`, `merge`) says what an
@@ -24,20 +24,25 @@ from langchain_core.messages import BaseMessage
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..backends.base import CallMetrics
-from ..background_loop import background_loop
-from ..errors import ReducerParseError
-from ..ir import Node, cross, fragment, generate, plus, system, user
-from ..judge import JudgeLevel, JudgeMetrics, JudgeResult, ajudge
-from ..reducers import Reducer, Selection, resolve_reducer
-from .chat_models import ChatSpanQuery
-from .spans import document_span_id
+from spanq_integrations.backends.protocol import CallMetrics
+from spanq_integrations.langchain.chat_models import ChatSpanQuery
+from spanq_integrations.langchain.spans import document_span_id
+from spanq_integrations.query.errors import ReducerParseError
+from spanq_integrations.query.ir import Node, cross, fragment, generate, plus, system, user
+from spanq_integrations.runtime.background_loop import background_loop
+from spanq_integrations.runtime.judge import (
+    DEFAULT_JUDGE_MAX_TOKENS,
+    JudgeLevel,
+    JudgeMetrics,
+    JudgeResult,
+    ajudge,
+)
+from spanq_integrations.runtime.reducers import Reducer, Selection, resolve_reducer
 
 __all__ = ["DEFAULT_JUDGE_TASK", "JudgeEnsemble", "JudgeVerdict"]
 
 DEFAULT_JUDGE_TASK = "Which candidate answers the question best?"
 GENERATOR_INSTRUCTION = "Answer the question briefly."
-DEFAULT_JUDGE_MAX_TOKENS = 256
 
 
 class JudgeVerdict(BaseModel):

@@ -15,8 +15,8 @@ from langchain_core.language_models import BaseLLM
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
-from .client import CallOutcome, SpanQueryClient
-from .messages import prompt_from_text
+from spanq_integrations.langchain.client import CallOutcome, SpanQueryClient
+from spanq_integrations.langchain.messages import prompt_from_text
 
 __all__ = ["SpanQueryLLM"]
 
@@ -91,7 +91,7 @@ class SpanQueryLLM(SpanQueryClient, BaseLLM):
         )
 
     def _run_many(self, calls: list[Any]) -> list[CallOutcome]:
-        from ..background_loop import background_loop
+        from spanq_integrations.runtime.background_loop import background_loop
 
         async def all_calls() -> list[CallOutcome]:
             return list(await asyncio.gather(*(self._acall(*c) for c in calls)))

@@ -26,9 +26,9 @@ from langchain_core.messages import (
     ToolMessage,
 )
 
-from ..errors import QueryValidationError
-from ..ir import Assistant, Cross, Fragment, Node, Plus, System, User
-from .spans import DEFAULT_DOCUMENT_SEPARATOR, span_marker
+from spanq_integrations.langchain.spans import DEFAULT_DOCUMENT_SEPARATOR, span_marker
+from spanq_integrations.query.errors import QueryValidationError
+from spanq_integrations.query.ir import Assistant, Cross, Fragment, Node, Plus, System, User
 
 __all__ = [
     "PromptMessage",

@@ -25,10 +25,10 @@ from langchain_core.prompts import BasePromptTemplate, ChatPromptTemplate
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableBinding, RunnableLambda, RunnablePassthrough
 
-from ..errors import SpanQueryError
-from .chat_models import ChatSpanQuery
-from .client import SpanQueryClient
-from .spans import DEFAULT_DOCUMENT_SEPARATOR, SpanDocuments, format_docs_as_spans
+from spanq_integrations.langchain.chat_models import ChatSpanQuery
+from spanq_integrations.langchain.client import SpanQueryClient
+from spanq_integrations.langchain.spans import DEFAULT_DOCUMENT_SEPARATOR, SpanDocuments, format_docs_as_spans
+from spanq_integrations.query.errors import SpanQueryError
 
 __all__ = ["NoDocumentsError", "create_span_documents_chain", "create_span_retrieval_chain"]
 

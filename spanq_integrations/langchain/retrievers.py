@@ -9,7 +9,7 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable
 
-from .spans import tag_document
+from spanq_integrations.langchain.spans import tag_document
 
 __all__ = ["SpanRetriever"]
 

@@ -21,8 +21,13 @@ from uuid import UUID
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 
-from .messages import SpanCandidate
-from .spans import SpanDocuments, document_span_id, is_tagged_document, span_marker
+from spanq_integrations.langchain.messages import SpanCandidate
+from spanq_integrations.langchain.spans import (
+    SpanDocuments,
+    document_span_id,
+    is_tagged_document,
+    span_marker,
+)
 
 __all__ = ["MAX_ROOTS", "RunDocumentTracker", "install_tracker", "run_document_tracker"]
 

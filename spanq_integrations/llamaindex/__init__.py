@@ -18,12 +18,12 @@ except ImportError as e:  # pragma: no cover - depends on the installation
         "spanq_integrations.llamaindex needs llama-index-core: pip install 'spanq[llamaindex]'"
     ) from e
 
-from .embeddings import MiniLMEmbedding, minilm_model_path
-from .judge import SpanJudgeResult, SpanQueryPairwiseEvaluator, copied_candidate
-from .llm import SpanQueryLLM, messages_to_nodes
-from .synthesizer import NoNodesError, SpanQuerySynthesizer
-from .tree_synthesizer import SpanQueryTreeSynthesizer
-from .usage import METADATA_KEY, usage_of
+from spanq_integrations.llamaindex.embeddings import MiniLMEmbedding, minilm_model_path
+from spanq_integrations.llamaindex.judge import SpanJudgeResult, SpanQueryPairwiseEvaluator, copied_candidate
+from spanq_integrations.llamaindex.llm import SpanQueryLLM, messages_to_nodes
+from spanq_integrations.llamaindex.synthesizer import NoNodesError, SpanQuerySynthesizer
+from spanq_integrations.llamaindex.tree_synthesizer import SpanQueryTreeSynthesizer
+from spanq_integrations.llamaindex.usage import METADATA_KEY, usage_of
 
 __all__ = [
     "METADATA_KEY",

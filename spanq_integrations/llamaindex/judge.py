@@ -30,11 +30,11 @@ from llama_index.core.evaluation.base import BaseEvaluator, EvaluationResult
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.prompts.mixin import PromptDictType
 
-from ..errors import QueryValidationError
-from ..ir import Generate, cross, fragment, plus, system, user
-from .llm import SpanQueryLLM
-from .synthesizer import span_query_llm
-from .usage import usage_of
+from spanq_integrations.llamaindex.llm import SpanQueryLLM
+from spanq_integrations.llamaindex.synthesizer import span_query_llm
+from spanq_integrations.llamaindex.usage import usage_of
+from spanq_integrations.query.errors import QueryValidationError, check_fan_in
+from spanq_integrations.query.ir import Generate, cross, fragment, plus, system, user
 
 __all__ = [
     "DEFAULT_JUDGE_INSTRUCTION",
@@ -117,8 +117,7 @@ class SpanQueryPairwiseEvaluator(BaseEvaluator):
         k: int = 2,
         min_overlap: float = 0.5,
     ) -> None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 2:
-            raise QueryValidationError("k", f"k must be an integer >= 2 (candidates per judge), got {k!r}")
+        check_fan_in(k, "k", "candidates")
         self._llm = span_query_llm(llm)
         self._system_prompt = system_prompt
         self._instruction = instruction

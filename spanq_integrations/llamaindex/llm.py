@@ -2,7 +2,7 @@
 `spanq serve` server, or any OpenAI-compatible server.
 
 Each chat or completion call becomes one span-query `Generate` (system / user / assistant messages in a
-`cross`) executed by `spanq_integrations.executor.aexecute`; LlamaIndex's instrumentation events and callbacks
+`cross`) executed by `spanq_integrations.runtime.executor.aexecute`; LlamaIndex's instrumentation events and callbacks
 fire as for any LLM. `run_query` and friends execute a whole span query on the same backend: that is how
 `SpanQuerySynthesizer` hands retrieved nodes to the model as order-free spans.
 """
@@ -31,12 +31,12 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
-from ..backends import Backend, resolve_backend
-from ..background_loop import AsyncQueryStream, QueryStream, background_loop
-from ..errors import QueryValidationError, SpanQueryError
-from ..executor import ExecutionResult, aexecute
-from ..ir import Generate, Node, assistant, cross, generate, system, user
-from .usage import METADATA_KEY, usage_of
+from spanq_integrations.backends import Backend, resolve_backend
+from spanq_integrations.llamaindex.usage import METADATA_KEY, usage_of
+from spanq_integrations.query.errors import QueryValidationError, SpanQueryError
+from spanq_integrations.query.ir import Generate, Node, assistant, cross, generate, system, user
+from spanq_integrations.runtime.background_loop import AsyncQueryStream, QueryStream, background_loop
+from spanq_integrations.runtime.executor import ExecutionResult, aexecute
 
 __all__ = ["DEFAULT_CONTEXT_WINDOW", "SpanQueryLLM", "messages_to_nodes"]
 
@@ -153,10 +153,10 @@ class SpanQueryLLM(LLM):
         if isinstance(spec, str) and spec.startswith(_BACKEND_SCHEMES):
             options = {"timeout": self.timeout, "max_retries": self.max_retries, "api_key": self.api_key}
             if spec.startswith("spanq+"):
-                from ..backends.span import SpanBackend
+                from spanq_integrations.backends.span import SpanBackend
 
                 return SpanBackend(spec.removeprefix("spanq+"), **options), True
-            from ..backends.openai import OpenAIBackend
+            from spanq_integrations.backends.openai import OpenAIBackend
 
             return OpenAIBackend(spec, **options), True
         return resolve_backend(spec)
@@ -232,7 +232,7 @@ class SpanQueryLLM(LLM):
         backend = self.get_backend()
         plan = query
         if tree_reduction_k is not None:
-            from ..optimizer import optimize
+            from spanq_integrations.optimizer import optimize
 
             plan = optimize(
                 query,

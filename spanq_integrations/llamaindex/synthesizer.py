@@ -35,11 +35,11 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, Qu
 from llama_index.core.settings import Settings
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
-from ..errors import ContextLengthError, QueryValidationError
-from ..executor import ExecutionResult
-from ..ir import Fragment, Generate, cross, fragment, plus, system, user
-from .llm import SpanQueryLLM
-from .usage import METADATA_KEY, usage_of
+from spanq_integrations.llamaindex.llm import SpanQueryLLM
+from spanq_integrations.llamaindex.usage import METADATA_KEY, usage_of
+from spanq_integrations.query.errors import ContextLengthError, QueryValidationError
+from spanq_integrations.query.ir import Fragment, Generate, cross, fragment, plus, system, user
+from spanq_integrations.runtime.executor import ExecutionResult
 
 __all__ = [
     "DEFAULT_QUERY_TEMPLATE",

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import OptimizerError
-from ..ir import Fragment
-from .llm import SpanQueryLLM
-from .synthesizer import SpanQuerySynthesizer
+from spanq_integrations.llamaindex.llm import SpanQueryLLM
+from spanq_integrations.llamaindex.synthesizer import SpanQuerySynthesizer
+from spanq_integrations.query.errors import check_fan_in
+from spanq_integrations.query.ir import Fragment
 
 __all__ = ["SpanQueryTreeSynthesizer"]
 
@@ -38,8 +38,7 @@ class SpanQueryTreeSynthesizer(SpanQuerySynthesizer):
         intermediate_instruction: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 2:
-            raise OptimizerError(f"k must be an integer >= 2 (each call reads k nodes or answers), got {k!r}")
+        check_fan_in(k, "k", "nodes or answers")
         super().__init__(llm, **kwargs)
         self._k = k
         self._intermediate_instruction = intermediate_instruction

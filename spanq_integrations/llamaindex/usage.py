@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..executor import ExecutionResult
+from spanq_integrations.backends.protocol import ExecutionResult
 
 __all__ = ["METADATA_KEY", "usage_of"]
 
@@ -21,13 +21,7 @@ def usage_of(result: ExecutionResult) -> dict[str, Any]:
     calls = result.calls
     answer = next((c for c in calls if c.path == "$"), calls[-1] if calls else None)
     return {
-        "calls": len(calls),
-        "prompt_tokens": sum(c.prompt_tokens for c in calls),
-        "cached_tokens": sum(c.cached_tokens for c in calls),
-        "generated_tokens": sum(c.generated_tokens for c in calls),
-        "padded_tokens": sum(c.padded_tokens for c in calls),
-        "prepared_spans": sum(c.prepared_spans for c in calls),
-        "fallback": next((c.fallback for c in calls if c.fallback), None),
+        **result.usage.model_dump(),
         "ttft_s": answer.ttft_s if answer is not None else None,
         "wall_s": result.wall_s,
         "model": answer.model if answer is not None else "",

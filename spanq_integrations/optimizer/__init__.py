@@ -9,17 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from ..backends.base import BackendCapabilities
-from ..errors import OptimizerError
-from ..ir import Node
-from .bulk_order import bulk_order
-from .context import DEFAULT_CAPABILITIES, OptimizerContext, Retriever
-from .desugar_chat import desugar_chat
-from .desugar_retrieve import desugar_retrieve
-from .distribute_plus import distribute_plus
-from .expand_bulk import expand_bulk
-from .simplify_plus import simplify_plus
-from .tree_reduce import tree_reduce
+from spanq_integrations.optimizer.bulk_order import bulk_order
+from spanq_integrations.optimizer.context import (
+    DEFAULT_CAPABILITIES,
+    BackendCapabilities,
+    OptimizerContext,
+    Retriever,
+)
+from spanq_integrations.optimizer.desugar_chat import desugar_chat
+from spanq_integrations.optimizer.desugar_retrieve import desugar_retrieve
+from spanq_integrations.optimizer.distribute_plus import distribute_plus
+from spanq_integrations.optimizer.expand_bulk import expand_bulk
+from spanq_integrations.optimizer.simplify_plus import simplify_plus
+from spanq_integrations.optimizer.tree_reduce import tree_reduce
+from spanq_integrations.query.errors import OptimizerError
+from spanq_integrations.query.ir import Node
 
 __all__ = [
     "DEFAULT_RULES",

@@ -10,8 +10,8 @@ with nothing shared keeps its order, and ordering an ordered batch changes nothi
 
 from __future__ import annotations
 
-from ..ir import Fragment, Node, Plus, walk
-from .context import OptimizerContext
+from spanq_integrations.optimizer.context import OptimizerContext
+from spanq_integrations.query.ir import Fragment, Node, Plus, walk
 
 __all__ = ["bulk_order"]
 

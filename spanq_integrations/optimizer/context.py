@@ -6,11 +6,24 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..backends.base import BackendCapabilities
-from ..errors import OptimizerError
-from ..ir import Fragment
+from pydantic import BaseModel, ConfigDict
 
-__all__ = ["DEFAULT_CAPABILITIES", "OptimizerContext", "Retriever"]
+from spanq_integrations.query.errors import check_fan_in
+from spanq_integrations.query.ir import Fragment
+
+__all__ = ["DEFAULT_CAPABILITIES", "BackendCapabilities", "OptimizerContext", "Retriever"]
+
+class BackendCapabilities(BaseModel):
+    """What a backend can do; the optimizer's planning input (span-aware backends get span plans)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    span_aware: bool = False
+    prepares_spans: bool = False  # the backend puts each span in the cache itself, under the right anchor
+    max_concurrency: int = 8
+
+
 
 Retriever = Callable[[str, int], Sequence[Fragment | str | Mapping[str, Any]]]
 """`retriever(query, k)` → up to `k` fragments: `Fragment`s, plain texts, or dicts of `Fragment` fields."""
@@ -38,9 +51,4 @@ class OptimizerContext:
     bulk_order: bool = False
 
     def __post_init__(self) -> None:
-        k = self.tree_reduction_k
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 2):
-            raise OptimizerError(
-                f"tree_reduction_k must be an integer >= 2 (each judge reads k candidates), got {k!r}; "
-                "pass None to turn tree reduction off"
-            )
+        check_fan_in(self.tree_reduction_k, "tree_reduction_k", "candidates", none="to turn tree reduction off")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..ir import Chat, Cross, Generate, Node, transform
-from .context import OptimizerContext
+from spanq_integrations.optimizer.context import OptimizerContext
+from spanq_integrations.query.ir import Chat, Cross, Generate, Node, transform
 
 __all__ = ["desugar_chat"]
 

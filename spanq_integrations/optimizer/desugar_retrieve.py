@@ -23,9 +23,19 @@ from collections.abc import Mapping
 
 from pydantic import ValidationError
 
-from ..errors import OptimizerError, SpanQueryError
-from ..ir import Cross, Fragment, Generate, Monad, Node, Plus, Retrieve, children_of, with_children
-from .context import OptimizerContext
+from spanq_integrations.optimizer.context import OptimizerContext
+from spanq_integrations.query.errors import OptimizerError, SpanQueryError
+from spanq_integrations.query.ir import (
+    Cross,
+    Fragment,
+    Generate,
+    Monad,
+    Node,
+    Plus,
+    Retrieve,
+    children_of,
+    with_children,
+)
 
 __all__ = ["desugar_retrieve"]
 

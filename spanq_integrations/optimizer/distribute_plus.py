@@ -19,8 +19,8 @@ rule guarantees the shape even when it runs on its own or in a custom rule list.
 
 from __future__ import annotations
 
-from ..ir import Cross, Generate, Node, Plus, transform, with_children
-from .context import OptimizerContext
+from spanq_integrations.optimizer.context import OptimizerContext
+from spanq_integrations.query.ir import Cross, Generate, Node, Plus, transform, with_children
 
 __all__ = ["distribute_plus"]
 

@@ -3,8 +3,8 @@ per input (a `User` message), with the map's settings. Both are order-free batch
 
 from __future__ import annotations
 
-from ..ir import Generate, Map, Node, Plus, Repeat, User, transform
-from .context import OptimizerContext
+from spanq_integrations.optimizer.context import OptimizerContext
+from spanq_integrations.query.ir import Map, Node, Plus, Repeat, transform
 
 __all__ = ["expand_bulk"]
 
@@ -15,19 +15,6 @@ def expand_bulk(node: Node, ctx: OptimizerContext) -> Node:
 
 
 def _expand(node: Node) -> Node:
-    if isinstance(node, Repeat):
-        # distinct (equal) objects, so nothing downstream can mistake the n calls for one
-        return Plus(children=tuple(node.query.model_copy() for _ in range(node.n)))
-    if isinstance(node, Map):
-        return Plus(
-            children=tuple(
-                Generate(
-                    input=User(text=text),
-                    model=node.model,
-                    max_tokens=node.max_tokens,
-                    temperature=node.temperature,
-                )
-                for text in node.inputs
-            )
-        )
+    if isinstance(node, (Repeat, Map)):
+        return Plus(children=node.expand())
     return node

@@ -7,8 +7,8 @@ at the root, as a generate's input or inside a monad has no parent join to leave
 
 from __future__ import annotations
 
-from ..ir import Cross, Node, Plus, transform, with_children
-from .context import OptimizerContext
+from spanq_integrations.optimizer.context import OptimizerContext
+from spanq_integrations.query.ir import Cross, Node, Plus, transform, with_children
 
 __all__ = ["simplify_plus"]
 

@@ -17,8 +17,8 @@ suffix (for example "pick the best candidate and repeat it verbatim"), the root 
 
 from __future__ import annotations
 
-from ..ir import Cross, Generate, Monad, Node, Plus, Print, User, transform
-from .context import OptimizerContext
+from spanq_integrations.optimizer.context import OptimizerContext
+from spanq_integrations.query.ir import Cross, Generate, Monad, Node, Plus, Print, User, transform
 
 __all__ = ["tree_reduce"]
 

@@ -1,33 +1,63 @@
 """`spanq bench`: every benchmark runs at its smallest size, prints its table, and writes JSON and a PNG with the
-fields docs/benchmarks.md describes. The benchmarks that need engines share one pair (stock + spans) on the
-tiny model and are marked slow; the rest (dispatch, workloads, statistics, ReRoPE, the HF span reference) are
-quick."""
+fields docs/benchmarks.md describes into its --out folder. The benchmarks that need engines share one pair
+(stock + spans) on the tiny model and are marked slow; the rest (dispatch, options, the shared report, workloads,
+statistics, ReRoPE, haystack on a scripted judge, the HF span reference) are quick."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import random
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from spanq_backend.bench import BENCHMARKS, bench_main
-from spanq_backend.bench.common import format_table, make_documents, percentile, summarize
+import benchmarks
+from benchmarks import BENCHMARKS, bench_main
+from benchmarks.common import (
+    LABEL_ENV,
+    BenchReport,
+    base_parser,
+    environment,
+    format_table,
+    make_documents,
+    new_figure,
+    percentile,
+    summarize,
+)
+from spanq_integrations.backends.protocol import Backend, BackendCapabilities, CallMetrics, Completion
+from spanq_integrations.query.flatten import to_chat_messages
 
 
-def read_report(out: Path, stem: str) -> dict:
+def read_report(out: Path, stem: str, printed: str | None = None) -> dict:
+    """The report `<out>/<stem>.json` (with its plot beside it); `printed`: the benchmark's stdout, which must name
+    both files."""
     path = out / f"{stem}.json"
     assert path.is_file(), f"no {path.name} in {sorted(p.name for p in out.iterdir())}"
     assert (out / f"{stem}.png").stat().st_size > 1000
+    if printed is not None:
+        assert f"wrote {path} and {out / f'{stem}.png'}" in printed
     report = json.loads(path.read_text())
     assert {"benchmark", "config", "environment", "rows", "summary"} <= set(report)
+    assert report["config"]["out"] == str(out)
+    assert report["environment"]["spanq"] == spanq_version()
+    assert "git_commit" not in report["environment"]
     assert report["rows"], "the benchmark measured nothing"
     return report
 
 
+def spanq_version() -> str:
+    import spanq_integrations
+
+    return spanq_integrations.__version__
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
-    from spanq_backend.span_generation import load_chat_tokenizer
+    from spanq_backend.serving.generator import load_chat_tokenizer
 
     return load_chat_tokenizer(tiny_model)
 
@@ -55,6 +85,59 @@ def test_spanq_cli_delegates_to_the_benchmarks(capsys):
 # --------------------------------------------------------------------------------------------- plumbing
 
 
+def test_every_benchmark_takes_out_defaulting_to_results_under_the_current_directory(tmp_path):
+    for name, (module_name, _) in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        assert module.parse_args([]).out == Path("results") / name, name
+        args = module.parse_args(["--out", str(tmp_path / "x"), "--tag", "t"])
+        assert (args.out, args.tag) == (tmp_path / "x", "t"), name
+        assert BenchReport(name, args).json_path.parent == tmp_path / "x"
+
+
+def test_report_writes_into_out_prints_what_it_wrote_and_records_version_and_label(tmp_path, monkeypatch, capsys):
+    real_popen = subprocess.Popen
+
+    def no_git(cmd, *args, **kwargs):
+        program = cmd.split()[0] if isinstance(cmd, str) else str(next(iter(cmd)))
+        assert Path(program).name != "git", f"a benchmark ran {cmd}"
+        return real_popen(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", no_git)  # run, check_output, call go through Popen
+    monkeypatch.setenv(LABEL_ENV, "nightly-7")
+    args = base_parser("demo", "a demo").parse_args(["--out", str(tmp_path / "out"), "--tag", "t", "--reps", "2"])
+    report = BenchReport("demo", args, rows=[{"x": 1.0, "nan": float("nan")}], summary={"n": 1})
+    path = report.write()
+    assert path == tmp_path / "out" / "demo-tiny-t.json" and report.written == [path]
+    report.print_files()
+    assert capsys.readouterr().out == f"\nwrote {path}\n"
+    payload = json.loads(path.read_text())
+    assert payload["benchmark"] == "demo" and payload["rows"] == [{"x": 1.0, "nan": None}]
+    assert payload["config"]["out"] == str(tmp_path / "out") and payload["config"]["reps"] == 2
+    env = payload["environment"]
+    assert env["spanq"] == spanq_version() and env["label"] == "nightly-7" and env["bench_seconds"] >= 0
+    assert not any("git" in key for key in env)
+
+    figure, (ax,) = new_figure(1)
+    ax.plot([1, 2], [3, 4])
+    assert BenchReport("demo", args, label="").write(figure) == tmp_path / "out" / "demo-t.json"
+    assert (tmp_path / "out" / "demo-t.png").stat().st_size > 1000
+
+    monkeypatch.delenv(LABEL_ENV)
+    assert "label" not in environment()
+
+
+def test_no_benchmark_calls_git_or_subprocess():
+    for path in Path(benchmarks.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                assert all(a.name.split(".")[0] != "subprocess" for a in node.names), path.name
+            elif isinstance(node, ast.ImportFrom):
+                assert (node.module or "").split(".")[0] != "subprocess", path.name
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert node.value.split()[:1] != ["git"], f"{path.name}: {node.value!r}"
+
+
 def test_documents_are_deterministic_distinct_and_within_their_token_budget(tokenizer):
     docs = make_documents(tokenizer, 6, 80, seed=3)
     assert docs == make_documents(tokenizer, 6, 80, seed=3)
@@ -75,7 +158,7 @@ def test_statistics_and_table():
 
 
 def test_bulk_workload_is_skewed_deterministic_and_ordered_for_locality(tokenizer):
-    from spanq_backend.bench.bulk import bulks, make_workload
+    from benchmarks.bulk import bulks, make_workload
 
     opts = {"pool": 40, "queries": 60, "k": 3, "frag_tokens": 24, "zipf": 1.1, "seed": 5}
     w = make_workload(tokenizer, **opts)
@@ -90,7 +173,7 @@ def test_bulk_workload_is_skewed_deterministic_and_ordered_for_locality(tokenize
 
 
 def test_quality_items_hold_their_answer_in_exactly_one_document():
-    from spanq_backend.bench.quality import make_items, names_color
+    from benchmarks.quality import make_items, names_color
 
     items = make_items(5, 4, seed=1)
     assert items == make_items(5, 4, seed=1)
@@ -107,7 +190,7 @@ def test_hf_span_reference_behaves_as_span_attention(tiny_model):
     a stand-alone span differs from one after the anchor; a prompt may end with a span; KL is sane."""
     import torch
 
-    from spanq_backend.bench import hf_span
+    from benchmarks import hf_span
 
     model = hf_span.load_hf_model(tiny_model)
     rng = random.Random(0)
@@ -131,13 +214,14 @@ def test_hf_span_reference_behaves_as_span_attention(tiny_model):
 
 
 def test_rerope_bench_writes_throughput_beside_a_copy_and_planning_cost(tmp_path, capsys):
-    from spanq_backend.bench.rerope import main
+    from benchmarks.rerope import main
 
     argv = ["--shapes", "tiny", "--moved", "4", "--reps", "2", "--num-blocks", "32", "--no-decode",
             "--requests", "4", "--spans", "4", "--out", str(tmp_path), "--no-progress"]
     assert main(argv) == 0
-    assert "tok/ms" in capsys.readouterr().out
-    report = read_report(tmp_path, "rerope-tiny")
+    printed = capsys.readouterr().out
+    assert "tok/ms" in printed
+    report = read_report(tmp_path, "rerope-tiny", printed)
     assert {r["pattern"] for r in report["rows"]} == {"scattered", "runs"}
     for row in report["rows"]:
         assert row["relocate_tokens_per_ms"] > 0 and row["copy_tokens_per_ms"] > 0
@@ -147,13 +231,82 @@ def test_rerope_bench_writes_throughput_beside_a_copy_and_planning_cost(tmp_path
     assert planning["requests"] == 4 and planning["total_us_per_step"] > 0
 
 
+# --------------------------------------------------------------------------------------------- haystack
+
+
+class PerfectJudge(Backend):
+    """Answers every judge call with each hidden name it reads (a name from haystack's pools), one per line."""
+
+    capabilities = BackendCapabilities(name="perfect-judge", max_concurrency=8)
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.closed = False
+
+    async def generate(self, call, *, path="$", on_token=None):
+        from benchmarks.haystack import FIRST_NAMES, LAST_NAMES
+
+        self.calls += 1
+        body = "\n".join(m["content"] for m in to_chat_messages(call.input))
+        names = dict.fromkeys(
+            m for m in re.findall(r"\b[A-Z][a-z]+ [A-Z][a-z]+\b", body)
+            if m.split()[0] in FIRST_NAMES and m.split()[1] in LAST_NAMES
+        )
+        text = "\n".join(names)
+        metrics = CallMetrics(path=path, model="perfect", prompt_tokens=len(body.split()),
+                              generated_tokens=len(text.split()), wall_s=0.001)
+        return Completion(texts=[text], metrics=metrics)
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def test_haystack_bench_writes_through_the_shared_report(tmp_path, monkeypatch, capsys):
+    """haystack on a scripted judge (no model): the table, `<out>/haystack.json` in the shared layout, the plot,
+    the printed paths; and, without --out, `results/haystack/` under the current directory."""
+    from benchmarks import haystack
+
+    judge = PerfectJudge()
+    monkeypatch.setattr(haystack, "open_backend", lambda args: (judge, "", "a perfect scripted judge"))
+    argv = ["--runs", "2", "--hay", "20,40", "--k", "2", "--docs", "4", "--names", "1", "--no-progress"]
+    assert haystack.main([*argv, "--out", str(tmp_path / "out")]) == 0
+    assert judge.closed and judge.calls == 2 * 2 * (1 + 3)
+    printed = capsys.readouterr().out
+    assert "a perfect scripted judge" in printed and "8 judge runs" in printed
+    table = printed.split("\n\n")[1].splitlines()
+    assert table[0].split()[:2] == ["hay", "method"] and table[2].startswith("20   flat ")
+    report = read_report(tmp_path / "out", "haystack", printed)
+    assert report["benchmark"] == "haystack"
+    assert report["config"]["backend_description"] == "a perfect scripted judge"
+    assert report["config"]["instruction"] == haystack.INSTRUCTION and report["config"]["runs"] == 2
+    assert len(report["rows"]) == 2 * 2 * 2
+    assert {(r["hay"], r["method"]) for r in report["rows"]} == {(h, m) for h in (20, 40) for m in ("flat", "k=2")}
+    assert all(r["error"] is None and r["recall"] == r["precision"] == 1.0 for r in report["rows"])
+    assert [(p["hay"], p["method"], p["runs"]) for p in report["summary"]] == [
+        (20, "flat", 2), (20, "k=2", 2), (40, "flat", 2), (40, "k=2", 2)
+    ]
+    assert {p["calls"] for p in report["summary"] if p["method"] == "k=2"} == {3.0}
+
+    monkeypatch.chdir(tmp_path)
+    assert haystack.main([*argv, "--tag", "again"]) == 0
+    out = Path("results") / "haystack"
+    assert f"wrote {out / 'haystack-again.json'}" in capsys.readouterr().out
+    again = json.loads((tmp_path / out / "haystack-again.json").read_text())
+    def found(rows):
+        return [(r["hay"], r["method"], r["run"], r["found"]) for r in rows]
+
+    assert found(again["rows"]) == found(report["rows"]), "seeded haystacks: the same runs"
+    assert haystack.main(["--k", "1", "--out", str(tmp_path / "bad")]) == 2
+    assert not (tmp_path / "bad").exists()
+
+
 # --------------------------------------------------------------------------------------------- engine benches
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_model):
     """One stock and one span-aware engine on the tiny model, shared by the engine benchmarks."""
-    from spanq_backend.bench.common import close_backend, make_backend, warm_up
+    from benchmarks.common import close_backend, make_backend, warm_up
 
     stock = make_backend(str(tiny_model), spans=False, max_model_len=4096, max_num_seqs=8)
     spans = make_backend(str(tiny_model), spans=True, max_model_len=4096, max_num_seqs=8)
@@ -167,13 +320,14 @@ def engines(tiny_model):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_rag_bench(engines, tmp_path, capsys):
-    from spanq_backend.bench.rag import MODES, main
+    from benchmarks.rag import MODES, main
 
     argv = ["--model", "tiny", "--docs", "1,2", "--doc-tokens", "48", "--reps", "1", "--out", str(tmp_path),
             "--no-progress"]
     assert main(argv, backends=engines) == 0
-    assert "spans warm" in capsys.readouterr().out
-    report = read_report(tmp_path, "rag-tiny")
+    printed = capsys.readouterr().out
+    assert "spans warm" in printed
+    report = read_report(tmp_path, "rag-tiny", printed)
     assert {r["mode"] for r in report["rows"]} == set(MODES)
     two = report["summary"]["2"]
     for mode in MODES:
@@ -188,7 +342,7 @@ def test_rag_bench(engines, tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_nested_bench(engines, tmp_path):
-    from spanq_backend.bench.nested import main
+    from benchmarks.nested import main
 
     argv = ["--model", "tiny", "--fan-out", "1,3", "--temperatures", "0,0.5", "--inner-tokens", "8", "--reps", "1",
             "--out", str(tmp_path), "--no-progress"]
@@ -203,7 +357,7 @@ def test_nested_bench(engines, tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_bulk_bench(engines, tmp_path):
-    from spanq_backend.bench.bulk import main
+    from benchmarks.bulk import main
 
     argv = ["--model", "tiny", "--queries", "6", "--pool", "8", "--k", "2", "--frag-tokens", "24", "--bulk", "1,0",
             "--out", str(tmp_path), "--no-progress"]
@@ -219,7 +373,7 @@ def test_bulk_bench(engines, tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_quality_bench(engines, tmp_path):
-    from spanq_backend.bench.quality import main
+    from benchmarks.quality import main
 
     argv = ["--model", "tiny", "--items", "2", "--docs", "3", "--max-tokens", "4", "--out", str(tmp_path),
             "--no-progress"]

@@ -21,7 +21,7 @@ def wire(tmp_path):
     import zmq
     from vllm.utils.hashing import get_hash_fn_by_name
 
-    from spanq_backend.cache_probe import KVEventsMirror
+    from spanq_backend.vllm_integration.cache_probe import KVEventsMirror
 
     endpoint = f"ipc://{tmp_path}/kv-{uuid.uuid4().hex[:8]}"
     pub = zmq.Context.instance().socket(zmq.PUB)
@@ -65,7 +65,7 @@ def stored(mirror, tokens):
     from vllm.distributed.kv_events import BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    from spanq_backend.cache_probe import block_hash_chain
+    from spanq_backend.vllm_integration.cache_probe import block_hash_chain
 
     hashes = [maybe_convert_block_hash(h) for h in block_hash_chain(mirror.hash_fn, tokens, BS, mirror.root)]
     event = BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=BS, lora_id=None,

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spanq_backend.cidra import CidraPlanner
+from spanq_backend.kv.cidra import CidraPlanner
 
 BS = 32
 SPANS = "ABCDE"
@@ -116,16 +116,14 @@ def test_eight_orders_in_one_batch_match_solo_runs(tiny_backend):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from spanq_backend import vllm_plugin
+    from spanq_backend import vllm_integration as vllm_plugin
 
     engine = tiny_backend.engine
 
     async def run(call, together: bool):
         lw = engine.lower(call)
         params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
-        # Claims make the engine serialize conflicting requests; leaving them out puts all in one batch.
-        claims = {} if together else {lw.span_key(i): s for i, (s, _) in enumerate(lw.table.spans)}
-        outs, _ = await engine.run_tokens(lw.token_ids, params, claims, lw.table)
+        outs, _ = await engine.run_tokens(lw.token_ids, params, lw.table)
         toks, lps = [], []
         for o in outs:
             for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or []):
@@ -163,15 +161,15 @@ def test_duplicates_that_do_not_fit_defer_requests_instead_of_corrupting_them(ti
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from spanq_backend import vllm_plugin
-    from spanq_backend.engine import SpanEngine
+    from spanq_backend import vllm_integration as vllm_plugin
+    from spanq_backend.serving.engine import SpanEngine
 
     engine = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=1024, max_num_seqs=8, num_blocks=64)
     try:
         async def run(call):
             lw = engine.lower(call)
             params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
-            outs, _ = await engine.run_tokens(lw.token_ids, params, {}, lw.table)
+            outs, _ = await engine.run_tokens(lw.token_ids, params, lw.table)
             toks, lps = [], []
             for o in outs:
                 for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or []):
@@ -208,7 +206,7 @@ def test_a_stock_request_over_a_span_block_in_use_elsewhere_gets_a_copy(tiny_bac
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from spanq_backend import vllm_plugin
+    from spanq_backend import vllm_integration as vllm_plugin
 
     engine = tiny_backend.engine
     base = engine.lower(rag_query("ABCD", question="Which lamp is lit?"))
@@ -216,7 +214,7 @@ def test_a_stock_request_over_a_span_block_in_use_elsewhere_gets_a_copy(tiny_bac
 
     async def run(ids, table):
         params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
-        outs, _ = await engine.run_tokens(ids, params, {}, table)
+        outs, _ = await engine.run_tokens(ids, params, table)
         return [(t, lp[t].logprob) for o in outs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
 
     async def scenario():

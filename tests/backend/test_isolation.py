@@ -1,4 +1,4 @@
-"""Isolation (DESIGN.md invariant 1): KV computed in context is never stored under a span's key.
+"""Isolation (invariant 1 of docs/design.md): KV computed in context is never stored under a span's key.
 
 Provoked twice: prepared span blocks are evicted before the request that reads them runs (a small KV cache
 and filler requests), and two requests race on the same new spans. In both cases the request still answers
@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from spanq_backend.bench.hf_span import load_hf_model, span_reference_logprobs
+from benchmarks.hf_span import load_hf_model, span_reference_logprobs
 from spanq_integrations import BackendError, cross, fragment, generate, plus, system, user
 
 pytestmark = [pytest.mark.vllm]
@@ -38,7 +38,7 @@ def query(d: dict[str, str], order: str):
 @pytest.fixture(scope="module")
 def small_engine(tiny_model):
     """An engine with 48 KV blocks of 32 tokens: a few requests are enough to evict prepared spans."""
-    from spanq_backend.engine import SpanEngine
+    from spanq_backend.serving.engine import SpanEngine
 
     eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=1024, max_num_seqs=4, num_blocks=48)
     yield eng
@@ -55,7 +55,7 @@ async def run_plain(engine, lowered, with_table: bool = True):
     from vllm.sampling_params import RequestOutputKind
 
     params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
-    outs, _ = await engine.run_tokens(lowered.token_ids, params, {}, lowered.table if with_table else None)
+    outs, _ = await engine.run_tokens(lowered.token_ids, params, lowered.table if with_table else None)
     toks, lps = [], []
     for o in outs:
         for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or []):
@@ -71,7 +71,7 @@ async def prepare_costs(engine, lowered) -> list[int]:
     costs = []
     for i in range(len(lowered.table.spans)):
         ids = lowered.prepare_prompt(i) + [engine.pad_token_id]
-        outs, _ = await engine.run_tokens(ids, SamplingParams(max_tokens=1, temperature=0.0), {})
+        outs, _ = await engine.run_tokens(ids, SamplingParams(max_tokens=1, temperature=0.0))
         costs.append(len(ids) - 1 - (outs[-1].num_cached_tokens or 0))
     return costs
 
@@ -140,7 +140,7 @@ def test_concurrent_queries_over_the_same_new_spans_match_the_reference(small_en
 
 
 def test_a_model_whose_keys_cannot_move_is_refused_before_vllm_starts(tiny_model, tmp_path):
-    from spanq_backend.engine import SpanEngine
+    from spanq_backend.serving.engine import SpanEngine
 
     yarn = tmp_path / "tiny-yarn"
     shutil.copytree(tiny_model, yarn)
@@ -160,9 +160,9 @@ def test_spans_found_in_the_cache_send_no_prepare_request_until_evicted(small_en
     sent: list[int] = []
     stream = engine.generator.stream
 
-    def counting(prompt_ids, params, claims):
+    def counting(prompt_ids, params):
         sent.append(len(prompt_ids))
-        return stream(prompt_ids, params, claims)
+        return stream(prompt_ids, params)
 
     async def scenario():
         engine.generator.stream = counting

@@ -16,9 +16,9 @@ import pytest
 
 CHECK = r"""
 import json, sys, torch
-from spanq_backend import kernels
-from spanq_backend.relocation import KLayout, KVRelocator, Move
-from spanq_backend.rerope import RopeSpec
+from spanq_backend.kv import kernels
+from spanq_backend.kv.relocation import KLayout, KVRelocator, Move
+from spanq_backend.kv.rerope import RopeSpec
 
 torch.manual_seed(0)
 bs, hd, heads, nb = 32, 64, 2, 9
@@ -78,7 +78,7 @@ def test_capped_builds_match_the_torch_passes(isa, must_have, must_lack):
 
 def test_an_unknown_isa_falls_back_to_torch_with_the_reason():
     env = {**os.environ, "SPANQ_KERNEL_ISA": "sse9"}
-    code = "from spanq_backend import kernels; print(kernels.relocate_keys_op()); kernels.relocate_keys_op(required=True)"
+    code = "from spanq_backend.kv import kernels; print(kernels.relocate_keys_op()); kernels.relocate_keys_op(required=True)"
     proc = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert proc.stdout.strip().splitlines()[0] == "None"

@@ -1,4 +1,4 @@
-"""spanq_backend.lowering: a closed generate input → prompt tokens and a span table, with SmolLM2's chat template.
+"""spanq_backend.serving.lowering: a closed generate input → prompt tokens and a span table, with SmolLM2's chat template.
 
 Uses the real SmolLM2 tokenizer (from the tiny model's folder): spans sit on block boundaries, each span's
 tokens are its own text's tokens (independent of its neighbours and of the order), the anchor is the chat
@@ -11,10 +11,10 @@ import re
 
 import pytest
 
-from spanq_backend.lowering import LoweredPrompt, lower
-from spanq_integrations.errors import ContextLengthError, QueryValidationError
-from spanq_integrations.flatten import to_chat_messages
-from spanq_integrations.ir import (
+from spanq_backend.serving.lowering import LoweredPrompt, lower
+from spanq_integrations.query.errors import ContextLengthError, QueryValidationError
+from spanq_integrations.query.flatten import to_chat_messages
+from spanq_integrations.query.ir import (
     Cross,
     Print,
     assistant,

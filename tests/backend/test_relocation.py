@@ -1,4 +1,4 @@
-"""spanq_backend.relocation and kv_layout: which cached blocks must move, and moving them in a CPU KV cache.
+"""spanq_backend.kv.relocation and kv_layout: which cached blocks must move, and moving them in a CPU KV cache.
 
 `BlockPositionTracker` is fed scheduler-like events and must give exactly the moves a cache hit at another
 position needs. `KVRelocator` works on synthetic KV caches written by vLLM's own CPU cache kernel, in the K
@@ -8,7 +8,6 @@ layout `discover_cpu_k_layout` finds: moved K equals RoPE at the new position, V
 from __future__ import annotations
 
 import os
-import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -16,9 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spanq_backend.kernels import relocate_keys_op
-from spanq_backend.relocation import BlockPositionTracker, KLayout, KVRelocator, Move
-from spanq_backend.rerope import RelocationError, RopeSpec, rerope_
+from spanq_backend.kv.kernels import relocate_keys_op
+from spanq_backend.kv.relocation import BlockPositionTracker, KLayout, KVRelocator, Move
+from spanq_backend.kv.rerope import RelocationError, RopeSpec, rerope_
 
 BS = 32
 HEAD_DIM = 64
@@ -271,7 +270,7 @@ def plain_spec(n: int = 4096) -> RopeSpec:
 
 @pytest.fixture(scope="module")
 def layout(ops):
-    from spanq_backend.kv_layout import discover_cpu_k_layout
+    from spanq_backend.vllm_integration.kv_layout import discover_cpu_k_layout
 
     kv = torch.zeros(4, 2, BS, 2 * HEAD_DIM)
     return discover_cpu_k_layout(SimpleNamespace(kv_caches=[kv]), BS, HEAD_DIM)
@@ -291,7 +290,7 @@ def layout(ops):
 )
 def test_discovered_layout_reads_back_what_the_kernel_wrote(ops, dtype, bs, head_dim):
     """The layout maps (token, dim) to where vLLM's own kernel put it, for the cache dtypes models use."""
-    from spanq_backend.kv_layout import discover_cpu_k_layout
+    from spanq_backend.vllm_integration.kv_layout import discover_cpu_k_layout
 
     heads = 2
     kv = torch.zeros(3, heads, bs, 2 * head_dim, dtype=dtype)
@@ -562,12 +561,11 @@ def _stock_step():
     ids=["fp32-rope-model", "no-rope-model", "bf16-cache"],
 )
 def test_stock_steps_run_on_a_runner_whose_keys_cannot_move(monkeypatch, model, dtype):
-    """Invariant 7: with the plugin installed, a model spanq cannot relocate still serves stock requests."""
-    from spanq_backend import vllm_plugin
+    """Invariant 7 (docs/design.md): with the plugin installed, a model spanq cannot relocate still serves stock requests."""
+    from spanq_backend.vllm_integration import worker
 
-    monkeypatch.setattr(vllm_plugin, "_runtimes", weakref.WeakKeyDictionary())
     ran = []
-    execute_model = vllm_plugin._wrap_execute_model(lambda self, step, *a, **k: ran.append(step) or "output")
+    execute_model = worker.wrap_execute_model(lambda self, step, *a, **k: ran.append(step) or "output")
 
     class Runner(SimpleNamespace):  # a model runner: hashed by identity, as vLLM's are
         __hash__ = object.__hash__

@@ -1,4 +1,4 @@
-"""spanq_backend.rerope: moving cached keys to a new position is exactly RoPE at that position.
+"""spanq_backend.kv.rerope: moving cached keys to a new position is exactly RoPE at that position.
 
 The reference is Hugging Face transformers' own RoPE (`LlamaRotaryEmbedding` + `apply_rotary_pos_emb`) for the
 NeoX layout, and the definition (pairs `(2i, 2i+1)` rotated by `pos * theta_i`) for the GPT-J layout. The
@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from spanq_backend.rerope import RelocationError, RopeSpec, rerope_, rotation_for_delta
+from spanq_backend.kv.rerope import RelocationError, RopeSpec, rerope_, rotation_for_delta
 
 HEAD_DIM = 64
 MAX_POS = 1024
@@ -429,7 +429,7 @@ class FakeModel(torch.nn.Module):
 
 @pytest.mark.vllm
 def test_rope_spec_of_model_reads_the_shared_rope(vllm_rope):
-    from spanq_backend.kv_layout import rope_spec_of_model
+    from spanq_backend.vllm_integration.kv_layout import rope_spec_of_model
 
     rope = vllm_rope(rope_parameters={**LLAMA3, "rope_theta": 500000.0})
     spec = rope_spec_of_model(FakeModel(rope, rope))
@@ -439,7 +439,7 @@ def test_rope_spec_of_model_reads_the_shared_rope(vllm_rope):
 
 @pytest.mark.vllm
 def test_rope_spec_of_model_refuses_what_cannot_move(vllm_rope):
-    from spanq_backend.kv_layout import rope_spec_of_model
+    from spanq_backend.vllm_integration.kv_layout import rope_spec_of_model
 
     with pytest.raises(RelocationError, match="no rotary position embedding"):
         rope_spec_of_model(torch.nn.Linear(2, 2))

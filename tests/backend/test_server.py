@@ -29,7 +29,7 @@ from spanq_integrations import (
     user,
 )
 from spanq_integrations.backends.span import SpanBackend
-from spanq_integrations.spnl_json import from_json, to_json
+from spanq_integrations.query.spnl_json import from_json, to_json
 from tests.servers import free_port, log_tail, running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -107,8 +107,8 @@ def test_stock_chat_completions_still_work(server: Server):
 
 
 def test_reordered_fragments_are_served_from_the_span_cache(server: Server, tiny_model: Path):
-    from spanq_backend.lowering import lower
-    from spanq_backend.span_generation import load_chat_tokenizer
+    from spanq_backend.serving.generator import load_chat_tokenizer
+    from spanq_backend.serving.lowering import lower
 
     async def scenario():
         async with SpanBackend(server.url) as backend:

@@ -13,9 +13,9 @@ import asyncio
 import pytest
 import torch
 
-from spanq_backend.bench.hf_span import full_attention_logprobs, load_hf_model, span_reference_logprobs
+from benchmarks.hf_span import full_attention_logprobs, load_hf_model, span_reference_logprobs
 from spanq_integrations import cross, fragment, generate, plus, system, user
-from spanq_integrations.executor import aexecute
+from spanq_integrations.runtime.executor import aexecute
 
 pytestmark = [pytest.mark.vllm]
 
@@ -28,7 +28,7 @@ TOL = 2e-4
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    from spanq_backend.engine import SpanEngine
+    from spanq_backend.serving.engine import SpanEngine
 
     eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=8)
     yield eng
@@ -58,8 +58,7 @@ async def run_with_logprobs(engine, call):
     params = SamplingParams(
         max_tokens=call.max_tokens, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA
     )
-    claims = {lowered.span_key(i): s for i, (s, _) in enumerate(lowered.table.spans)}
-    outs, _ = await engine.run_tokens(lowered.token_ids, params, claims, lowered.table)
+    outs, _ = await engine.run_tokens(lowered.token_ids, params, lowered.table)
     tokens, logprobs = [], []
     for o in outs:
         c = o.outputs[0]
@@ -105,7 +104,7 @@ def test_nested_judge_reuses_inner_generations_and_matches_reference(engine, hf_
     judge = generate(cross(system("Pick the best line."), plus(*inner), user("Which is best?")), max_tokens=5, temperature=0.0)
 
     async def scenario():
-        from spanq_backend.embedded import EmbeddedBackend
+        from spanq_backend.serving.embedded import EmbeddedBackend
 
         backend = EmbeddedBackend(engine=engine)
         result = await aexecute(judge, backend)
@@ -134,7 +133,7 @@ def test_nested_judge_reuses_inner_generations_and_matches_reference(engine, hf_
 def test_two_spans_sharing_their_first_block_match_reference(engine, hf_model):
     """Two fragments whose first block holds the same tokens hash to one cached block, which the request then
     reads at two positions: the second use gets a private copy (CIDRA), so both read the right keys."""
-    from spanq_backend import vllm_plugin
+    from spanq_backend import vllm_integration as vllm_plugin
 
     header = "Shared header: " + " ".join(f"field {i} is reserved." for i in range(12))  # > one block of tokens
     shared = {

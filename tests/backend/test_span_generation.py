@@ -1,4 +1,4 @@
-"""spanq_backend.span_generation: span claims, and span-aware generation over a scripted engine stream."""
+"""spanq_backend.serving.generator: span-aware generation over a scripted engine stream."""
 
 from __future__ import annotations
 
@@ -7,63 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from spanq_backend.span_generation import AsyncSpanClaims, SpanClaims, SpanGenerator, load_chat_tokenizer
-from spanq_backend.span_table import EXTRA_ARGS_KEY
+from spanq_backend.kv.span_table import EXTRA_ARGS_KEY
+from spanq_backend.serving.generator import SpanGenerator, load_chat_tokenizer
 from spanq_integrations import ContextLengthError, cross, fragment, generate, plus, system, user
-
-# --------------------------------------------------------------------------------------------- claims
-
-
-def test_claims_conflict_only_on_the_same_key_at_another_position():
-    claims = SpanClaims()
-    claims.take({"a": 32, "b": 64})
-    assert not claims.conflicts({"a": 32})
-    assert not claims.conflicts({"c": 0})
-    assert claims.conflicts({"b": 32})
-    claims.take({"a": 32})
-    claims.release({"a": 32, "b": 64})
-    assert claims.conflicts({"a": 64}), "one holder of a@32 is still running"
-    claims.release({"a": 32})
-    assert not claims and not claims.conflicts({"a": 64})
-
-
-def test_a_conflicting_request_waits_until_the_holder_finishes():
-    async def scenario():
-        gate = AsyncSpanClaims()
-        order = []
-
-        async def request(name, claims, hold_s):
-            async with gate.held(claims):
-                order.append(f"{name} start")
-                await asyncio.sleep(hold_s)
-                order.append(f"{name} end")
-
-        await asyncio.gather(
-            request("abcd", {"a": 32, "b": 64}, 0.05),
-            request("ba", {"b": 32, "a": 64}, 0.0),  # both spans elsewhere: waits
-            request("a", {"a": 32}, 0.0),  # same position as the running one: runs at once
-        )
-        return order
-
-    order = asyncio.run(scenario())
-    assert order.index("a start") < order.index("abcd end") < order.index("ba start")
-
-
-def test_a_cancelled_waiter_leaves_no_claims_behind():
-    async def scenario():
-        gate = AsyncSpanClaims()
-        async with gate.held({"a": 0}):
-            waiter = asyncio.ensure_future(gate.held({"a": 32}).__aenter__())
-            await asyncio.sleep(0)
-            waiter.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await waiter
-        assert not gate.table
-        async with gate.held({"a": 32}):  # nothing is left waiting or held
-            pass
-
-    asyncio.run(scenario())
-
 
 # --------------------------------------------------------------------------------------------- generation
 
@@ -77,8 +23,8 @@ class ScriptedEngine:
         self.requests = []
         self.closed = 0
 
-    async def __call__(self, prompt_ids, params, claims):
-        self.requests.append(SimpleNamespace(prompt_ids=list(prompt_ids), params=params, claims=dict(claims)))
+    async def __call__(self, prompt_ids, params):
+        self.requests.append(SimpleNamespace(prompt_ids=list(prompt_ids), params=params))
         pieces = self.pieces[: params.max_tokens]
         try:
             for i, piece in enumerate(pieces):
@@ -126,8 +72,6 @@ def test_generate_prepares_each_span_then_runs_the_request_with_its_span_table(t
     assert all(p.params.max_tokens == 1 and p.params.temperature == 0 for p in prepares)
     assert main.prompt_ids == lowered.token_ids
     assert main.params.extra_args[EXTRA_ARGS_KEY] == lowered.table.to_extra_args()
-    # CIDRA lets requests share spans at different positions: nothing is claimed by default.
-    assert all(not r.claims for r in engine.requests)
     assert anchor > 0
 
     assert completion.texts == ["Hello"] and streamed == ["Hel", "lo"]
@@ -193,7 +137,6 @@ def test_a_generated_span_the_engine_knows_is_prepared_on_its_own_anchor(tokeniz
     )
     engine = ScriptedEngine()
     gen = span_generator(engine, tokenizer, generated_ids=lambda a: whole if a == answer else None)
-    gen.serialize_spans = True  # the claims show where each prepare places its span
     query = generate(
         cross(system("Pick one."), plus(answer, fragment("A copper lamp.")), user("Which?")), max_tokens=1
     )
@@ -202,19 +145,9 @@ def test_a_generated_span_the_engine_knows_is_prepared_on_its_own_anchor(tokeniz
     lowered = gen.lower(query)
     assert lowered.table.anchors is not None and 0 in lowered.table.anchors
     *prepares, _ = engine.requests
-    by_claim = {tuple(p.claims.values()): p for p in prepares}
-    alone = by_claim[(0,)]  # the generated span: its own tokens from position 0
-    assert alone.prompt_ids[: len(whole)] == whole
-    assert (lowered.table.anchor_len,) in by_claim  # the fragment: after the shared prefix
-
-
-def test_serialized_generation_claims_each_span_at_its_position(tokenizer):
-    pytest.importorskip("vllm")
-    engine = ScriptedEngine()
-    gen = span_generator(engine, tokenizer)
-    gen.serialize_spans = True
-    asyncio.run(gen.generate(rag(max_tokens=2, temperature=0.0)))
-    lowered = gen.lower(rag(max_tokens=2))
-    *prepares, main = engine.requests
-    assert all(list(p.claims.values()) == [lowered.table.anchor_len] for p in prepares)
-    assert sorted(main.claims.values()) == [s for s, _ in lowered.table.spans]
+    assert len(prepares) == 2
+    alone = [p for p in prepares if p.prompt_ids[: len(whole)] == whole]
+    assert len(alone) == 1  # the generated span: its own tokens from position 0, its inner prompt first
+    shared = lowered.token_ids[: lowered.table.anchor_len]
+    (other,) = [p for p in prepares if p is not alone[0]]
+    assert other.prompt_ids[: len(shared)] == shared  # the fragment: after the shared prefix

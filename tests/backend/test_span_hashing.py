@@ -1,9 +1,9 @@
-"""Span-aware block hashing (spanq_backend.span_hashing, the plugin's hasher) and the span table it reads.
+"""Span-aware block hashing (spanq_backend.kv.span_hashing, the plugin's hasher) and the span table it reads.
 
 Hashes are vLLM's real ones (`hash_block_tokens` with sha256), compared with vLLM's stock request block hasher
 run on real `vllm.v1.request.Request` objects: a span hashes the same wherever it sits and the same as in its
 prepare request `[anchor][span]`; what follows a `plus` group depends on which spans, in which order; a request
-without span metadata hashes exactly as stock vLLM (DESIGN.md invariants 3 and 7).
+without span metadata hashes exactly as stock vLLM (invariants 3 and 7 of docs/design.md).
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import itertools
 
 import pytest
 
-from spanq_backend import vllm_plugin
-from spanq_backend.span_hashing import span_block_hashes
-from spanq_backend.span_table import EXTRA_ARGS_KEY, SpanTable, SpanTableError
+from spanq_backend.kv.span_hashing import span_block_hashes
+from spanq_backend.kv.span_table import EXTRA_ARGS_KEY, SpanTable, SpanTableError
+from spanq_backend.vllm_integration import engine_core
+from spanq_backend.vllm_integration.support import SpanSupport
 
 pytestmark = [pytest.mark.vllm]
 
@@ -68,8 +69,8 @@ def hashing():
     def hash_block(parent, tokens, extra):
         return kcu.hash_block_tokens(hash_fn, parent, tokens, extra)
 
-    plugin = vllm_plugin._make_hasher_factory(kcu.get_request_block_hasher)(BS, hash_fn)
-    plugin.support = vllm_plugin.SpanSupport(True)  # as on an engine whose workers all move keys
+    plugin = engine_core.make_hasher_factory(kcu.get_request_block_hasher)(BS, hash_fn)
+    plugin.support = SpanSupport(True)  # as on an engine whose workers all move keys
     return SimpleNamespace(fn=hash_fn, block=hash_block, stock=kcu.get_request_block_hasher(BS, hash_fn), plugin=plugin)
 
 
@@ -254,12 +255,12 @@ def test_a_hasher_whose_engine_has_not_confirmed_spans_hashes_span_tables_as_sto
     """Spans are off until the engine's workers said they move keys (the hasher's default)."""
     from vllm.v1.core import kv_cache_utils as kcu
 
-    unchecked = vllm_plugin._make_hasher_factory(kcu.get_request_block_hasher)(BS, hashing.fn)
+    unchecked = engine_core.make_hasher_factory(kcu.get_request_block_hasher)(BS, hashing.fn)
     assert not unchecked.support.enabled
     tokens, table = layout("DCBA")
     req = request(tokens, unchecked, table=table)
     assert req.block_hashes == stock_hashes(hashing, tokens)
-    assert vllm_plugin._span_table(req) is None  # the other hooks see a stock request too
+    assert engine_core.span_table_of(req) is None  # the other hooks see a stock request too
 
 
 def test_plugin_span_hashes_keep_the_cache_salt(hashing):
@@ -324,9 +325,8 @@ def test_generated_blocks_chain_on_the_prompt(hashing):
 
 
 @pytest.fixture
-def rekey(hashing, monkeypatch):
-    monkeypatch.setattr(vllm_plugin, "_hash_fn", hashing.fn)
-    return vllm_plugin._rekey_missed_spans
+def rekey(hashing):
+    return engine_core.rekey_missed_spans  # with the hash function the request's hasher recorded
 
 
 def test_rekeying_leaves_hit_blocks_and_requests_without_spans_alone(hashing, rekey):

@@ -20,10 +20,11 @@ import httpx
 import pytest
 import torch
 
-from spanq_backend.bench.hf_span import full_attention_logprobs, load_hf_model, span_reference_logprobs
-from spanq_backend.vllm_plugin import SpanSupport, runner_span_status
+from benchmarks.hf_span import full_attention_logprobs, load_hf_model, span_reference_logprobs
+from spanq_backend.vllm_integration.support import SpanSupport
+from spanq_backend.vllm_integration.worker import runner_span_status
 from spanq_integrations import cross, fragment, generate, plus, system, user
-from spanq_integrations.spnl_json import to_json
+from spanq_integrations.query.spnl_json import to_json
 from tests.servers import free_port, log_tail, running_server
 
 pytestmark = [pytest.mark.vllm]
@@ -72,7 +73,7 @@ def test_a_runner_class_without_the_hook_is_reported():
 
 
 def _engine(tiny_model: Path):
-    from spanq_backend.engine import SpanEngine
+    from spanq_backend.serving.engine import SpanEngine
 
     return SpanEngine(model=str(tiny_model), block_size=32, max_model_len=1024, max_num_seqs=4, num_blocks=96)
 
@@ -83,7 +84,7 @@ async def _run_with_table(engine, lowered, with_table: bool = True):
     from vllm.sampling_params import RequestOutputKind
 
     params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
-    outs, _ = await engine.run_tokens(lowered.token_ids, params, {}, lowered.table if with_table else None)
+    outs, _ = await engine.run_tokens(lowered.token_ids, params, lowered.table if with_table else None)
     toks = [t for o in outs for t in o.outputs[0].token_ids]
     lps = [lp[t].logprob for o in outs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
     return outs[-1].num_cached_tokens or 0, toks, torch.tensor(lps, dtype=torch.float64)
@@ -91,7 +92,7 @@ async def _run_with_table(engine, lowered, with_table: bool = True):
 
 def _span_lowering(engine, call):
     """The span layout of `call` (the engine's own generator lays prompts out as stock once spans are off)."""
-    from spanq_backend.lowering import lower
+    from spanq_backend.serving.lowering import lower
 
     return lower(call.input, engine.tokenizer, engine.config.block_size, engine.pad_token_id, 1024, 5)
 
@@ -102,7 +103,7 @@ async def _prepare_by_hand(engine, lowered) -> None:
 
     for i in range(len(lowered.table.spans)):
         ids = lowered.prepare_prompt(i) + [engine.pad_token_id]
-        await engine.run_tokens(ids, SamplingParams(max_tokens=1, temperature=0.0), {})
+        await engine.run_tokens(ids, SamplingParams(max_tokens=1, temperature=0.0))
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +116,7 @@ def unhooked_runner(monkeypatch):
     """vLLM's CPU model runner as a platform spanq does not hook (a GPU runner, vLLM's V2 runner) would be."""
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    from spanq_backend import vllm_plugin
+    from spanq_backend import vllm_integration as vllm_plugin
 
     vllm_plugin.register()  # idempotent; makes sure the hook is there to take away
     hooked = CPUModelRunner.execute_model
@@ -180,8 +181,8 @@ def test_without_the_guard_an_unhooked_runner_reads_unmoved_keys(tiny_model, hf_
 
 @pytest.mark.slow
 def test_a_model_the_runtime_refuses_turns_spans_off_with_the_reason(tiny_model, monkeypatch):
-    from spanq_backend import kv_layout
-    from spanq_backend.rerope import RelocationError
+    from spanq_backend.kv.rerope import RelocationError
+    from spanq_backend.vllm_integration import kv_layout
 
     def refuse(model):
         raise RelocationError("this model's rotary embedding is refused (simulated)")

@@ -1,4 +1,4 @@
-"""spanq_backend.vllm_symbols: the vLLM hooks the plugin relies on exist, and a change fails loudly."""
+"""spanq_backend.vllm_integration.symbols: the vLLM hooks the plugin relies on exist, and a change fails loudly."""
 
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from spanq_backend import vllm_symbols
-from spanq_backend.vllm_symbols import SYMBOLS, WRITTEN_FOR, VllmCompatibilityError, check_symbols, resolve
+from spanq_backend.vllm_integration import symbols as vllm_symbols
+from spanq_backend.vllm_integration.symbols import (
+    SYMBOLS,
+    WRITTEN_FOR,
+    VllmCompatibilityError,
+    check_symbols,
+    resolve,
+)
 
 pytestmark = [pytest.mark.vllm]
 
@@ -113,11 +119,22 @@ def _vllm_uses(path: Path) -> set[tuple[str, str]]:
     return uses
 
 
-@pytest.mark.parametrize("source", ["vllm_plugin.py", "kv_layout.py"])
+@pytest.mark.parametrize("source", sorted(p.name for p in BACKEND.glob("*.py")))
 def test_every_vllm_symbol_the_plugin_touches_is_listed(source):
     listed = {(module, attr.split(".")[0]) for module, attr, _ in SYMBOLS}
     missing = sorted(_vllm_uses(BACKEND / source) - listed)
     assert not missing, f"{source} uses vLLM symbols that vllm_symbols.SYMBOLS does not list: {missing}"
+
+
+def test_every_patch_is_a_listed_symbol():
+    from spanq_backend.vllm_integration import PATCHES
+
+    listed = {(module, attr) for module, attr, _ in SYMBOLS}
+    for patch in PATCHES:
+        if patch.wrap is not None:
+            assert (patch.module, patch.attr) in listed, f"{patch.module}.{patch.attr} is patched but not listed"
+        else:  # an added method: its class must be listed
+            assert (patch.module, patch.attr.split(".")[0]) in listed, patch
 
 
 def test_every_listed_symbol_says_what_spanq_relies_on():

@@ -62,7 +62,7 @@ def test_plan_prints_the_tree(query_file, capsys):
 
 
 def test_plan_json_reads_back(query_file, capsys):
-    from spanq_integrations.spnl_json import from_json
+    from spanq_integrations.query.spnl_json import from_json
 
     assert main(["plan", str(query_file), "--json"]) == 0
     plan = from_json(json.loads(capsys.readouterr().out))
@@ -148,15 +148,15 @@ def test_usage_error_is_exit_2(capsys):
 
 def test_serve_delegates_to_the_backend_package(monkeypatch):
     seen: list[list[str]] = []
-    fake = types.ModuleType("spanq_backend.server")
+    fake = types.ModuleType("spanq_backend.serving.server")
     fake.serve_main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "spanq_backend.server", fake)
+    monkeypatch.setitem(sys.modules, "spanq_backend.serving.server", fake)
     assert main(["serve", "--port", "8000", "--model", "tiny"]) == 0
     assert seen == [["--port", "8000", "--model", "tiny"]]
 
 
 def test_bench_without_the_backend_extra_says_how_to_install(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "spanq_backend.bench", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "benchmarks", None)  # makes the import fail
     assert main(["bench"]) == 2
     err = capsys.readouterr().err
     assert "spanq bench needs the backend extra: pip install 'spanq[backend]'" in err

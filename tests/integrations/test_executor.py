@@ -29,8 +29,8 @@ from spanq_integrations import (
     user,
 )
 from spanq_integrations.backends.openai import OpenAIBackend
-from spanq_integrations.flatten import block_text
-from spanq_integrations.ir import walk
+from spanq_integrations.query.flatten import block_text
+from spanq_integrations.query.ir import walk
 
 
 class ScriptedBackend(Backend):

@@ -34,10 +34,10 @@ from spanq_integrations import (
     user,
 )
 from spanq_integrations.backends.openai import OpenAIBackend
-from spanq_integrations.flatten import to_chat_messages
-from spanq_integrations.ir import Cross, Plus, walk
-from spanq_integrations.judge import ajudge, judge, judge_plan, judge_query
-from spanq_integrations.reducers import ExtractReducer, MergeReducer, Selection, SelectReducer
+from spanq_integrations.query.flatten import to_chat_messages
+from spanq_integrations.query.ir import Cross, Plus, walk
+from spanq_integrations.runtime.judge import ajudge, judge, judge_plan, judge_query
+from spanq_integrations.runtime.reducers import ExtractReducer, MergeReducer, Selection, SelectReducer
 
 CANDIDATES = [f"Note {i}: the cat called Name{i} sleeps on the mat." for i in range(8)]
 INSTRUCTION = "Tell me the names of the cats mentioned."

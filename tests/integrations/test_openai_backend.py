@@ -236,7 +236,7 @@ async def test_other_http_errors_carry_status_and_message():
 
 
 async def test_span_backend_posts_the_query_and_reads_span_usage():
-    from spanq_integrations.spnl_json import to_json
+    from spanq_integrations.query.spnl_json import to_json
 
     usage = {
         "prompt_tokens": 40,
@@ -288,7 +288,7 @@ async def test_span_backend_maps_server_errors_by_type():
 
 
 async def test_span_backend_executes_a_whole_query_remotely():
-    from spanq_integrations.spnl_json import to_json
+    from spanq_integrations.query.spnl_json import to_json
 
     query = generate(user("Capital of France?"), max_tokens=4)
     closed = to_json(Assistant(text="Paris", source=query))

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 
-from spanq_integrations.errors import QueryParseError, QueryValidationError
-from spanq_integrations.ir import (
+from spanq_integrations.query.errors import QueryParseError, QueryValidationError
+from spanq_integrations.query.ir import (
     Assistant,
     Chat,
     Cross,
@@ -31,7 +31,7 @@ from spanq_integrations.ir import (
     system,
     user,
 )
-from spanq_integrations.spnl_json import dumps, from_json, load_file, loads, to_json
+from spanq_integrations.query.spnl_json import dumps, from_json, load_file, loads, to_json
 from tests.strategies import span_queries
 
 DATA = Path(__file__).parent / "data"

@@ -6,7 +6,6 @@ import pytest
 from langchain_core.messages import AIMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
 
 from spanq_integrations import Assistant, Cross, Fragment, Plus, System, User
-from spanq_integrations.flatten import to_chat_messages
 from spanq_integrations.langchain import UnsupportedMessageError, format_docs_as_spans, span_block
 from spanq_integrations.langchain.messages import (
     PromptMessage,
@@ -16,6 +15,7 @@ from spanq_integrations.langchain.messages import (
     query_input,
     split_at_documents,
 )
+from spanq_integrations.query.flatten import to_chat_messages
 
 
 def test_roles_map_to_the_ir_messages():

@@ -6,8 +6,8 @@ import pytest
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
 
 from spanq_integrations import Assistant, BackendUnavailableError, Cross, QueryValidationError, SpanQueryError
-from spanq_integrations.ir import System, User
 from spanq_integrations.llamaindex import SpanQueryLLM, messages_to_nodes
+from spanq_integrations.query.ir import System, User
 from tests.servers import free_port
 
 CONVERSATION = [

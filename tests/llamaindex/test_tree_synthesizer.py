@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from llama_index.core.schema import NodeWithScore, TextNode
 
-from spanq_integrations import ContextLengthError, OptimizerError
+from spanq_integrations import ContextLengthError, QueryValidationError
 from spanq_integrations.llamaindex import SpanQueryTreeSynthesizer
 
 pytestmark = pytest.mark.vllm
@@ -66,7 +66,7 @@ def test_intermediate_instruction_and_bad_k(span_llm):
     synthesizer = SpanQueryTreeSynthesizer(llm=span_llm, intermediate_instruction="Summarize.")
     assert synthesizer.synthesize("q?", nodes_of(3)).metadata["spanq"]["calls"] == 2
     for k in (1, 0, True, 2.5):
-        with pytest.raises(OptimizerError, match="k must be an integer >= 2"):
+        with pytest.raises(QueryValidationError, match="k must be an integer >= 2"):
             SpanQueryTreeSynthesizer(llm=span_llm, k=k)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spanq_integrations.ir import Cross, Fragment, Generate, Plus, User
 from spanq_integrations.optimizer import OptimizerContext, bulk_order
+from spanq_integrations.query.ir import Cross, Fragment, Generate, Plus, User
 
 ON = OptimizerContext(bulk_order=True)
 

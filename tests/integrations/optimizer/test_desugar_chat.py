@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from spanq_integrations.ir import Chat, Cross, Fragment, Generate, Plus, System, User
 from spanq_integrations.optimizer import OptimizerContext, desugar_chat
+from spanq_integrations.query.ir import Chat, Cross, Fragment, Generate, Plus, System, User
 
 
 def test_chat_becomes_generate_over_cross_of_messages() -> None:

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from spanq_integrations.backends.base import BackendCapabilities
-from spanq_integrations.errors import OptimizerError
-from spanq_integrations.ir import Cross, Fragment, Generate, Monad, Plus, Retrieve, System, User
+from spanq_integrations.backends.protocol import BackendCapabilities
 from spanq_integrations.optimizer import OptimizerContext, desugar_retrieve, simplify_plus
+from spanq_integrations.query.errors import OptimizerError
+from spanq_integrations.query.ir import Cross, Fragment, Generate, Monad, Plus, Retrieve, System, User
 
 SPAN_AWARE = BackendCapabilities(name="span", span_aware=True)
 S, U = System(text="answer from the documents"), User(text="what is a span?")

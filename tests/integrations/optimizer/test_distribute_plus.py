@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from spanq_integrations.backends.base import BackendCapabilities
-from spanq_integrations.ir import Assistant, Cross, Fragment, Generate, Monad, Plus, System, User
+from spanq_integrations.backends.protocol import BackendCapabilities
 from spanq_integrations.optimizer import OptimizerContext, distribute_plus
+from spanq_integrations.query.ir import Assistant, Cross, Fragment, Generate, Monad, Plus, System, User
 
 SPAN_AWARE = OptimizerContext(capabilities=BackendCapabilities(name="span", span_aware=True))
 PLAIN = OptimizerContext(capabilities=BackendCapabilities(name="openai", span_aware=False))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from spanq_integrations.ir import Generate, Map, Plus, Repeat, User
 from spanq_integrations.optimizer import OptimizerContext, expand_bulk
+from spanq_integrations.query.ir import Generate, Map, Plus, Repeat, User
 
 
 def test_repeat_becomes_n_distinct_copies() -> None:

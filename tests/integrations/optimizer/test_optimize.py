@@ -6,9 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spanq_integrations.backends.base import BackendCapabilities
-from spanq_integrations.errors import OptimizerError
-from spanq_integrations.ir import (
+from spanq_integrations.backends.protocol import BackendCapabilities
+from spanq_integrations.optimizer import DEFAULT_RULES, OptimizerContext, apply_rules, optimize, simplify_plus
+from spanq_integrations.query.errors import OptimizerError, QueryValidationError
+from spanq_integrations.query.ir import (
     Chat,
     Cross,
     Fragment,
@@ -23,7 +24,6 @@ from spanq_integrations.ir import (
     User,
     walk,
 )
-from spanq_integrations.optimizer import DEFAULT_RULES, OptimizerContext, apply_rules, optimize, simplify_plus
 from tests.strategies import span_queries
 
 SPAN_AWARE = BackendCapabilities(name="span", span_aware=True)
@@ -141,7 +141,7 @@ def test_unknown_retriever_surfaces_from_optimize() -> None:
 
 
 def test_bad_tree_reduction_k_surfaces_from_optimize() -> None:
-    with pytest.raises(OptimizerError, match="tree_reduction_k"):
+    with pytest.raises(QueryValidationError, match="tree_reduction_k"):
         optimize(User(text="u"), tree_reduction_k=1)
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from spanq_integrations.ir import Cross, Fragment, Generate, Monad, Node, Plus, System, User
 from spanq_integrations.optimizer import OptimizerContext, simplify_plus
+from spanq_integrations.query.ir import Cross, Fragment, Generate, Monad, Node, Plus, System, User
 
 A, B, C, D = (Fragment(text=t) for t in "abcd")
 S, U = System(text="s"), User(text="u")

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from spanq_integrations.errors import OptimizerError
-from spanq_integrations.ir import Cross, Fragment, Generate, Monad, Node, Plus, Print, System, User, walk
 from spanq_integrations.optimizer import OptimizerContext, tree_reduce
+from spanq_integrations.query.errors import QueryValidationError
+from spanq_integrations.query.ir import (
+    Cross,
+    Fragment,
+    Generate,
+    Monad,
+    Node,
+    Plus,
+    Print,
+    System,
+    User,
+    walk,
+)
 
 S, U = System(text="you judge emails"), User(text="pick the best one")
 
@@ -137,5 +148,5 @@ def test_off_by_default() -> None:
 
 @pytest.mark.parametrize("k", [1, 0, -3])
 def test_k_below_two_is_an_error(k: int) -> None:
-    with pytest.raises(OptimizerError, match="tree_reduction_k must be an integer >= 2"):
+    with pytest.raises(QueryValidationError, match="tree_reduction_k must be an integer >= 2"):
         OptimizerContext(tree_reduction_k=k)

@@ -1,0 +1,53 @@
+"""The benchmarks behind `spanq bench NAME` (or `python -m benchmarks NAME` in a source checkout): each is a module
+here with `main(argv) -> int` that prints a table and writes JSON and a plot into its `--out DIR` (default
+`results/NAME/` under the current directory; see docs/benchmarks.md), through the shared plumbing in
+`benchmarks.common`. Register a new one in `BENCHMARKS`; modules are imported only when their benchmark runs."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+__all__ = ["BENCHMARKS", "bench_main"]
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "rag": ("benchmarks.rag", "RAG time to first token vs number of documents: stock, spans cold, warm"),
+    "nested": ("benchmarks.nested", "a judge over N inner generations: outer TTFT, spans vs stock"),
+    "bulk": ("benchmarks.bulk", "a batch with shared fragments: bulk size, locality order, hit rate"),
+    "quality": ("benchmarks.quality", "span vs full attention: exact match, KL divergence, padding"),
+    "rerope": ("benchmarks.rerope", "repositioning throughput vs a plain copy; CIDRA planning cost"),
+    "haystack": ("benchmarks.haystack", "needle in a haystack: flat judge vs tree reduction"),
+}
+"""name -> (module with `main(argv) -> int`, one-line description)."""
+
+
+def _usage() -> str:
+    lines = ["usage: spanq bench NAME [options]   (spanq bench NAME --help for its options)", "", "benchmarks:"]
+    lines += [f"  {name:<10} {description}" for name, (_, description) in BENCHMARKS.items()]
+    return "\n".join(lines)
+
+
+def bench_main(argv: Sequence[str]) -> int:
+    """`spanq bench NAME ...`: run benchmark NAME with the remaining arguments."""
+    args = list(argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in BENCHMARKS:
+        print(f"spanq bench: unknown benchmark {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    # A command, not the library: keep vLLM's per-request log lines out of the tables (override by setting it).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    module_name = BENCHMARKS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name == module_name:
+            print(f"spanq bench: {name} is not available in this installation ({module_name} is missing)",
+                  file=sys.stderr)
+            return 2
+        raise
+    return int(module.main(rest) or 0)

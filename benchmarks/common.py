@@ -1,0 +1,398 @@
+"""Plumbing shared by the benchmarks: options, engines side by side, deterministic documents, statistics, and the
+report every benchmark writes (a table on stdout, `<out>/<stem>.json`, `<out>/<stem>.png`; `<out>` is the --out
+folder every benchmark takes, `results/NAME/` under the current directory by default)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "LABEL_ENV",
+    "WORDS",
+    "BenchReport",
+    "base_parser",
+    "close_backend",
+    "default_out",
+    "engine_pair",
+    "environment",
+    "float_list",
+    "format_table",
+    "int_list",
+    "make_backend",
+    "make_documents",
+    "model_label",
+    "new_figure",
+    "percentile",
+    "progress",
+    "summarize",
+    "ttft_of",
+    "warm_up",
+]
+
+LABEL_ENV = "SPANQ_BENCH_LABEL"
+"""An environment variable: if set, its value is recorded in every report's environment as `label` (which
+checkout, branch or build the numbers come from: reports record the spanq version, not a commit)."""
+
+# A fixed vocabulary: documents are sentences of these words, drawn by a seeded generator, so every run of a
+# benchmark reads the same text and every document differs from every other.
+WORDS = (
+    "river", "mountain", "garden", "window", "harbor", "lantern", "meadow", "village", "castle", "forest",
+    "bridge", "market", "orchard", "valley", "island", "temple", "candle", "mirror", "ladder", "basket",
+    "blanket", "kettle", "hammer", "needle", "pocket", "saddle", "shovel", "tunnel", "violin", "whistle",
+    "anchor", "barrel", "button", "carpet", "cellar", "chimney", "compass", "copper", "feather", "fence",
+    "fountain", "glacier", "granite", "helmet", "jacket", "kitchen", "library", "marble", "meadowlark",
+    "monastery", "oyster", "pepper", "pillow", "quarry", "rabbit", "saffron", "sailor", "scarlet", "shadow",
+    "silver", "sparrow", "spruce", "statue", "summit", "thimble", "thunder", "timber", "tower", "trumpet",
+    "velvet", "walnut", "wizard", "yellow", "amber", "ancient", "bitter", "brave", "bright", "broken",
+    "calm", "careful", "cheerful", "clever", "cold", "crooked", "curious", "dusty", "eager", "early",
+    "famous", "fierce", "gentle", "golden", "graceful", "hidden", "hollow", "humble", "icy", "kind", "lazy",
+    "lively", "lonely", "loud", "lucky", "narrow", "noble", "old", "patient", "plain", "polite", "proud",
+    "quiet", "rapid", "rare", "rough", "round", "rusty", "shiny", "silent", "simple", "slow", "smooth",
+    "soft", "sour", "steady", "strange", "sturdy", "sudden", "sweet", "tall", "tender", "tidy", "tiny",
+    "warm", "weary", "wild", "wise", "wooden", "young", "carries", "builds", "finds", "paints", "follows",
+    "guards", "hides", "lifts", "mends", "opens", "pulls", "reads", "repairs", "sells", "sings", "sweeps",
+    "throws", "visits", "watches", "writes", "counts", "gathers", "weighs", "measures", "polishes",
+    "trades", "borrows", "remembers", "forgets", "describes", "admires", "ignores", "collects", "delivers",
+    "near", "behind", "beside", "under", "above", "across", "beyond", "inside", "toward", "around",
+    "before", "after", "during", "morning", "evening", "winter", "summer", "autumn", "spring", "midnight",
+    "harvest", "festival", "journey", "secret", "promise", "letter", "story", "song", "riddle", "recipe",
+    "map", "ledger", "treaty", "voyage", "rumor", "legend", "portrait", "melody",
+)
+
+
+# --------------------------------------------------------------------------------------------- options
+
+
+def int_list(text: str) -> list[int]:
+    """`"1,2,4"` → `[1, 2, 4]` (an argparse type)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
+def float_list(text: str) -> list[float]:
+    """`"0,0.5"` → `[0.0, 0.5]` (an argparse type)."""
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def default_out(name: str) -> Path:
+    """Where benchmark `name` writes without --out: `results/NAME/`, relative to the current working directory."""
+    return Path("results") / name
+
+
+def base_parser(
+    name: str,
+    description: str,
+    *,
+    model: str | None = "tiny",
+    model_help: str | None = None,
+    reps: int | None = 3,
+) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark takes: --model, --reps, --seed, --out, --tag,
+    --no-progress. `reps=None` leaves out --reps (for a benchmark that counts its repetitions its own way);
+    `model_help` replaces the help of --model."""
+    parser = argparse.ArgumentParser(prog=f"spanq bench {name}", description=description)
+    parser.add_argument(
+        "--model",
+        default=model,
+        help=model_help or f"tiny, default (SmolLM2-135M-Instruct) or a model folder (default: {model})",
+    )
+    if reps is not None:
+        parser.add_argument("--reps", type=int, default=reps, help=f"repetitions per setting (default: {reps})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated documents and orders")
+    parser.add_argument(
+        "--out", type=Path, default=default_out(name), metavar="DIR",
+        help=f"folder the JSON and the plot are written to (default: {default_out(name)}, under the current "
+        "directory)",
+    )
+    parser.add_argument("--tag", default="", help="suffix of the output file names, to keep several runs")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def model_label(model: str) -> str:
+    """A short name for file names and tables: tiny, smollm2, or the model folder's name."""
+    if model in ("default", "smollm2"):
+        return "smollm2"
+    if model == "tiny":
+        return "tiny"
+    return Path(model).name or "model"
+
+
+# --------------------------------------------------------------------------------------------- engines
+
+
+def make_backend(model: str, *, spans: bool, kv_blocks: int | None = None, **engine_options: Any) -> Any:
+    """An `EmbeddedBackend` on `model`: span-aware, or (spans=False) stock vLLM with prefix caching.
+
+    `kv_blocks` caps the KV cache at that many blocks, for workloads whose point is eviction;
+    `engine_options` are `EngineConfig` fields. Close it with `close_backend`.
+    """
+    from spanq_backend.serving.embedded import EmbeddedBackend
+
+    return EmbeddedBackend(model, spans=spans, num_blocks=kv_blocks, **engine_options)
+
+
+def close_backend(backend: Any) -> None:
+    """Stop the engine of a backend made by `make_backend`."""
+    backend.engine.close()
+
+
+def warm_up(backend: Any) -> None:
+    """One small span query, so first-call costs (graph capture, allocator) stay out of the measurements."""
+    from spanq_integrations import cross, execute, fragment, generate, plus, system, user
+
+    docs = [fragment(f"Warm-up note {i}: " + " ".join(WORDS[i * 7 : i * 7 + 40])) for i in range(3)]
+    for order in (docs, docs[::-1]):
+        execute(generate(cross(system("Warm up."), plus(*order), user("Ready?")), max_tokens=2, temperature=0.0), backend)
+
+
+@contextmanager
+def engine_pair(
+    model: str, *, backends: tuple[Any, Any] | None = None, kv_blocks: int | None = None, **engine_options: Any
+) -> Iterator[tuple[Any, Any]]:
+    """`(stock, spans)`: two embedded engines on `model` in this process, warmed up, closed on exit.
+
+    Both have prefix caching on; the stock one sends no span metadata, so the plugin leaves its requests alone.
+    `backends` given: use those (owned by the caller, not closed), e.g. one pair shared by several runs.
+    """
+    if backends is not None:
+        yield backends
+        return
+    stock = make_backend(model, spans=False, kv_blocks=kv_blocks, **engine_options)
+    try:
+        spans = make_backend(model, spans=True, kv_blocks=kv_blocks, **engine_options)
+        try:
+            warm_up(stock)
+            warm_up(spans)
+            yield stock, spans
+        finally:
+            close_backend(spans)
+    finally:
+        close_backend(stock)
+
+
+def ttft_of(call: Any) -> float:
+    """A call's time to first token; its wall time when no text came out (a 1-token answer that decodes to "")."""
+    return call.ttft_s if call.ttft_s is not None else call.wall_s
+
+
+# --------------------------------------------------------------------------------------------- documents
+
+
+def make_documents(tokenizer: Any, count: int, tokens: int, *, seed: int, start: int = 0, title: str = "Document") -> list[str]:
+    """`count` different documents of about `tokens` tokens each (never more), the same for the same arguments.
+
+    Document i is `"{title} {start+i}."` followed by sentences of `WORDS` drawn by a generator seeded with
+    `(seed, start+i)`; sentences are added while the text stays within `tokens` tokens.
+    """
+    docs = []
+    for i in range(start, start + count):
+        rng = random.Random(f"spanq-doc:{seed}:{i}")
+        text = f"{title} {i}."
+        while True:
+            n = rng.randint(6, 14)
+            words = [rng.choice(WORDS) for _ in range(n)]
+            sentence = " " + " ".join(words).capitalize() + "."
+            if len(tokenizer.encode(text + sentence, add_special_tokens=False)) > tokens:
+                break
+            text += sentence
+        docs.append(text)
+    return docs
+
+
+# --------------------------------------------------------------------------------------------- statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), interpolated linearly between order statistics; nan for no values."""
+    xs = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not xs:
+        return math.nan
+    if len(xs) == 1:
+        return xs[0]
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """n, mean, median, p90, p99, min and max of `values`."""
+    xs = [v for v in values if v is not None and not math.isnan(v)]
+    if not xs:
+        return {"n": 0, "mean": math.nan, "median": math.nan, "p90": math.nan, "p99": math.nan, "min": math.nan, "max": math.nan}
+    return {
+        "n": len(xs),
+        "mean": statistics.fmean(xs),
+        "median": percentile(xs, 50),
+        "p90": percentile(xs, 90),
+        "p99": percentile(xs, 99),
+        "min": min(xs),
+        "max": max(xs),
+    }
+
+
+# --------------------------------------------------------------------------------------------- output
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, left: int = 1) -> str:
+    """A plain-text table: the first `left` columns left-aligned, the others right-aligned; floats to 3 significant
+    digits, NaN as "-", strings as they are."""
+
+    def cell(x: Any) -> str:
+        if isinstance(x, float):
+            if math.isnan(x):
+                return "-"
+            return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+        return str(x)
+
+    text_rows = [[cell(x) for x in r] for r in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in text_rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line([str(h) for h in headers]), rule, *(line(r) for r in text_rows)])
+
+
+def progress(total: int, desc: str, *, disable: bool = False) -> Any:
+    """A tqdm progress bar on stderr."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=disable, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def environment() -> dict[str, Any]:
+    """Where the numbers were measured: machine, load, spanq and library versions, command line, and the label
+    in $SPANQ_BENCH_LABEL if set."""
+    from spanq_integrations import __version__ as spanq_version
+
+    info: dict[str, Any] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": " ".join(["spanq", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "python": platform.python_version(),
+        "spanq": spanq_version,
+    }
+    label = os.environ.get(LABEL_ENV)
+    if label:
+        info["label"] = label
+    for module in ("torch", "vllm", "transformers"):
+        mod = sys.modules.get(module)
+        if mod is not None:
+            info[module] = getattr(mod, "__version__", None)
+    return info
+
+
+@dataclass
+class BenchReport:
+    """What one benchmark run writes into `args.out` (the --out folder of `base_parser`): `<stem>.json` (config,
+    environment, rows, summary) and the plot `<stem>.png`.
+
+    The stem is `NAME-LABEL[-TAG]`: LABEL is `label`, by default the model's (`model_label`); `label=""` leaves
+    it out (`NAME[-TAG]`).
+    """
+
+    name: str
+    args: argparse.Namespace
+    config: dict[str, Any] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    summary: Any = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    label: str | None = None
+    written: list[Path] = field(default_factory=list)
+    """The files `write` wrote."""
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.args.out)
+
+    @property
+    def stem(self) -> str:
+        label = model_label(getattr(self.args, "model", "") or "model") if self.label is None else self.label
+        tag = getattr(self.args, "tag", "")
+        return "-".join(part for part in (self.name, label, tag) if part)
+
+    @property
+    def json_path(self) -> Path:
+        return self.out_dir / f"{self.stem}.json"
+
+    @property
+    def plot_path(self) -> Path:
+        return self.out_dir / f"{self.stem}.png"
+
+    def write(self, figure: Any = None) -> Path:
+        """Write the JSON (and the figure, if given); returns the JSON's path."""
+        self.written = []
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(self.args).items()}
+        payload = {
+            "benchmark": self.name,
+            "config": {**args, **self.config},
+            "environment": {**environment(), "bench_seconds": time.perf_counter() - self.started},
+            "rows": self.rows,
+            "summary": self.summary,
+        }
+        self.json_path.write_text(json.dumps(_finite(payload), indent=2, default=str, allow_nan=False) + "\n")
+        self.written.append(self.json_path)
+        if figure is not None:
+            figure.savefig(self.plot_path, dpi=110, bbox_inches="tight")
+            import matplotlib.pyplot as plt
+
+            plt.close(figure)
+            self.written.append(self.plot_path)
+        return self.json_path
+
+    def print_files(self) -> None:
+        """Print the paths of the files `write` wrote."""
+        if self.written:
+            print("\nwrote " + " and ".join(str(p) for p in self.written))
+
+
+def _finite(x: Any) -> Any:
+    """`x` with NaN and infinities as null (strict JSON) and tensors/arrays as lists."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if hasattr(x, "tolist"):
+        return _finite(x.tolist())
+    return x
+
+
+def new_figure(ncols: int = 1, *, nrows: int = 1, width: float = 6.0, height: float = 4.0) -> tuple[Any, Any]:
+    """A matplotlib figure (headless backend) with `nrows` x `ncols` axes of `width` x `height` inches each, and
+    the list of its axes, row by row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
+    return fig, list(axes.flat)

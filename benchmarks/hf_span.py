@@ -1,0 +1,154 @@
+"""Span attention and full attention in HF transformers (no vLLM): an independent reference for the engine.
+
+Span attention with exact relocation (invariant 2 of docs/design.md): the anchor's KV sits at positions 0..a-1; each
+span's KV is computed alone after the anchor, with the anchor moved to end right where the span starts; context
+between spans and everything after the last span attend to all of it. Full attention is the ordinary causal
+forward pass over the same tokens. Both return log-probabilities over the whole vocabulary at each position of
+a teacher-forced continuation, so they can be compared token by token (KL divergence), or read at the
+continuation's own tokens (`*_logprobs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "full_attention_logprobs",
+    "full_attention_next_token_logprobs",
+    "kl_divergence",
+    "load_hf_model",
+    "span_attention_next_token_logprobs",
+    "span_reference_logprobs",
+]
+
+
+def load_hf_model(path: str | Path) -> Any:
+    """The causal LM in `path`, in float32, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def _kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+class _SpanKV:
+    """Per-layer K/V built piece by piece (anchor, spans, context), and handed to the model as a fresh cache."""
+
+    def __init__(self) -> None:
+        self.layers: list[list[torch.Tensor]] | None = None
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]], lo: int | None = None) -> None:
+        if self.layers is None:
+            self.layers = [[k[:, :, lo:], v[:, :, lo:]] for k, v in kv]
+            return
+        for slot, (k, v) in zip(self.layers, kv):
+            slot[0] = torch.cat([slot[0], k[:, :, lo:]], dim=2)
+            slot[1] = torch.cat([slot[1], v[:, :, lo:]], dim=2)
+
+    def cache(self) -> Any:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for i, (k, v) in enumerate(self.layers or []):
+            cache.update(k.clone(), v.clone(), i)
+        return cache
+
+
+@torch.no_grad()
+def span_attention_next_token_logprobs(
+    model: Any,
+    token_ids: Sequence[int],
+    spans: Sequence[tuple[int, int]],
+    continuation: Sequence[int],
+    anchors: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """`[len(continuation), vocab]` log-probabilities of the next token after `token_ids` + each prefix of
+    `continuation`, under span attention with exact relocation.
+
+    `spans` are (start, end) offsets into `token_ids`; span i's anchor is `token_ids[:anchors[i]]` (default:
+    the prefix before the first span; 0 for a stand-alone span). Without spans this is full attention.
+    """
+    ids = list(token_ids)
+    cont = list(continuation)
+    if not spans:
+        return full_attention_next_token_logprobs(model, ids, cont)
+    a = spans[0][0]
+    kv = _SpanKV()
+    out = model(torch.tensor([ids[:a]]), position_ids=torch.arange(a).unsqueeze(0), use_cache=True)
+    kv.append(_kv(out.past_key_values))
+    pos = a
+    for s, e in spans:
+        if s > pos:  # context between spans: attends to everything so far
+            out = model(
+                torch.tensor([ids[pos:s]]), position_ids=torch.arange(pos, s).unsqueeze(0),
+                past_key_values=kv.cache(), use_cache=True,
+            )
+            kv.append(_kv(out.past_key_values), lo=pos)
+        # The span alone after its anchor, the anchor moved to end right where the span starts.
+        own = a if anchors is None else anchors[list(spans).index((s, e))]
+        out = model(
+            torch.tensor([ids[:own] + ids[s:e]]), position_ids=torch.arange(s - own, e).unsqueeze(0), use_cache=True
+        )
+        kv.append(_kv(out.past_key_values), lo=own)
+        last_span_row = out.logits[0, -1:]
+        pos = e
+    rest = ids[pos:] + cont
+    out = model(
+        torch.tensor([rest]), position_ids=torch.arange(pos, pos + len(rest)).unsqueeze(0),
+        past_key_values=kv.cache(), use_cache=True,
+    )
+    logits = out.logits[0]
+    if pos == len(ids):  # the prompt ends with a span: its own last row predicts the continuation's first token
+        logits = torch.cat([last_span_row, logits])
+        first = 0
+    else:
+        first = len(ids) - pos - 1  # the row that predicts the continuation's first token
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp[first : first + len(cont)]
+
+
+@torch.no_grad()
+def full_attention_next_token_logprobs(
+    model: Any, token_ids: Sequence[int], continuation: Sequence[int]
+) -> torch.Tensor:
+    """`[len(continuation), vocab]` log-probabilities under ordinary causal attention (stock)."""
+    ids = list(token_ids) + list(continuation)
+    out = model(torch.tensor([ids]))
+    logp = torch.log_softmax(out.logits[0].float(), dim=-1)
+    n = len(token_ids)
+    return logp[n - 1 : n - 1 + len(continuation)]
+
+
+def _at(rows: torch.Tensor, continuation: Sequence[int]) -> torch.Tensor:
+    return rows[torch.arange(len(continuation)), torch.tensor(list(continuation), dtype=torch.long)]
+
+
+def span_reference_logprobs(
+    model: Any,
+    token_ids: Sequence[int],
+    spans: Sequence[tuple[int, int]],
+    continuation: Sequence[int],
+    anchors: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Log-probabilities of `continuation`'s own tokens under span attention (see the module docstring)."""
+    return _at(span_attention_next_token_logprobs(model, token_ids, spans, continuation, anchors), continuation)
+
+
+def full_attention_logprobs(model: Any, token_ids: Sequence[int], continuation: Sequence[int]) -> torch.Tensor:
+    """Log-probabilities of `continuation`'s own tokens under ordinary causal attention."""
+    return _at(full_attention_next_token_logprobs(model, token_ids, continuation), continuation)
+
+
+def kl_divergence(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per row, in nats, of two `[rows, vocab]` log-probability tensors."""
+    p = p_logprobs.double()
+    q = q_logprobs.double()
+    return (p.exp() * (p - q)).sum(dim=-1)

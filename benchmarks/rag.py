@@ -1,0 +1,208 @@
+"""`spanq bench rag`: time to first token of a RAG prompt against the number of documents it reads.
+
+For each document count n and repetition, n fresh documents (never seen before) are read by one question:
+
+- stock cold: stock vLLM (prefix caching on) reads them for the first time, in order d1..dn;
+- spans cold: the span-aware engine reads them for the first time (each document prefilled on its own, then
+  the question over all of them);
+- stock reordered: stock vLLM reads the same documents again in reverse order (its prefix cache holds the
+  first order, so only the system prompt hits);
+- spans warm: the span-aware engine reads them again in reverse order (every span hits, moved by ReRoPE).
+
+The four run one after another, on two engines in this process, so they see the same machine load.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks.common import (
+    BenchReport,
+    base_parser,
+    engine_pair,
+    format_table,
+    int_list,
+    make_documents,
+    model_label,
+    new_figure,
+    progress,
+    summarize,
+    ttft_of,
+)
+
+__all__ = ["MODES", "main"]
+
+MODES = ("stock_cold", "spans_cold", "stock_reordered", "spans_warm")
+SYSTEM = "You are a helpful assistant. Answer the question using only the documents."
+QUESTION = "Which of the documents mentions a lantern near the harbor? Answer with its number."
+GOAL_DOCS, GOAL_SPEEDUP = 8, 10.0  # the issue's target on the tiny model: 8 docs x 512 tokens, warm >= 10x stock
+
+
+def rag_query(docs: Sequence[str], order: Sequence[int]) -> Any:
+    from spanq_integrations import cross, fragment, generate, plus, system, user
+
+    return generate(
+        cross(system(SYSTEM), plus(*[fragment(docs[i], id=f"doc{i}") for i in order]), user(QUESTION)),
+        max_tokens=1,
+        temperature=0.0,
+    )
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = base_parser("rag", __doc__.splitlines()[0], model="tiny", reps=3)
+    parser.add_argument(
+        "--docs", type=int_list, default=None,
+        help="document counts (default: 1,2,4,8,16,32 on tiny, 1,2,4,8,16 otherwise; counts whose prompt does "
+        "not fit --max-model-len are skipped)",
+    )
+    parser.add_argument("--doc-tokens", type=int, default=512, help="tokens per document (default: 512)")
+    parser.add_argument("--max-model-len", type=int, default=8192, help="engine context length (default: 8192)")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per engine, GiB (default: 1)")
+    args = parser.parse_args(list(argv))
+    if args.docs is None:
+        args.docs = [1, 2, 4, 8, 16, 32] if args.model == "tiny" else [1, 2, 4, 8, 16]
+    return args
+
+
+def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -> int:
+    """Run the benchmark; `backends` = (stock, spans) to reuse engines instead of starting two."""
+    from spanq_integrations import execute
+    from spanq_integrations.query.errors import ContextLengthError
+
+    args = parse_args(argv)
+    report = BenchReport("rag", args)
+    options = {"max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib, "max_num_seqs": 16}
+    with engine_pair(args.model, backends=backends, **options) as (stock, spans):
+        tokenizer = spans.engine.tokenizer
+        sizes, skipped = [], []
+        for n in sorted(set(args.docs)):
+            probe = make_documents(tokenizer, n, args.doc_tokens, seed=args.seed, start=10**6)
+            try:
+                spans.engine.lower(rag_query(probe, range(n)))
+                sizes.append(n)
+            except ContextLengthError:
+                skipped.append(n)
+        if skipped:
+            print(f"skipped {skipped} documents: {args.doc_tokens}-token documents do not fit {args.max_model_len} "
+                  "tokens (lower --doc-tokens or raise --max-model-len)")
+        bar = progress(len(sizes) * args.reps * len(MODES), "rag", disable=args.no_progress)
+        next_doc = 0
+        for n in sizes:
+            for rep in range(args.reps):
+                docs = make_documents(tokenizer, n, args.doc_tokens, seed=args.seed, start=next_doc)
+                next_doc += n
+                first, again = list(range(n)), list(reversed(range(n)))
+                plan = (("stock_cold", stock, first), ("spans_cold", spans, first),
+                        ("stock_reordered", stock, again), ("spans_warm", spans, again))
+                for mode, backend, order in plan:
+                    (call,) = execute(rag_query(docs, order), backend).calls
+                    report.rows.append({
+                        "docs": n, "rep": rep, "mode": mode, "ttft_s": ttft_of(call),
+                        "prompt_tokens": call.prompt_tokens, "cached_tokens": call.cached_tokens,
+                        "padded_tokens": call.padded_tokens, "prepared_spans": call.prepared_spans,
+                        "doc_tokens": [len(tokenizer.encode(d, add_special_tokens=False)) for d in docs],
+                    })
+                    bar.update(1)
+        bar.close()
+
+    report.config.update({"sizes": sizes, "skipped_sizes": skipped, "modes": list(MODES), "question": QUESTION})
+    report.summary = summarize_rows(report.rows, sizes)
+    print(render_table(report.summary, args))
+    goal = report.summary.get(str(GOAL_DOCS))
+    if goal is not None:
+        print(f"\n{GOAL_DOCS} documents x {args.doc_tokens} tokens on {model_label(args.model)}: spans warm is "
+              f"{goal['speedup_warm_vs_stock_reordered']:.1f}x faster to first token than stock reordered "
+              f"(issue goal on tiny: >= {GOAL_SPEEDUP:.0f}x)")
+    report.write(plot(report.summary, args))
+    report.print_files()
+    return 0
+
+
+def summarize_rows(rows: list[dict[str, Any]], sizes: Sequence[int]) -> dict[str, Any]:
+    """Per document count: each mode's TTFT statistics, and speedups as medians of per-repetition ratios."""
+    out: dict[str, Any] = {}
+    for n in sizes:
+        at = [r for r in rows if r["docs"] == n]
+        ttft = {m: {r["rep"]: r["ttft_s"] for r in at if r["mode"] == m} for m in MODES}
+        entry: dict[str, Any] = {m: summarize(list(ttft[m].values())) for m in MODES}
+
+        entry["speedup_warm_vs_stock_reordered"] = paired_speedup(ttft["stock_reordered"], ttft["spans_warm"])
+        entry["speedup_cold_vs_stock_cold"] = paired_speedup(ttft["stock_cold"], ttft["spans_cold"])
+        entry["speedup_cold_vs_stock_reordered"] = paired_speedup(ttft["stock_reordered"], ttft["spans_cold"])
+        warm = [r for r in at if r["mode"] == "spans_warm"]
+        stock = [r for r in at if r["mode"] == "stock_reordered"]
+        entry["prompt_tokens_spans"] = warm[0]["prompt_tokens"] if warm else None
+        entry["prompt_tokens_stock"] = stock[0]["prompt_tokens"] if stock else None
+        entry["padded_tokens"] = warm[0]["padded_tokens"] if warm else None
+        entry["warm_cached_fraction"] = (
+            sum(r["cached_tokens"] for r in warm) / max(1, sum(r["prompt_tokens"] for r in warm)) if warm else None
+        )
+        entry["stock_reordered_cached_fraction"] = (
+            sum(r["cached_tokens"] for r in stock) / max(1, sum(r["prompt_tokens"] for r in stock)) if stock else None
+        )
+        out[str(n)] = entry
+    return out
+
+
+def paired_speedup(slow: dict[int, float], fast: dict[int, float]) -> float:
+    """The median over repetitions of slow / fast, each repetition's two runs measured back to back."""
+    return summarize([slow[k] / fast[k] for k in fast if k in slow and fast[k] > 0])["median"]
+
+
+def render_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    ms = 1000.0
+    rows = []
+    for n, e in summary.items():
+        rows.append([
+            n, e["prompt_tokens_stock"], e["prompt_tokens_spans"],
+            e["stock_cold"]["median"] * ms, e["stock_reordered"]["median"] * ms, e["stock_reordered"]["p90"] * ms,
+            e["spans_cold"]["median"] * ms, e["spans_cold"]["p90"] * ms,
+            e["spans_warm"]["median"] * ms, e["spans_warm"]["p90"] * ms,
+            e["speedup_warm_vs_stock_reordered"], e["speedup_cold_vs_stock_cold"],
+        ])
+    headers = ["docs", "tok stock", "tok spans", "stock cold", "stock reord", "p90", "spans cold", "p90",
+               "spans warm", "p90", "warm x", "cold x"]
+    title = (f"rag on {model_label(args.model)}: TTFT in ms (median, p90 over {args.reps} reps), "
+             f"{args.doc_tokens}-token documents; speedups = median of per-rep ratios (warm vs stock reordered, "
+             "cold vs stock cold)")
+    return title + "\n" + format_table(headers, rows)
+
+
+def plot(summary: dict[str, Any], args: argparse.Namespace) -> Any:
+    fig, (ax, ax2) = new_figure(2, width=5.5)
+    sizes = [int(n) for n in summary]
+    styles = {"stock_cold": ("stock, cold", "tab:gray", "--"), "stock_reordered": ("stock, reordered", "k", "-"),
+              "spans_cold": ("spans, cold", "tab:orange", "-"), "spans_warm": ("spans, warm", "tab:blue", "-")}
+    for mode, (label, color, ls) in styles.items():
+        med = [summary[str(n)][mode]["median"] * 1000 for n in sizes]
+        p90 = [summary[str(n)][mode]["p90"] * 1000 for n in sizes]
+        ax.plot(sizes, med, marker="o", color=color, ls=ls, label=label)
+        ax.fill_between(sizes, med, p90, color=color, alpha=0.15)
+    _doc_axis(ax, sizes)
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT, ms (median; band to p90)")
+    ax.set_title(f"RAG TTFT, {model_label(args.model)}, {args.doc_tokens}-token docs")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    ax2.plot(sizes, [summary[str(n)]["speedup_warm_vs_stock_reordered"] for n in sizes], marker="o",
+             color="tab:blue", label="spans warm vs stock reordered")
+    ax2.plot(sizes, [summary[str(n)]["speedup_cold_vs_stock_cold"] for n in sizes], marker="o",
+             color="tab:orange", label="spans cold vs stock cold")
+    ax2.axhline(1.0, color="k", lw=0.8)
+    _doc_axis(ax2, sizes)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("TTFT speedup (median of per-rep ratios)")
+    ax2.set_title("speedup over stock vLLM")
+    ax2.legend()
+    ax2.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def _doc_axis(ax: Any, sizes: Sequence[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(sizes), [str(n) for n in sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("documents")

@@ -1,0 +1,71 @@
+"""Span-aware block hashing: a pure function of the tokens and the span table, chained like vLLM's.
+
+- Context blocks before the first span chain from the start, exactly as stock vLLM hashes them.
+- A span's first block chains on its anchor (the prefix's last block; nothing for a stand-alone span), not
+  on the span before it, so the span hashes the same wherever it sits — and the same as in its prepare
+  request `[anchor][span]`, whose stock hashes are identical.
+- A context block after spans chains on a join of the last context hash and the ordered keys (last block
+  hashes) of the spans in between: what follows a `plus` group depends on which spans, in which order.
+Blocks past the prompt (generated tokens) continue the last chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from spanq_backend.kv.span_table import SpanTable
+
+__all__ = ["JOIN_TAG", "HashBlock", "span_block_hashes"]
+
+# hash_block(parent_hash or None, block_token_ids, extra_keys or None) -> hash
+HashBlock = Callable[[Any, Sequence[int], Any], Any]
+# extra_keys(start_token, end_token) -> extra keys or None (LoRA name, cache salt, ...), as stock vLLM adds them
+ExtraKeys = Callable[[int, int], Any]
+
+JOIN_TAG = "spanq-join"
+
+
+def span_block_hashes(
+    token_ids: Sequence[int],
+    table: SpanTable,
+    hash_block: HashBlock,
+    done: Sequence[Any] = (),
+    extra_keys: ExtraKeys | None = None,
+) -> list[Any]:
+    """Hashes of the full blocks after the `done` ones (the request's hashes so far)."""
+    bs = table.block_size
+    hashes = list(done)
+    span_of_block: dict[int, int] = {}
+    for i, (s, e) in enumerate(table.spans):
+        for j in range(s // bs, e // bs):
+            span_of_block[j] = i
+
+    def extras(lo: int) -> Any:
+        return extra_keys(lo, lo + bs) if extra_keys else None
+
+    for j in range(len(hashes), len(token_ids) // bs):
+        lo = j * bs
+        block = token_ids[lo : lo + bs]
+        i = span_of_block.get(j)
+        if i is not None:
+            start_block = table.spans[i][0] // bs
+            anchor_blocks = table.anchor_of(i) // bs
+            parent = hashes[j - 1] if j > start_block else (hashes[anchor_blocks - 1] if anchor_blocks else None)
+            # Extra keys as the span's prepare request `[anchor][span]` computes them.
+            hashes.append(hash_block(parent, block, extras(lo - table.spans[i][0] + table.anchor_of(i))))
+            continue
+        if j == 0 or (j - 1) not in span_of_block:
+            parent = hashes[j - 1] if j else None
+        else:
+            keys = []
+            k = j - 1
+            while k >= 0 and k in span_of_block:
+                if k + 1 not in span_of_block or span_of_block[k + 1] != span_of_block[k]:
+                    keys.append(hashes[k])  # the last block of a span is its key
+                k -= 1
+            keys.reverse()
+            prev_context = hashes[k] if k >= 0 else None
+            parent = hash_block(prev_context, (), (JOIN_TAG, *keys))
+        hashes.append(hash_block(parent, block, extras(lo)))
+    return hashes[len(done) :]

@@ -1,0 +1,285 @@
+"""SpanEngine: vLLM's engine in this process, driven from its own thread, with span-aware generation on top.
+
+One thread owns the `LLMEngine` and steps it; callers on any event loop (or several) submit requests and
+receive outputs through thread-safe queues. `generate()` lowers a closed `Generate` to tokens and a span
+table, prepares the spans that are not cached yet (one `[anchor][span]` request each, all at once), then runs
+the request itself with the span table attached out of band: that part is `SpanGenerator` (`generator`),
+shared with `spanq serve`; this module only drives the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+from spanq_backend.kv.span_table import SpanTable
+from spanq_backend.serving.generator import SpanGenerator, engine_error, load_chat_tokenizer
+from spanq_backend.serving.lowering import LoweredPrompt
+from spanq_backend.vllm_integration.cache_probe import BlockPoolProbe
+from spanq_backend.vllm_integration.frontend import in_process_engines
+from spanq_backend.vllm_integration.support import SpanSupport, query_span_support
+from spanq_integrations.backends.protocol import Completion, TokenCallback
+from spanq_integrations.query.errors import BackendError, BackendUnavailableError
+from spanq_integrations.query.ir import Generate
+
+__all__ = ["EngineConfig", "SpanEngine"]
+
+log = logging.getLogger("spanq.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the embedded engine is built. The defaults suit the CPU machines spanq is developed on."""
+
+    model: str = "default"
+    block_size: int = 32
+    max_model_len: int | None = 4096
+    kv_cache_gib: float = 1.0
+    dtype: str = "float32"
+    spans: bool = True  # False: a stock engine (prefix caching only), for side-by-side measurements
+    max_num_seqs: int = 16
+    default_max_tokens: int = 256
+    seed: int = 0
+    served_model_name: str | None = None
+    enforce_eager: bool = True  # no torch.compile warm-up: starts in seconds instead of about a minute here
+    num_blocks: int | None = None  # KV blocks (vLLM's num_gpu_blocks_override); None: from kv_cache_gib
+
+
+def _cpu_env_defaults(kv_cache_gib: float) -> None:
+    """vLLM's CPU settings that suit an engine embedded in a user's process, where the user left them unset:
+    the engine core in this process, a KV cache of the configured size, every core bound. vLLM reads them only
+    from the environment; they are set when an engine starts, never on import."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+
+
+@dataclass
+class _Request:
+    rid: str
+    prompt_ids: list[int]
+    params: Any
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+
+
+class SpanEngine:
+    """An in-process vLLM engine with span-aware generation. Thread-safe; usable from any event loop."""
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any):
+        self.config = config or EngineConfig(**overrides)
+        if config is not None and overrides:
+            self.config = EngineConfig(**{**config.__dict__, **overrides})
+        from spanq_backend.serving.models import resolve_model
+
+        self.model_path: Path = resolve_model(self.config.model)
+        self.model_name = self.config.served_model_name or self.model_path.name
+        if self.config.spans:
+            from spanq_backend.kv.rerope import RelocationError
+            from spanq_backend.vllm_integration.kv_layout import check_relocatable
+
+            try:
+                check_relocatable(self.model_path)
+            except RelocationError as e:
+                raise BackendError(f"spans are refused for this model: {e}") from e
+        _cpu_env_defaults(self.config.kv_cache_gib)
+
+        self.tokenizer = load_chat_tokenizer(self.model_path)
+        self._ids = itertools.count()
+        self._cmds: queue.Queue = queue.Queue()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._closed = False
+        self._active: dict[str, _Request] = {}
+        self._thread = threading.Thread(target=self._run, name="spanq-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            raise BackendError(f"could not start vLLM on {self.model_path}: {self._start_error}") from self._start_error
+        self.generator = SpanGenerator(
+            self._stream,
+            self.tokenizer,
+            block_size=self.config.block_size,
+            max_model_len=self.max_model_len,
+            model_name=self.model_name,
+            default_max_tokens=self.config.default_max_tokens,
+            spans=self.config.spans and self.span_support.enabled,
+            span_cached=self._probe.cached if self._probe is not None else None,
+            fallback=self.span_support.reason if self.config.spans and not self.span_support.enabled else None,
+        )
+        self.pad_token_id = self.generator.pad_token_id
+
+    # ----------------------------------------------------------------------------------------- engine thread
+
+    def _build(self) -> Any:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        c = self.config
+        args = EngineArgs(
+            model=str(self.model_path),
+            served_model_name=self.model_name,
+            dtype=c.dtype,
+            block_size=c.block_size,
+            enable_prefix_caching=True,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            seed=c.seed,
+            enforce_eager=c.enforce_eager,
+            num_gpu_blocks_override=c.num_blocks,
+        )
+        engine = self.llm_engine = LLMEngine.from_engine_args(args)  # stepped by the engine thread only
+        self.max_model_len = engine.model_config.max_model_len
+        self.span_support = SpanSupport(False, "a stock engine (spans=False)")
+        if c.spans:
+            # The engine core asked its workers the same at start-up and ignores span tables unless all move
+            # keys; this engine then lays prompts out as stock and says why on every call.
+            self.span_support = query_span_support(engine.collective_rpc)
+            if not self.span_support.enabled:
+                log.warning("spans are off for %s: %s", self.model_path.name, self.span_support.reason)
+        self._probe = BlockPoolProbe.of(engine, c.block_size) if self.span_support.enabled else None
+        return engine
+
+    def _run(self) -> None:
+        try:
+            in_process_engines.starting()
+            engine = self._build()
+        except BaseException as e:  # noqa: BLE001  (reported to the constructor's caller)
+            in_process_engines.failed_to_start()
+            self._start_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while True:
+                busy = engine.has_unfinished_requests()
+                try:
+                    cmd = self._cmds.get(block=not busy)
+                except queue.Empty:
+                    cmd = None
+                while cmd is not None:
+                    if cmd[0] == "stop":
+                        return
+                    self._handle(engine, cmd)
+                    try:
+                        cmd = self._cmds.get_nowait()
+                    except queue.Empty:
+                        cmd = None
+                if engine.has_unfinished_requests():
+                    for out in engine.step():
+                        self._deliver(engine, out)
+        except BaseException as e:
+            log.exception("the engine failed")
+            self._closed = True
+            for req in list(self._active.values()):
+                self._send(req, BackendUnavailableError(f"the embedded engine failed: {e}"))
+        finally:
+            try:
+                in_process_engines.retire(engine)
+                del engine
+            except UnboundLocalError:
+                pass
+
+    def _handle(self, engine: Any, cmd: tuple) -> None:
+        kind, req = cmd
+        if kind == "add":
+            self._start(engine, req)
+        elif kind == "abort" and req.rid in self._active:
+            engine.abort_request([req.rid])
+            self._active.pop(req.rid, None)
+
+    def _start(self, engine: Any, req: _Request) -> None:
+        from vllm.inputs import TokensPrompt
+
+        try:
+            engine.add_request(req.rid, TokensPrompt(prompt_token_ids=req.prompt_ids), req.params)
+        except Exception as e:  # noqa: BLE001  (any refusal goes back to the request's caller)
+            self._send(req, engine_error(e))
+            return
+        self._active[req.rid] = req
+
+    def _deliver(self, engine: Any, out: Any) -> None:
+        req = self._active.get(out.request_id)
+        if req is None:
+            return
+        self._send(req, out)
+        if out.finished:
+            self._active.pop(req.rid, None)
+
+    def _send(self, req: _Request, item: Any) -> None:
+        try:
+            req.loop.call_soon_threadsafe(req.out.put_nowait, item)
+        except RuntimeError:  # the caller's loop is gone; nobody is waiting
+            pass
+
+    # ----------------------------------------------------------------------------------------- callers
+
+    def _submit(self, prompt_ids: list[int], params: Any) -> _Request:
+        if self._closed:
+            raise BackendUnavailableError("the embedded engine is closed")
+        loop = asyncio.get_running_loop()
+        req = _Request(f"spanq-{next(self._ids)}", prompt_ids, params, loop, asyncio.Queue())
+        self._cmds.put(("add", req))
+        return req
+
+    async def _outputs(self, req: _Request):
+        """Yield the request's outputs; abort it in the engine if the caller stops early or is cancelled."""
+        finished = False
+        try:
+            while True:
+                item = await req.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._cmds.put(("abort", req))
+
+    def _stream(self, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
+        """`SpanGenerator`'s way onto this engine: submit to the engine thread."""
+        return self._outputs(self._submit(prompt_ids, params))
+
+    async def run_tokens(
+        self, prompt_ids: list[int], params: Any, table: SpanTable | None = None,
+        on_text: TokenCallback | None = None,
+    ) -> tuple[list[Any], float | None]:
+        """Run one request to the end; returns its outputs (deltas) and the time its first text arrived."""
+        run = await self.generator.run(prompt_ids, params, table, on_text)
+        return run.outputs, run.first_text_at
+
+    def lower(self, call: Generate) -> LoweredPrompt:
+        return self.generator.lower(call)
+
+    async def prepare(self, lowered: LoweredPrompt) -> int:
+        """Put every span's isolated KV in the cache (one `[anchor][span]` request each, run together).
+
+        Returns how many spans had to be computed (the others were already cached)."""
+        return await self.generator.prepare(lowered)
+
+    async def generate(self, call: Generate, *, path: str = "$", on_token: TokenCallback | None = None) -> Completion:
+        """Run one closed `Generate`: lower, prepare spans, run; with TTFT and cache usage measured."""
+        return await self.generator.generate(call, path=path, on_token=on_token)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._cmds.put(("stop", None))
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

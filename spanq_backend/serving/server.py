@@ -1,0 +1,474 @@
+"""`spanq serve`: vLLM's OpenAI-compatible server with the span plugin, plus `POST /v1/query/execute`.
+
+The stock routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/metrics`) are vLLM's own. The
+span plugin loads through its entry point in the engine core process, so the hooks work there as they do in
+the embedded engine. The added route reads a span query in spnl JSON, runs all of it with the executor on
+`EngineClientBackend` (span-aware generation, `SpanGenerator`, on the server's `AsyncLLM` engine client) and
+answers with the closed tree and usage, or streams the answer as `chat.completion.chunk` events
+(`?stream=true`), which is what `SpanBackend` reads.
+
+    spanq serve [--model default|tiny|PATH] [--host 127.0.0.1] [--port 8000] [other `vllm serve` options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import Depends, Request  # module level: FastAPI resolves the route's annotations here
+
+from spanq_backend.serving.generator import SpanGenerator, engine_error, load_chat_tokenizer
+from spanq_backend.vllm_integration.support import SpanSupport, aquery_span_support
+from spanq_integrations.backends.protocol import Backend, BackendCapabilities, Completion, TokenCallback
+from spanq_integrations.backends.span import EXECUTE_PATH  # the route spnl's patched vLLM exposes
+from spanq_integrations.query.errors import (
+    BackendError,
+    BackendUnavailableError,
+    ContextLengthError,
+    GenerationError,
+    ModelNotFoundError,
+    OptimizerError,
+    QueryParseError,
+    QueryValidationError,
+    ReducerParseError,
+    SpanQueryError,
+)
+from spanq_integrations.query.ir import Chat, Generate, Map, Node, walk
+from spanq_integrations.query.spnl_json import from_json, to_json
+from spanq_integrations.runtime.executor import ExecutionResult, aexecute
+
+__all__ = ["EXECUTE_PATH", "EngineClientBackend", "build_query_router", "parse_serve_args", "serve_main"]
+
+log = logging.getLogger("spanq.server")
+
+
+# `spanq serve` defaults; every one can be overridden on the command line.
+SERVE_DEFAULTS: dict[str, Any] = {
+    "model": "default",
+    "host": "127.0.0.1",
+    "port": 8000,
+    "block_size": 32,
+    "enable_prefix_caching": True,  # span KV reuse lives in the prefix cache
+    "max_model_len": 4096,
+    "enable_prompt_tokens_details": True,  # stock routes report cached tokens too
+}
+CPU_SERVE_DEFAULTS: dict[str, Any] = {
+    "dtype": "float32",
+    "kv_cache_memory_bytes": 1 << 30,  # vLLM's CPU default claims most of the machine's memory
+    "enforce_eager": True,  # no torch.compile warm-up: starts in seconds on CPU
+}
+DEFAULT_MAX_TOKENS = 256  # for a `g` with max_tokens 0 (the server's default)
+
+
+# --------------------------------------------------------------------------------------------- the backend
+
+
+class EngineClientBackend(Backend):
+    """Span-aware generation on vLLM's `AsyncLLM` engine client (the engine core runs in another process).
+
+    One per server, shared by every query the route runs.
+    """
+
+    def __init__(
+        self,
+        engine_client: Any,
+        tokenizer: Any,
+        *,
+        served_model_names: Sequence[str],
+        block_size: int,
+        max_model_len: int | None,
+        max_concurrency: int = 16,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        span_cached: Any = None,
+        span_support: SpanSupport | None = None,
+    ):
+        """`span_cached(token_ids)`: whether a span's prepare prompt is wholly in the engine's prefix cache
+        (`cache_probe.KVEventsMirror`); its prepare request is then skipped. `span_support`: what the engine's
+        workers said at start-up (`vllm_integration.support`); without spans, prompts go out as stock."""
+        support = span_support or SpanSupport(True)
+        self.engine_client = engine_client
+        self.served_model_names = tuple(served_model_names)
+        self.generator = SpanGenerator(
+            self._stream,
+            tokenizer,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            model_name=self.served_model_names[0],
+            default_max_tokens=default_max_tokens,
+            span_cached=span_cached if support.enabled else None,
+            spans=support.enabled,
+            fallback=None if support.enabled else support.reason,
+        )
+        self.capabilities = BackendCapabilities(
+            name="spanq-serve", span_aware=True, prepares_spans=True, max_concurrency=max_concurrency
+        )
+
+    def check_model(self, model: str, path: str = "$") -> None:
+        """Raise `ModelNotFoundError` unless `model` is empty (the default) or a name this server serves."""
+        if model and model not in self.served_model_names:
+            served = ", ".join(self.served_model_names)
+            raise ModelNotFoundError(
+                f"{path}: model {model!r} is not served here; this server serves {served} "
+                "(or leave the model empty for the default)"
+            )
+
+    def check_models(self, query: Node) -> None:
+        """Check every call in `query` before anything runs."""
+        for path, node in walk(query):
+            if isinstance(node, (Generate, Chat, Map)):
+                self.check_model(node.model, path)
+
+    async def generate(
+        self, call: Generate, *, path: str = "$", on_token: TokenCallback | None = None
+    ) -> Completion:
+        self.check_model(call.model, path)
+        return await self.generator.generate(call, path=path, on_token=on_token)
+
+    async def _stream(self, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
+        """One token request on the engine client; aborted if the stream is closed early."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        request_id = f"spanq-{uuid.uuid4().hex}"
+        try:
+            outputs = self.engine_client.generate(
+                TokensPrompt(prompt_token_ids=prompt_ids), params, request_id
+            )
+            # Closing the stream early (or cancelling its reader) aborts the request and frees its blocks.
+            async with aclosing(outputs):
+                async for out in outputs:
+                    yield out
+        except EngineDeadError as e:
+            raise BackendUnavailableError(f"the server's engine has stopped: {e}") from e
+        except (VLLMClientError, ValueError) as e:
+            raise engine_error(e) from e
+
+
+# --------------------------------------------------------------------------------------------- the route
+
+
+# HTTP status and error type for each spanq error a query can meet (subclasses before their bases).
+_ERROR_STATUS: tuple[tuple[type[SpanQueryError], int], ...] = (
+    (QueryParseError, 400),
+    (QueryValidationError, 400),
+    (OptimizerError, 400),
+    (ReducerParseError, 500),
+    (ModelNotFoundError, 404),
+    (ContextLengthError, 400),
+    (BackendUnavailableError, 503),
+    (BackendError, 500),
+    (GenerationError, 500),
+    (SpanQueryError, 500),
+)
+
+
+def error_body(error: BaseException) -> tuple[int, dict[str, Any]]:
+    """HTTP status and OpenAI-shaped body `{"error": {"message", "type", "code"}}` for a failure."""
+    for cls, status in _ERROR_STATUS:
+        if isinstance(error, cls):
+            return status, {"error": {"message": str(error), "type": type(error).__name__, "code": status}}
+    log.error("query failed", exc_info=error)
+    return 500, {
+        "error": {"message": f"{type(error).__name__}: {error}", "type": "InternalServerError", "code": 500}
+    }
+
+
+def usage_of(result: ExecutionResult) -> dict[str, Any]:
+    """The query's usage in OpenAI's shape, with spanq's padded tokens, prepared spans and span fallback."""
+    return result.usage.openai()
+
+
+def parse_query(body: bytes) -> Node:
+    """The span query in a request body; a `QueryParseError` naming the JSON path if it is not one."""
+    try:
+        doc = json.loads(body)
+    except ValueError as e:
+        raise QueryParseError(
+            "$", f"the request body is not JSON ({e}); send a span query in spnl JSON"
+        ) from e
+    return from_json(doc)
+
+
+class _StreamedAnswer(Backend):
+    """Wraps the route's backend for one query: remembers the completion whose tokens were streamed."""
+
+    def __init__(self, inner: EngineClientBackend):
+        self.inner = inner
+        self.capabilities = inner.capabilities
+        self.completion: Completion | None = None
+
+    async def generate(
+        self, call: Generate, *, path: str = "$", on_token: TokenCallback | None = None
+    ) -> Completion:
+        completion = await self.inner.generate(call, path=path, on_token=on_token)
+        if on_token is not None:
+            self.completion = completion
+        return completion
+
+
+_END = object()
+
+
+class QueryRun:
+    """One query running in the background for a streaming answer: its tokens on a queue, then its result."""
+
+    def __init__(self, backend: EngineClientBackend, query: Node, model: str):
+        self.model = model
+        self.id = f"chatcmpl-spanq-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.answer = _StreamedAnswer(backend)
+        self.pieces: asyncio.Queue[Any] = asyncio.Queue()
+        self.streamed = False
+        self.task = asyncio.ensure_future(
+            aexecute(query, self.answer, optimize=True, on_token=self.pieces.put_nowait)
+        )
+        self.task.add_done_callback(lambda _: self.pieces.put_nowait(_END))
+        self.first: Any = None
+
+    async def start(self) -> None:
+        """Wait for the first token, or for the end if it fails (or finishes) before producing one."""
+        self.first = await self.pieces.get()
+
+    def failed_early(self) -> BaseException | None:
+        if self.first is _END and not self.task.cancelled():
+            return self.task.exception()
+        return None
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        chunk = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    def _delta(self, piece: str) -> str:
+        self.streamed = True
+        return self._chunk([{"index": 0, "delta": {"content": piece}, "finish_reason": None}])
+
+    def _final(self, result: ExecutionResult) -> str:
+        completion = self.answer.completion
+        if completion is None:  # the answer is not one call's output (a top-level plus, say): send it whole
+            delta = {"content": result.answer} if result.answer and not self.streamed else {}
+            choices = [{"index": 0, "delta": delta, "finish_reason": "stop"}]
+        else:  # choice 0 streamed already; the other choices (n > 1) come whole
+            choices = [
+                {"index": k, "delta": {"content": text} if k and text else {}, "finish_reason": reason}
+                for k, (text, reason) in enumerate(zip(completion.texts, completion.finish_reasons))
+            ]
+        return self._chunk(choices, usage=usage_of(result))
+
+    async def events(self) -> AsyncIterator[str]:
+        try:
+            item = self.first
+            while item is not _END:
+                yield self._delta(item)
+                item = await self.pieces.get()
+            try:
+                result = self.task.result()
+            except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - sent to the client as an error event
+                _, body = error_body(e)
+                yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+            else:
+                yield self._final(result)
+            yield "data: [DONE]\n\n"
+        finally:
+            await self.cancel()
+
+    async def cancel(self) -> None:
+        """Stop the query (its engine requests are aborted) if it is still running."""
+        if not self.task.done():
+            self.task.cancel()
+        with contextlib.suppress(BaseException):
+            await self.task
+
+
+def build_query_router(tokenizer: Any, served_model_names: Sequence[str]) -> Any:
+    """The FastAPI router of `POST /v1/query/execute`, for an app whose state holds vLLM's engine client."""
+    from fastapi import APIRouter
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from vllm.entrypoints.serve.utils.api_utils import with_cancellation
+
+    router = APIRouter()
+    started = asyncio.Lock()
+
+    async def backend_of(request: Request) -> EngineClientBackend:
+        state = request.app.state
+        async with started:
+            backend = getattr(state, "spanq_backend", None)
+            if backend is not None:
+                return backend
+            config = state.vllm_config
+            from spanq_backend.vllm_integration.cache_probe import KVEventsMirror
+
+            support = await aquery_span_support(state.engine_client.collective_rpc)
+            if not support.enabled:
+                log.warning("spanq serve: spans are off for this engine; queries run as stock: %s", support.reason)
+            mirror = state.spanq_kv_mirror = KVEventsMirror.for_engine(config) if support.enabled else None
+            backend = state.spanq_backend = EngineClientBackend(
+                state.engine_client,
+                tokenizer,
+                served_model_names=served_model_names,
+                block_size=config.cache_config.block_size,
+                max_model_len=config.model_config.max_model_len,
+                max_concurrency=config.scheduler_config.max_num_seqs,
+                span_cached=mirror.cached if mirror is not None else None,
+                span_support=support,
+            )
+        return backend
+
+    async def read_body(request: Request) -> bytes:
+        # Read before the handler runs: `with_cancellation` then listens on the connection for a disconnect.
+        return await request.body()
+
+    def error_response(error: BaseException) -> JSONResponse:
+        status, body = error_body(error)
+        return JSONResponse(body, status_code=status)
+
+    class QueryEventStream(StreamingResponse):
+        """The SSE answer; stops the query however the response ends (also if it never starts streaming)."""
+
+        def __init__(self, run: QueryRun):
+            super().__init__(
+                run.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+            self.run = run
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await self.run.cancel()
+
+    @router.post(EXECUTE_PATH)
+    @with_cancellation
+    async def execute_query(
+        raw_request: Request, stream: bool = False, body: bytes = Depends(read_body)
+    ) -> Any:
+        """Run a span query (spnl JSON); `?stream=true` streams the answer as chat.completion.chunk events."""
+        backend = await backend_of(raw_request)
+        try:
+            query = parse_query(body)
+            backend.check_models(query)
+        except SpanQueryError as e:
+            return error_response(e)
+        if not stream:
+            try:
+                result = await aexecute(query, backend, optimize=True)
+            except Exception as e:  # noqa: BLE001 - every failure becomes an error answer
+                return error_response(e)
+            return JSONResponse(
+                {
+                    "result": to_json(result.tree),
+                    "answer": result.answer,
+                    "usage": usage_of(result),
+                    "calls": [c.model_dump() for c in result.calls],
+                }
+            )
+        run = QueryRun(backend, query, served_model_names[0])
+        handed_over = False
+        try:
+            await run.start()
+            failure = run.failed_early()
+            if failure is not None:
+                return error_response(failure)
+            handed_over = True
+            return QueryEventStream(run)
+        finally:
+            if not handed_over:
+                await run.cancel()
+
+    return router
+
+
+# --------------------------------------------------------------------------------------------- the command
+
+
+def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
+    """`vllm serve`'s arguments with spanq's defaults; `--model default|tiny|PATH` resolved to a folder."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.platforms import current_platform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from spanq_backend.serving.models import resolve_model
+
+    parser = make_arg_parser(
+        FlexibleArgumentParser(
+            prog="spanq serve",
+            description="vLLM's OpenAI-compatible server with span-aware KV reuse and POST /v1/query/execute. "
+            "--model takes default (SmolLM2-135M-Instruct), tiny, or a model folder; every other "
+            "`vllm serve` option passes through.",
+        )
+    )
+    parser.set_defaults(**SERVE_DEFAULTS, **(CPU_SERVE_DEFAULTS if current_platform.is_cpu() else {}))
+    args = parser.parse_args(list(argv))
+    if args.headless or args.grpc or (args.api_server_count or 1) != 1:
+        raise ValueError(
+            "spanq serve runs one HTTP API server: --headless, --grpc and --api-server-count are not supported"
+        )
+    path = resolve_model(args.model_tag or args.model)
+    from spanq_backend.vllm_integration.kv_layout import check_relocatable
+
+    check_relocatable(path)  # a RelocationError (a ValueError) refuses the model before vLLM starts
+    args.model, args.model_tag = str(path), None
+    if not args.served_model_name:
+        args.served_model_name = [path.name]
+    if args.kv_events_config is None:
+        # vLLM's KV cache events on a private socket: the query route follows the prefix cache through them
+        # and skips prepare requests for spans already cached (`cache_probe.KVEventsMirror`).
+        import tempfile
+        import uuid
+
+        from vllm.config.kv_events import KVEventsConfig
+
+        socket_path = f"{tempfile.gettempdir()}/spanq-kv-{uuid.uuid4().hex[:12]}"
+        if len(socket_path) > 100:  # a Unix socket path holds at most ~107 bytes
+            socket_path = f"/tmp/spanq-kv-{uuid.uuid4().hex[:12]}"
+        args.kv_events_config = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", topic="spanq-kv", endpoint=f"ipc://{socket_path}"
+        )
+    return args
+
+
+def serve_main(argv: list[str]) -> int:
+    """`spanq serve ...`: run the server until interrupted."""
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    cli_env_setup()
+    try:
+        args = parse_serve_args(argv)
+        from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+        validate_parsed_serve_args(args)
+        tokenizer = load_chat_tokenizer(args.tokenizer or args.model)
+    except (ValueError, SpanQueryError) as e:
+        print(f"spanq serve: error: {e}", file=sys.stderr)
+        return 2
+
+    import uvloop
+    from vllm.entrypoints.launchers.api_server import entry
+    from vllm.logger import configure_logging_from_args
+
+    configure_logging_from_args(args)
+    from spanq_backend.vllm_integration.frontend import query_route_mounted
+
+    with query_route_mounted(lambda: build_query_router(tokenizer, args.served_model_name)):
+        uvloop.run(entry.run_server(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(serve_main(sys.argv[1:]))

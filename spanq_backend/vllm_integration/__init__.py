@@ -1,0 +1,132 @@
+"""spanq inside vLLM: the plugin's registration, every vLLM symbol it touches, and its patches grouped by the
+vLLM process they run in. No fork: vLLM loads `register()` through the `vllm.general_plugins` entry point in
+every process it starts (front end, engine core, workers).
+
+| module | runs in | what |
+|---|---|---|
+| `engine_core` | the engine core (scheduler) | span block hashing, the start-up span check, isolation re-keying, CIDRA |
+| `worker` | each worker (model runner) | key relocation before the forward pass; the worker's span status |
+| `frontend` | the process that drives an engine | in-process engine shutdown; the `spanq serve` route |
+| `support` | all | `SpanSupport`: does this engine honour span tables (invariant 9) |
+| `symbols` | all | every vLLM symbol used, with the version it was written for, checked at registration |
+| `kv_layout`, `cache_probe` | worker / front end | a loaded model's RoPE and K layout; is a span cached already |
+
+`PATCHES` below is the whole list of what `register()` changes in vLLM, each with why. Requests without a span
+table keep stock behaviour (invariant 7). `SPANQ_DISABLE_PLUGIN=1` loads vLLM without any of it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from spanq_backend.vllm_integration import engine_core, worker
+from spanq_backend.vllm_integration.support import (
+    UNCHECKED,
+    WORKER_STATUS_METHOD,
+    SpanSupport,
+    aquery_span_support,
+    query_span_support,
+)
+
+__all__ = [
+    "PATCHES",
+    "UNCHECKED",
+    "WORKER_STATUS_METHOD",
+    "Patch",
+    "SpanSupport",
+    "aquery_span_support",
+    "query_span_support",
+    "register",
+    "stats",
+]
+
+log = logging.getLogger("spanq.vllm")
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One change to vLLM: `module.attr` becomes `wrap(stock)` (or `add` where vLLM has nothing to wrap)."""
+
+    process: str  # where it matters: "engine core" or "worker"
+    module: str
+    attr: str  # "name" or "Class.name"
+    why: str
+    wrap: Callable[[Any], Any] | None = None
+    add: Any = None  # a new attribute (a method vLLM does not have)
+
+    def apply(self) -> None:
+        owner: Any = importlib.import_module(self.module)
+        *path, name = self.attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        if self.wrap is None:
+            setattr(owner, name, self.add)
+            return
+        stock = getattr(owner, name)
+        patched = self.wrap(stock)
+        patched.__wrapped__ = stock
+        patched.__name__ = getattr(stock, "__name__", name)
+        patched.__qualname__ = getattr(stock, "__qualname__", name)
+        setattr(owner, name, patched)
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("engine core", "vllm.v1.engine.core", "get_request_block_hasher",
+          "span blocks hash from their anchor, not from the prompt before them (EngineCore imports it by name)",
+          wrap=engine_core.make_hasher_factory),
+    Patch("engine core", "vllm.v1.engine.core", "EngineCore._initialize_kv_caches",
+          "once the KV cache exists, ask every worker whether it moves keys; the hasher built next honours "
+          "span tables only if all do", wrap=engine_core.wrap_initialize_kv_caches),
+    Patch("engine core", "vllm.v1.core.kv_cache_manager", "KVCacheManager.get_computed_blocks",
+          "spans that missed are re-keyed as context (isolation); CIDRA plans copies for blocks read elsewhere",
+          wrap=engine_core.wrap_get_computed_blocks),
+    Patch("engine core", "vllm.v1.core.single_type_kv_cache_manager",
+          "FullAttentionManager.get_num_blocks_to_allocate",
+          "CIDRA's copies count against capacity before a request is admitted",
+          wrap=engine_core.wrap_get_num_blocks_to_allocate),
+    Patch("engine core", "vllm.v1.core.single_type_kv_cache_manager", "FullAttentionManager.allocate_new_blocks",
+          "CIDRA's copies are made through vLLM's copy-on-write; block positions are recorded",
+          wrap=engine_core.wrap_allocate_new_blocks),
+    Patch("worker", "vllm.v1.worker.cpu_model_runner", "CPUModelRunner.execute_model",
+          "keys of blocks read at a new position are re-rotated before the forward pass",
+          wrap=worker.wrap_execute_model),
+    Patch("worker", "vllm.v1.worker.gpu_model_runner", "copy_kv_cache_blocks_inplace",
+          "a step's moves run after its block copies (the runner calls this module global)",
+          wrap=worker.wrap_copy_blocks),
+    Patch("worker", "vllm.v1.worker.worker_base", f"WorkerBase.{WORKER_STATUS_METHOD}",
+          "the engine asks each worker, by name through collective_rpc, whether it moves keys",
+          add=worker.worker_span_status),
+)
+
+_registered = False
+
+
+def register() -> None:
+    """vLLM plugin entry point: apply `PATCHES` once per process (after checking every vLLM symbol)."""
+    global _registered
+    if _registered or os.environ.get("SPANQ_DISABLE_PLUGIN", "") not in ("", "0"):
+        return
+    from spanq_backend.vllm_integration import symbols
+
+    symbols.check_symbols()
+    for patch in PATCHES:
+        patch.apply()
+    _registered = True
+    log.debug("spanq vLLM plugin registered (%d patches)", len(PATCHES))
+
+
+def stats() -> dict[str, int]:
+    """Span-runtime counters of this process (in-process engines only): moves, duplicates, conflicts, and how
+    many runners move keys with spanq's compiled CPU op (`kv.kernels.relocate_keys_op`) rather than torch."""
+    runtimes = [s.runtime for s in worker.runner_spans.values() if s.runtime is not None]
+    return {
+        "moved_blocks": sum(rt.relocator.moved_blocks for rt in runtimes),
+        "compiled_runners": sum(rt.relocator.uses_compiled_kernel for rt in runtimes),
+        "conflicts": sum(rt.tracker.conflicts for rt in runtimes),
+        "duplicates": sum(m.planner.duplicates_planned for m in engine_core.manager_spans.values()),
+    }

@@ -1,0 +1,191 @@
+"""Is a span already in the engine's prefix cache? Then its prepare request can be skipped.
+
+A prepare request for a cached span computes nothing, but still costs a round through the engine. Two ways to
+know, both answering `cached(token_ids)` (True if `token_ids` is whole blocks, every one in the prefix cache):
+
+- `BlockPoolProbe`: an in-process engine (`SpanEngine`) — vLLM's block pool, read from the caller's thread;
+- `KVEventsMirror`: an engine core in another process (`spanq serve`) — a set of cached block hashes kept up
+  to date from vLLM's KV cache events (ZMQ), which spanq serve turns on.
+
+Either answer may be stale by the time the real request is scheduled (blocks are evicted concurrently, events
+arrive after the step that caused them). A stale "cached" means the span's blocks miss, and the plugin's
+isolation guard computes them in context: correct, only slower. A stale "not cached" costs the prepare request
+that would have run anyway. Any error reads as "not cached".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["BlockPoolProbe", "KVEventsMirror", "block_hash_chain"]
+
+log = logging.getLogger(__name__)
+
+
+def block_hash_chain(
+    hash_fn: Callable[[Any], bytes], token_ids: list[int], block_size: int, root: Any = None
+) -> Iterator[Any]:
+    """vLLM's prefix-cache hash of each full block of a plain prompt (no LoRA, media or cache salt), in order.
+
+    `root`: the hash chains start from (the engine's NONE_HASH); None uses this process's, which only a process
+    that runs an engine core has set."""
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+    parent = root
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(hash_fn, parent, token_ids[start : start + block_size], None)
+        yield parent
+
+
+class BlockPoolProbe:
+    """Looks blocks up in an in-process engine's block pool (`cached_block_hash_to_block`)."""
+
+    def __init__(self, pool: Any, hash_fn: Callable[[Any], bytes], block_size: int):
+        self.pool, self.hash_fn, self.block_size = pool, hash_fn, block_size
+
+    @classmethod
+    def of(cls, engine: Any, block_size: int) -> BlockPoolProbe | None:
+        """The probe of an `LLMEngine` whose engine core runs in this process (else None: always prepare)."""
+        try:
+            core = engine.engine_core.engine_core  # InprocClient only
+            manager = core.scheduler.kv_cache_manager
+            groups = manager.kv_cache_config.kv_cache_groups
+            hash_fn = core.request_block_hasher.hash_fn  # the plugin's `SpanBlockHasher`
+        except AttributeError:
+            return None
+        if len(groups) != 1:
+            return None
+        return cls(manager.block_pool, hash_fn, block_size)
+
+    def cached(self, token_ids: list[int]) -> bool:
+        if not token_ids or len(token_ids) % self.block_size:
+            return False
+        try:
+            return all(self.pool.get_cached_block(h, [0]) is not None
+                       for h in block_hash_chain(self.hash_fn, token_ids, self.block_size))
+        except Exception:  # noqa: BLE001  (the pool changed under us: read it as a miss)
+            return False
+
+
+class KVEventsMirror:
+    """The block hashes an engine core holds in its prefix cache, followed through vLLM's ZMQ KV events.
+
+    A background thread subscribes to the publisher's endpoint and applies `BlockStored`, `BlockRemoved` and
+    `AllBlocksCleared`. Events are numbered: a gap (a dropped message, a publisher restart) or a message that
+    does not decode clears the mirror, so it never claims a block it may have missed the removal of.
+    """
+
+    def __init__(self, endpoint: str, topic: str, hash_fn: Callable[[Any], bytes], block_size: int):
+        from vllm.v1.core.kv_cache_utils import BlockHash, resolve_none_hash_seed
+
+        self.endpoint, self.topic, self.hash_fn, self.block_size = endpoint, topic, hash_fn, block_size
+        self.root = BlockHash(hash_fn(resolve_none_hash_seed(hash_fn)))  # the engine core's NONE_HASH
+        self._hashes: set[Any] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self.events = 0  # batches applied (for tests and logs)
+        self.resets = 0  # times the mirror was cleared after a gap or a bad message
+        self.last_seq: int | None = None  # number of the last batch received
+        self._thread = threading.Thread(target=self._run, name="spanq-kv-events", daemon=True)
+        self._thread.start()
+        self._ready.wait(timeout=10)
+
+    @classmethod
+    def for_engine(cls, vllm_config: Any) -> KVEventsMirror | None:
+        """A mirror of this engine's prefix cache, or None where its events cannot be followed here."""
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import _NON_CRYPTO_HASH_FUNCTIONS
+
+        events = getattr(vllm_config, "kv_events_config", None)
+        if events is None or not events.enable_kv_cache_events or events.publisher != "zmq":
+            return None
+        if not events.endpoint.startswith("ipc://"):
+            return None  # only the endpoint spanq serve binds itself (a TCP "*" endpoint is the publisher's)
+        cache = vllm_config.cache_config
+        try:
+            hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
+        except (KeyError, ValueError):
+            return None
+        if hash_fn in _NON_CRYPTO_HASH_FUNCTIONS and os.getenv("PYTHONHASHSEED") is None:
+            return None  # the engine core seeds its chains at random: its hashes cannot be recomputed here
+        return cls(events.endpoint, events.topic, hash_fn, cache.block_size)
+
+    def cached(self, token_ids: list[int]) -> bool:
+        if not token_ids or len(token_ids) % self.block_size:
+            return False
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        try:
+            chain = block_hash_chain(self.hash_fn, token_ids, self.block_size, self.root)
+            hashes = [maybe_convert_block_hash(h) for h in chain]
+        except Exception:  # noqa: BLE001  (read as a miss: the prepare runs)
+            return False
+        with self._lock:
+            return all(h in self._hashes for h in hashes)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _apply(self, batch: Any) -> None:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        with self._lock:
+            for event in batch.events:
+                if isinstance(event, BlockStored):
+                    self._hashes.update(event.block_hashes)
+                elif isinstance(event, BlockRemoved):
+                    self._hashes.difference_update(event.block_hashes)
+                elif isinstance(event, AllBlocksCleared):
+                    self._hashes.clear()
+            self.events += 1
+
+    def _reset(self, why: str) -> None:
+        with self._lock:
+            self._hashes.clear()
+        self.resets += 1
+        log.info("spanq: KV event mirror cleared (%s); spans are prepared until it refills", why)
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        context = zmq.Context.instance()
+        sub = context.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.RCVTIMEO, 200)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+            sub.connect(self.endpoint)
+            self._ready.set()
+            while not self._stop.is_set():
+                try:
+                    parts = sub.recv_multipart()
+                except zmq.Again:
+                    continue
+                if len(parts) != 3:
+                    continue
+                seq = int.from_bytes(parts[1], "big", signed=True)
+                last = self.last_seq
+                if last is not None and seq != last + 1:
+                    self._reset(f"event {seq} after {last}: some were missed, or the publisher restarted")
+                self.last_seq = seq
+                try:
+                    self._apply(decoder.decode(parts[2]))
+                except msgspec.DecodeError as e:
+                    self._reset(f"an event batch did not decode: {e}")
+        except Exception:  # the mirror is an optimization: log it, and answer "not cached" from now on
+            log.exception("spanq: the KV event mirror stopped")
+            with self._lock:
+                self._hashes.clear()
+            self._stop.set()
+        finally:
+            self._ready.set()
+            sub.close()

@@ -1,0 +1,266 @@
+"""The patches that run in vLLM's engine core process (the scheduler and its KV cache manager). Invariants
+are numbered as in docs/design.md.
+
+- the request block hasher (`SpanBlockHasher`): span blocks hash from their anchor (invariant 3), once the
+  engine's workers have said they move keys (invariant 9); stock otherwise (invariant 7);
+- the KV cache set-up: right after it, the workers are asked (`support.query_span_support`);
+- the cache lookup: blocks of spans that missed are re-keyed as context (isolation, invariant 1), and CIDRA
+  plans the hit: blocks that running requests read at another position get a private copy (invariant 6);
+- the single-type KV manager's allocation: those copies are counted before admission and made through
+  vLLM's own copy-on-write path.
+
+State: `request_spans` (per vLLM `Request`: its span table and re-keying), `manager_spans` (per
+`FullAttentionManager`: its CIDRA planner and the copies planned for requests awaiting admission), and the
+hasher itself (per engine core: its span support and hash function).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from spanq_backend.kv.cidra import CidraPlanner
+from spanq_backend.kv.span_hashing import span_block_hashes
+from spanq_backend.kv.span_table import SpanTable, SpanTableError
+from spanq_backend.vllm_integration.state import Extension
+from spanq_backend.vllm_integration.support import UNCHECKED, SpanSupport, query_span_support
+
+__all__ = [
+    "CONTEXT_TAG",
+    "SpanBlockHasher",
+    "make_hasher_factory",
+    "manager_spans",
+    "rekey_missed_spans",
+    "request_spans",
+    "span_table_of",
+    "wrap_allocate_new_blocks",
+    "wrap_get_computed_blocks",
+    "wrap_get_num_blocks_to_allocate",
+    "wrap_initialize_kv_caches",
+]
+
+log = logging.getLogger("spanq.vllm")
+
+CONTEXT_TAG = "spanq-ctx"  # extra key of blocks re-keyed as context: never equal to a span's or a stock hash
+
+
+# --------------------------------------------------------------------------------------------- per request
+
+
+@dataclass
+class RequestSpans:
+    """What the plugin knows of one vLLM request."""
+
+    table: SpanTable | None  # None: a stock request (no table, or one that was refused)
+    hash_fn: Any = None  # the engine core's block hash function, once its hasher saw the request
+    rekeyed_from: int | None = None  # first block re-keyed as context, if any
+
+
+def _read_table(request: Any) -> RequestSpans:
+    params = getattr(request, "sampling_params", None)
+    try:
+        table = SpanTable.from_extra_args(getattr(params, "extra_args", None)) if params is not None else None
+    except SpanTableError as e:  # a client's malformed table: the request runs as stock, the engine goes on
+        log.warning("request %s: span table ignored (%s); hashed as stock", getattr(request, "request_id", "?"), e)
+        table = None
+    return RequestSpans(table if table is not None and table.spans else None)
+
+
+request_spans: Extension[RequestSpans] = Extension("vllm.v1.request.Request", _read_table)
+
+
+def span_table_of(request: Any) -> SpanTable | None:
+    """The span table the plugin honours for this request (None: stock)."""
+    return request_spans(request).table
+
+
+# --------------------------------------------------------------------------------------------- the hasher
+
+
+class SpanBlockHasher:
+    """An engine core's request block hasher: span-aware for requests with a span table, once the engine's
+    workers have said they move keys (`support`, set when the engine core starts); stock otherwise."""
+
+    def __init__(self, stock: Any, hash_block_size: int, hash_fn: Any, support: SpanSupport = UNCHECKED):
+        from vllm.v1.core import kv_cache_utils as kcu
+
+        self.stock = stock
+        self.hash_block_size = hash_block_size
+        self.hash_fn = hash_fn
+        self.support = support
+        self._warned = False
+        self._extra_keys = kcu.generate_block_hash_extra_keys
+
+        def hash_block(parent: Any, tokens: Any, extra: Any) -> Any:
+            return kcu.hash_block_tokens(hash_fn, parent, tokens, extra)
+
+        self._hash_block = hash_block
+
+    def __call__(self, request: Any) -> list[Any]:
+        state = request_spans(request)
+        if state.table is not None and not request.block_hashes:  # a new request: its table is checked once
+            state.hash_fn = self.hash_fn
+            problem = self._refusal(state.table, request.num_prompt_tokens)
+            if problem is not None:
+                state.table = None  # every other hook now sees a stock request
+                if self.support.enabled:
+                    log.warning("request %s: span table ignored (%s); hashed as stock", request.request_id, problem)
+                elif not self._warned:
+                    self._warned = True
+                    log.warning("spanq: span tables are ignored by this engine; they run as stock requests: %s",
+                                problem)
+        if state.table is None:
+            return self.stock(request)
+        table = state.table
+
+        def extra_keys(start: int, end: int) -> Any:
+            return self._extra_keys(request, start, end, 0)[0]
+
+        return span_block_hashes(request.all_token_ids, table, self._hash_block, request.block_hashes, extra_keys)
+
+    def _refusal(self, table: SpanTable, num_prompt_tokens: int) -> str | None:
+        if not self.support.enabled:
+            return self.support.reason
+        if table.block_size != self.hash_block_size:
+            return f"built for blocks of {table.block_size}, the engine uses {self.hash_block_size}"
+        try:
+            table.validate(num_prompt_tokens)
+        except SpanTableError as e:
+            return str(e)
+        return None
+
+
+# The workers' answer of an engine core that is starting, waiting for the hasher that the same
+# `EngineCore.__init__` builds next, on the same thread. (The plugin may itself be loaded inside that
+# `__init__`, so `__init__` cannot be wrapped; the KV cache set-up and the hasher factory are looked up later.)
+_startup = threading.local()
+
+
+def wrap_initialize_kv_caches(orig: Any) -> Any:
+    def _initialize_kv_caches(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig(self, *args, **kwargs)
+        support = query_span_support(self.collective_rpc)
+        if not support.enabled:
+            log.warning("spanq: span reuse is off for this engine (span tables run as stock requests): %s",
+                        support.reason)
+        _startup.support = support
+        return result
+
+    return _initialize_kv_caches
+
+
+def make_hasher_factory(stock_factory: Any) -> Any:
+    """vLLM's `get_request_block_hasher`, returning a `SpanBlockHasher` around the stock hasher."""
+
+    def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Any) -> Any:
+        support = getattr(_startup, "support", UNCHECKED)
+        _startup.support = UNCHECKED
+        stock = stock_factory(hash_block_size, caching_hash_fn)
+        return SpanBlockHasher(stock, hash_block_size, caching_hash_fn, support)
+
+    return get_request_block_hasher
+
+
+# --------------------------------------------------------------------------------------------- isolation
+
+
+def rekey_missed_spans(request: Any, num_computed_tokens: int) -> int:
+    """Re-key blocks from the first span block that missed the cache: they will be computed in context, so
+    their KV must never be found under a span's key (invariant 1). Returns how many blocks were re-keyed."""
+    state = request_spans.get(request)
+    if state is None or state.table is None or state.hash_fn is None:
+        return 0
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+    table, hash_fn = state.table, state.hash_fn
+    bs = table.block_size
+    first_hit_free = num_computed_tokens // bs
+    missed = [s // bs for s, e in table.spans if e // bs > first_hit_free]
+    if not missed:
+        return 0
+    j0 = max(first_hit_free, min(missed))
+    hashes = request.block_hashes
+    if j0 >= len(hashes) or state.rekeyed_from == j0:
+        return 0
+    tokens = request.all_token_ids
+    parent = None  # a stock chain over the whole prefix: the re-keyed blocks depend on every token before them
+    for j in range(j0):
+        parent = hash_block_tokens(hash_fn, parent, tokens[j * bs : (j + 1) * bs], (CONTEXT_TAG,))
+    for j in range(j0, len(hashes)):
+        parent = hash_block_tokens(hash_fn, parent, tokens[j * bs : (j + 1) * bs], (CONTEXT_TAG,))
+        hashes[j] = parent  # in place: vLLM holds views of this list
+    state.rekeyed_from = j0
+    log.info("request %s: span blocks from %d missed the cache; computed in context, not cached as spans",
+             getattr(request, "request_id", "?"), j0)
+    return len(hashes) - j0
+
+
+# --------------------------------------------------------------------------------------------- CIDRA
+
+
+@dataclass
+class ManagerSpans:
+    """CIDRA's state beside one single-type KV cache manager (one engine core's full-attention blocks)."""
+
+    planner: CidraPlanner
+    # Request id -> hit-block indices that get a private copy, for a cache hit awaiting admission. Per
+    # manager: request ids are only unique within one engine.
+    cow_plans: dict[str, list[int]] = field(default_factory=dict)
+
+
+def _manager_state(manager: Any) -> ManagerSpans:
+    pool = manager.block_pool
+    return ManagerSpans(CidraPlanner(manager.block_size, lambda b: pool.blocks[b].ref_cnt))
+
+
+manager_spans: Extension[ManagerSpans] = Extension(
+    "vllm.v1.core.single_type_kv_cache_manager.FullAttentionManager", _manager_state
+)
+
+
+def wrap_get_computed_blocks(orig: Any) -> Any:
+    def get_computed_blocks(self: Any, request: Any) -> Any:
+        result = orig(self, request)
+        rekey_missed_spans(request, result[1])
+        blocks, num_computed = result[0], result[1]
+        if num_computed and len(blocks.blocks) == 1:
+            mgr = self.coordinator.single_type_managers[0]
+            hit = [blk.block_id for blk in blocks.blocks[0][: num_computed // mgr.block_size]]
+            state = manager_spans(mgr)
+            state.cow_plans[request.request_id] = state.planner.plan(hit).duplicate
+        return result
+
+    return get_computed_blocks
+
+
+def wrap_get_num_blocks_to_allocate(orig: Any) -> Any:
+    def get_num_blocks_to_allocate(self: Any, request_id: str, *args: Any, **kwargs: Any) -> int:
+        n = orig(self, request_id, *args, **kwargs)
+        if request_id not in self.num_cached_block:  # a first allocation: its duplicates need blocks too
+            state = manager_spans.get(self)
+            n += len(state.cow_plans.get(request_id, ())) if state is not None else 0
+        return n
+
+    return get_num_blocks_to_allocate
+
+
+def wrap_allocate_new_blocks(orig: Any) -> Any:
+    def allocate_new_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        state = manager_spans(self)
+        req_blocks = self.req_to_blocks[request_id]
+        plan = state.cow_plans.pop(request_id, None)
+        duplicated = []
+        for idx in plan or ():
+            copy = self.block_pool.get_new_blocks(1)[0]
+            self._apply_cow(request_id, idx, req_blocks[idx], copy)  # copied before the forward pass
+            duplicated.append(copy)
+        # Positions to record: every block when a cache hit was just admitted, else only the blocks added now
+        # (a running request's earlier blocks keep theirs: no per-step walk over every block it holds).
+        first = 0 if plan is not None else len(req_blocks)
+        new_blocks = orig(self, request_id, *args, **kwargs)
+        state.planner.admitted([b.block_id for b in req_blocks[first:]], first)
+        return duplicated + list(new_blocks)
+
+    return allocate_new_blocks

@@ -1,0 +1,77 @@
+"""The patches that run in the front-end process (the one that drives an engine or serves HTTP). Unlike the
+engine core's and the workers', they are not installed at registration: each holds only while it is needed.
+
+- `in_process_engines`: vLLM's engine core shutdown tears down the process's distributed state, which every
+  other in-process engine still uses; while others are alive, `cleanup_dist_env_and_memory` is replaced by a
+  plain garbage collection for the duration of one shutdown. Removable once vLLM scopes that state per engine.
+- `query_route_mounted`: vLLM's `build_app`, for the duration of `spanq serve`, also mounts the query route.
+  Removable if vLLM's server gains a way to add routes from a plugin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["InProcessEngines", "in_process_engines", "query_route_mounted"]
+
+log = logging.getLogger("spanq.vllm")
+
+
+class InProcessEngines:
+    """The vLLM engines whose engine core runs in this process: started and retired through here."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live = 0
+
+    def starting(self) -> None:
+        with self._lock:
+            self._live += 1
+
+    def failed_to_start(self) -> None:
+        with self._lock:
+            self._live -= 1
+
+    def retire(self, engine: Any) -> None:
+        """Shut an `LLMEngine` down now (not at garbage collection), sparing the process's distributed state
+        unless it is the last in-process engine."""
+        from vllm.v1.engine import core
+
+        with self._lock:
+            self._live -= 1
+            stock_cleanup = core.cleanup_dist_env_and_memory
+            if self._live > 0:
+                core.cleanup_dist_env_and_memory = lambda *args, **kwargs: gc.collect()
+            try:
+                engine.engine_core.shutdown()
+            except Exception:  # a failed engine may not shut down cleanly; it is gone either way
+                log.exception("shutting the engine down failed")
+            finally:
+                core.cleanup_dist_env_and_memory = stock_cleanup
+
+
+in_process_engines = InProcessEngines()
+
+
+@contextlib.contextmanager
+def query_route_mounted(router: Callable[[], Any]) -> Iterator[None]:
+    """While inside, vLLM's `build_app` also includes `router()` (a FastAPI router) in the app it builds."""
+    from vllm.entrypoints.launchers.api_server import entry
+
+    stock_build_app = entry.build_app
+
+    def build_app(args: Any, supported_tasks: Any = None, model_config: Any = None) -> Any:
+        app = stock_build_app(args, supported_tasks, model_config)
+        app.include_router(router())
+        return app
+
+    entry.build_app = build_app  # `build_and_serve` looks it up when it runs
+    try:
+        yield
+    finally:
+        entry.build_app = stock_build_app

@@ -1,0 +1,113 @@
+"""What the runner-side relocation needs to know about a loaded vLLM model: its RoPE and its K cache layout.
+
+The CPU attention backend stores K in an instruction-set-specific layout (transposed on AVX2's "vec" path),
+so the layout is discovered at start-up, not assumed: index-coded keys are written through vLLM's own
+`cpu_attn_reshape_and_cache` into a scratch block, and read back to see where each (token, dim) landed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spanq_backend.kv.relocation import KLayout
+from spanq_backend.kv.rerope import RelocationError, RopeSpec
+
+__all__ = ["RELOCATABLE_ROPE_TYPES", "check_relocatable", "discover_cpu_k_layout", "rope_spec_of_model"]
+
+
+def rope_spec_of_model(model: torch.nn.Module) -> RopeSpec:
+    """The model's rotary embedding as a `RopeSpec`; refuses models whose keys cannot be moved exactly."""
+    rotaries = [m for _, m in model.named_modules() if hasattr(m, "cos_sin_cache") and hasattr(m, "rotary_dim")]
+    if not rotaries:
+        raise RelocationError(
+            f"{type(model).__name__} has no rotary position embedding that spanq recognizes; "
+            "cached spans cannot be moved to new positions"
+        )
+    first = rotaries[0]
+    for other in rotaries[1:]:
+        if other.cos_sin_cache.shape != first.cos_sin_cache.shape or not torch.equal(
+            other.cos_sin_cache, first.cos_sin_cache
+        ):
+            raise RelocationError(
+                f"{type(model).__name__} uses different rotary embeddings in different layers; "
+                "span relocation supports one shared RoPE"
+            )
+    if getattr(first, "mrope_section", None):
+        raise RelocationError(f"{type(model).__name__} uses multimodal RoPE; span relocation is not exact there")
+    # The buffer is in the model's dtype; the same frequencies in fp32 make exact moves possible in bf16 too.
+    table = first._compute_cos_sin_cache() if hasattr(first, "_compute_cos_sin_cache") else first.cos_sin_cache
+    return RopeSpec.from_cos_sin_cache(
+        table.float(),
+        int(first.rotary_dim),
+        int(first.head_size),
+        bool(first.is_neox_style),
+        what=f"{type(first).__name__} of {type(model).__name__}",
+    )
+
+
+def discover_cpu_k_layout(runner: Any, block_size: int, head_dim: int) -> KLayout:
+    """Find where vLLM's CPU attention puts key (token, dim) inside a block, by writing coded keys."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    dtype = runner.kv_caches[0].dtype
+    isa = _get_attn_isa(dtype, block_size, head_dim)
+    n = block_size * head_dim
+    # Offsets are written as base-16 digits, one pass per digit, so every code is exact even in bf16.
+    offsets = torch.arange(n)
+    found = torch.zeros(n, dtype=torch.long)
+    digits = max(1, (n - 1).bit_length() + 3) // 4
+    for k in range(digits):
+        codes = ((offsets >> (4 * k)) & 15).to(torch.float32) + 1.0  # 1..16, never the zero of an empty slot
+        scratch = torch.zeros(1, 1, 2 * block_size, head_dim, dtype=dtype)
+        key_cache, value_cache = scratch.chunk(2, dim=2)
+        keys = codes.view(block_size, 1, head_dim).to(dtype)
+        ops.cpu_attn_reshape_and_cache(
+            keys, torch.zeros_like(keys), key_cache, value_cache, torch.arange(block_size, dtype=torch.long), isa
+        )
+        got = scratch.view(-1)[:n].to(torch.float64).round().long() - 1  # digit k of the logical index there
+        if int(got.min()) < 0 or int(got.max()) > 15:
+            raise RelocationError(f"could not decode the CPU K cache layout for isa {isa!r}")
+        found |= got << (4 * k)
+    if sorted(found.tolist()) != list(range(n)):
+        raise RelocationError(f"could not decode the CPU K cache layout for isa {isa!r}")
+    index = torch.empty(n, dtype=torch.long)
+    index[found] = torch.arange(n)  # logical (token, dim) -> physical offset
+    return KLayout(block_size, head_dim, index.view(block_size, head_dim))
+
+
+# RoPE variants whose cos/sin table is a pure rotation with position-independent frequencies.
+RELOCATABLE_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+
+
+def check_relocatable(model_path: str | Path) -> None:
+    """Refuse, before vLLM starts, a model whose cached keys cannot be moved exactly to a new position.
+
+    Reads the model folder's config.json: the RoPE type must be one of `RELOCATABLE_ROPE_TYPES`, with no
+    multimodal sections. (The runner checks the loaded cos/sin table itself as well.)
+    """
+    import json
+
+    path = Path(model_path) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise RelocationError(f"cannot read {path}: {e}") from e
+    cfg = cfg.get("text_config", cfg)
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    problems = []
+    if rope_type not in RELOCATABLE_ROPE_TYPES:
+        problems.append(f"RoPE type {rope_type!r} (relocatable: {', '.join(sorted(RELOCATABLE_ROPE_TYPES))})")
+    if rope.get("mrope_section") or rope.get("mrope_interleaved"):
+        problems.append("multimodal RoPE sections")
+    if cfg.get("position_embedding_type", "rope") not in ("rope", "rotary"):
+        problems.append(f"position embedding {cfg['position_embedding_type']!r}")
+    if problems:
+        raise RelocationError(
+            f"{Path(model_path).name}: cached spans cannot be moved exactly with " + " and ".join(problems)
+            + "; use it without spans (a stock engine) instead"
+        )

@@ -1,0 +1,168 @@
+"""The patches that run in vLLM's worker processes (the model runner), and the runner's span runtime.
+
+- the CPU model runner's `execute_model` → before the forward pass, blocks whose keys encode another position
+  are re-rotated (ReRoPE, invariant 2), tracked block by block (`SpanRuntime`);
+- the runner's block-copy step (`copy_kv_cache_blocks_inplace`) → the moves of a step with block copies
+  (CIDRA's duplicates) run right after the copies, before the forward pass;
+- vLLM's `WorkerBase` gains `WORKER_STATUS_METHOD` (`worker_span_status`): whether this worker's runner
+  moves keys for the loaded model, which the engine asks at start-up (invariant 9).
+
+State: `runner_spans` (per model runner: its `SpanRuntime`, or why it has none).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from spanq_backend.vllm_integration.state import Extension
+
+__all__ = [
+    "RunnerSpans",
+    "SpanRuntime",
+    "runner_span_status",
+    "runner_spans",
+    "runtime_of",
+    "worker_span_status",
+    "wrap_copy_blocks",
+    "wrap_execute_model",
+]
+
+log = logging.getLogger("spanq.vllm")
+
+HOOK_MARK = "__spanq_hook__"  # on the wrapped `execute_model`: what `runner_span_status` looks for
+
+
+class SpanRuntime:
+    """Per model runner: the block position tracker and the relocator over its KV caches."""
+
+    def __init__(self, runner: Any):
+        from spanq_backend.kv.relocation import BlockPositionTracker, KVRelocator
+        from spanq_backend.vllm_integration import kv_layout
+
+        cfg = runner.cache_config
+        self.block_size = int(cfg.block_size)
+        kv_caches = [t for t in runner.kv_caches if t is not None]
+        self.tracker = BlockPositionTracker(self.block_size, int(kv_caches[0].shape[0]) if kv_caches else 0)
+        spec = kv_layout.rope_spec_of_model(runner.get_model())
+        layout = kv_layout.discover_cpu_k_layout(runner, self.block_size, spec.head_dim)
+        self.relocator = KVRelocator(kv_caches, layout, spec)
+        # Build or load the compiled op now, at start-up, not in the middle of the first step that moves keys.
+        log.info("spanq: keys move with %s", "the compiled CPU op" if self.relocator.uses_compiled_kernel else "torch")
+        self.pending: list[Any] = []
+
+    def before_step(self, scheduler_output: Any) -> None:
+        """Plan this step's moves; apply them now, or right after the step's block copies if it has any."""
+        tracker = self.tracker
+        for req_id in scheduler_output.finished_req_ids:
+            tracker.finish(req_id)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            tracker.finish(req_id)  # its blocks were freed; it comes back as a resumed request
+        copies = getattr(scheduler_output, "kv_cache_block_copies", None) or ()
+        for c in copies:  # a copy's keys encode what its source's encode
+            tracker.copied(c.src_block_id, c.dst_block_id)
+        moves = []
+        for req in scheduler_output.scheduled_new_reqs:
+            moves += tracker.new_request(req.req_id, req.block_ids[0], req.num_computed_tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                if new_blocks is not None:
+                    moves += tracker.new_request(req_id, new_blocks[0], cached.num_computed_tokens[i])
+            elif new_blocks is not None and new_blocks[0]:
+                tracker.extend_request(req_id, new_blocks[0])
+        self.pending = moves
+        if not copies:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply the planned moves (after this step's block copies, before its forward pass)."""
+        moves, self.pending = self.pending, []
+        if moves:
+            self.relocator.apply(moves)
+
+
+@dataclass
+class RunnerSpans:
+    """One model runner's span runtime, or why it has none."""
+
+    runtime: SpanRuntime | None
+    refusal: str = ""
+
+
+def _start_runtime(runner: Any) -> RunnerSpans:
+    try:
+        return RunnerSpans(SpanRuntime(runner))
+    except Exception as e:  # noqa: BLE001  (a runtime that cannot start means: no spans on this engine)
+        log.warning("span reuse is off for this engine: %s", e)
+        return RunnerSpans(None, f"keys cannot be moved for this model: {e}")
+
+
+runner_spans: Extension[RunnerSpans] = Extension("vllm.v1.worker.gpu_model_runner.GPUModelRunner", _start_runtime)
+
+
+def runtime_of(runner: Any) -> SpanRuntime | None:
+    """The runner's span runtime, started on first use; None where keys cannot be moved (the engine then
+    serves stock requests only: its span tables are ignored, see `support`)."""
+    return runner_spans(runner).runtime
+
+
+def runner_span_status(runner: Any) -> tuple[bool, str]:
+    """`(True, "")` when this model runner moves span keys for its model, else `(False, why)`."""
+    if runner is None:
+        return False, "the worker has no model runner"
+    if not getattr(getattr(type(runner), "execute_model", None), HOOK_MARK, False):
+        return False, (
+            f"{type(runner).__name__} is not hooked by spanq, so cached keys would never be moved "
+            "(spanq moves keys on vLLM's CPU model runner only)"
+        )
+    if not getattr(runner, "kv_caches", None):
+        return False, "the KV cache is not allocated"
+    state = runner_spans(runner)
+    return (True, "") if state.runtime is not None else (False, state.refusal)
+
+
+def worker_span_status(worker: Any) -> tuple[bool, str]:
+    """Installed on vLLM's `WorkerBase` as `support.WORKER_STATUS_METHOD`."""
+    try:
+        return runner_span_status(getattr(worker, "model_runner", None))
+    except Exception as e:  # noqa: BLE001  (any failure means: no spans here)
+        return False, f"checking the model runner failed: {type(e).__name__}: {e}"
+
+
+# The runtime whose step is between its block copies and its forward pass, per thread (in-process engines
+# step on threads of their own).
+_stepping = threading.local()
+
+
+def wrap_execute_model(orig: Any) -> Any:
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "kv_caches", None):
+            return orig(self, scheduler_output, *args, **kwargs)
+        rt = runtime_of(self)
+        if rt is None:
+            return orig(self, scheduler_output, *args, **kwargs)
+        rt.before_step(scheduler_output)
+        _stepping.runtime = rt
+        try:
+            return orig(self, scheduler_output, *args, **kwargs)
+        finally:
+            _stepping.runtime = None
+            rt.flush()  # only if the step had copies but never ran them (nothing else is pending)
+
+    setattr(execute_model, HOOK_MARK, True)
+    return execute_model
+
+
+def wrap_copy_blocks(orig: Any) -> Any:
+    def copy_kv_cache_blocks_inplace(*args: Any, **kwargs: Any) -> Any:
+        result = orig(*args, **kwargs)
+        rt = getattr(_stepping, "runtime", None)
+        if rt is not None:
+            rt.flush()
+        return result
+
+    return copy_kv_cache_blocks_inplace

@@ -1,0 +1,155 @@
+"""The backend protocol: what the executor needs from a serving backend, the metrics every call reports, and
+what a run returns (`ExecutionResult`, with its `Usage`)."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from spanq_integrations.optimizer.context import BackendCapabilities
+from spanq_integrations.query.ir import Assistant, Generate, Node, walk
+
+__all__ = [
+    "Backend",
+    "BackendCapabilities",
+    "CallMetrics",
+    "Completion",
+    "ExecutionResult",
+    "TokenCallback",
+    "Usage",
+    "answer_of",
+]
+
+TokenCallback = Callable[[str], Awaitable[None] | None]
+
+
+class CallMetrics(BaseModel):
+    """One model call, as measured by the client: times in seconds, token counts as the server reported them."""
+
+    path: str = "$"
+    model: str = ""
+    ttft_s: float | None = None
+    wall_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    padded_tokens: int = 0
+    prepared_spans: int = 0
+    fallback: str | None = None  # why the call's spans were sent as ordinary prompt text, when they were
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+class Completion(BaseModel):
+    """The answer to one `Generate`: `n` choices and the call's metrics."""
+
+    texts: list[str]
+    finish_reasons: list[str | None] = Field(default_factory=list)
+    metrics: CallMetrics
+
+    @property
+    def text(self) -> str:
+        return self.texts[0]
+
+
+class Usage(BaseModel):
+    """What a run of several calls cost, summed: the one aggregation every report (server, adapters, CLI)
+    reads. `fallback` is the first call's reason for sending its spans as ordinary text, if any."""
+
+    calls: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    padded_tokens: int = 0
+    prepared_spans: int = 0
+    fallback: str | None = None
+
+    @classmethod
+    def of(cls, calls: Iterable[CallMetrics]) -> Usage:
+        calls = list(calls)
+        return cls(
+            calls=len(calls),
+            prompt_tokens=sum(c.prompt_tokens for c in calls),
+            cached_tokens=sum(c.cached_tokens for c in calls),
+            generated_tokens=sum(c.generated_tokens for c in calls),
+            padded_tokens=sum(c.padded_tokens for c in calls),
+            prepared_spans=sum(c.prepared_spans for c in calls),
+            fallback=next((c.fallback for c in calls if c.fallback), None),
+        )
+
+    def openai(self) -> dict[str, Any]:
+        """In OpenAI's usage shape, with spanq's padded tokens, prepared spans and span fallback added."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.generated_tokens,
+            "total_tokens": self.prompt_tokens + self.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "padded_tokens": self.padded_tokens,
+            "prepared_spans": self.prepared_spans,
+            "span_fallback": self.fallback,
+        }
+
+
+class ExecutionResult(BaseModel):
+    """What a run returns: the closed tree, every call's metrics (in completion order) and the wall time."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    tree: Any  # Node; typed loosely so pydantic does not re-validate large trees
+    calls: list[CallMetrics] = Field(default_factory=list)
+    wall_s: float = 0.0
+    plan: Any = None  # the optimized tree that was executed
+
+    @property
+    def answer(self) -> str:
+        """The text of the query's answer: the last generated output reached in reading order."""
+        return answer_of(self.tree)
+
+    @property
+    def usage(self) -> Usage:
+        """Totals over every call of the run."""
+        return Usage.of(self.calls)
+
+    def totals(self) -> dict[str, float]:
+        """Token and time totals over all calls (as numbers, for tables)."""
+        u = self.usage
+        return {
+            "calls": u.calls,
+            "prompt_tokens": u.prompt_tokens,
+            "cached_tokens": u.cached_tokens,
+            "generated_tokens": u.generated_tokens,
+            "padded_tokens": u.padded_tokens,
+            "wall_s": self.wall_s,
+        }
+
+
+def answer_of(tree: Node) -> str:
+    """The last generated `Assistant` text in reading order ("" if nothing was generated)."""
+    last = ""
+    for _, node in walk(tree):
+        if isinstance(node, Assistant) and node.source is not None:
+            last = node.text
+    return last
+
+
+class Backend(abc.ABC):
+    """A serving backend. `generate` receives a `Generate` whose input is closed (no pending inner calls)."""
+
+    capabilities: BackendCapabilities
+
+    @abc.abstractmethod
+    async def generate(
+        self, call: Generate, *, path: str = "$", on_token: TokenCallback | None = None
+    ) -> Completion:
+        """Run one model call; stream text pieces of the first choice to `on_token` as they arrive."""
+
+    async def aclose(self) -> None:
+        """Release connections and engines; the backend is unusable afterwards."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

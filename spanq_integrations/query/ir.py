@@ -1,0 +1,405 @@
+"""The span-query IR: immutable pydantic nodes, builder functions, tree traversal and a readable rendering.
+
+A query is a side-effect-free expression tree. Leaves are messages (`System`, `User`, `Assistant`) and corpus
+pieces (`Fragment`); `Cross` joins children whose order matters, `Plus` joins order-free children, and
+`Generate` calls the model on its input. Executing a tree yields a tree: a finished `Generate` becomes an
+`Assistant` whose `source` remembers the `Generate` (and so the input) it came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from spanq_integrations.query.errors import QueryValidationError
+
+__all__ = [
+    "DEFAULT_TEMPERATURE",
+    "Assistant",
+    "Chat",
+    "Cross",
+    "Fragment",
+    "Generate",
+    "Map",
+    "Monad",
+    "Node",
+    "Plus",
+    "Print",
+    "Repeat",
+    "Retrieve",
+    "System",
+    "User",
+    "assistant",
+    "chat",
+    "children_of",
+    "cross",
+    "fragment",
+    "generate",
+    "plus",
+    "render",
+    "retrieve",
+    "system",
+    "transform",
+    "user",
+    "walk",
+    "with_children",
+]
+
+DEFAULT_TEMPERATURE = 0.6  # spnl's default
+
+
+class _Node(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def __str__(self) -> str:  # a readable tree for people
+        return render(self)  # type: ignore[arg-type]
+
+
+class System(_Node):
+    """A system message."""
+
+    kind: Literal["system"] = "system"
+    text: str
+
+
+class User(_Node):
+    """A user message."""
+
+    kind: Literal["user"] = "user"
+    text: str
+
+
+class Assistant(_Node):
+    """An assistant message; `source` is the `Generate` that produced it, when it was generated."""
+
+    kind: Literal["assistant"] = "assistant"
+    text: str
+    source: Generate | None = None
+
+
+class Fragment(_Node):
+    """A corpus piece (a retrieved document, a candidate): usually a child of a `Plus`."""
+
+    kind: Literal["fragment"] = "fragment"
+    text: str
+    id: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Generate(_Node):
+    """A call to the model ("G"). `max_tokens=0` means the server's default."""
+
+    kind: Literal["g"] = "g"
+    input: Node
+    model: str = ""
+    max_tokens: int = Field(default=0, ge=0)
+    temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0)
+    n: int = Field(default=1, ge=1)
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+class Plus(_Node):
+    """A commutative join: the children are independent and order-free. `keyword` keeps spnl's spelling."""
+
+    kind: Literal["plus"] = "plus"
+    children: tuple[Node, ...]
+    keyword: Literal["plus", "par"] = "plus"
+
+
+class Cross(_Node):
+    """A non-commutative join: order carries meaning. `keyword` keeps spnl's spelling."""
+
+    kind: Literal["cross"] = "cross"
+    children: tuple[Node, ...]
+    keyword: Literal["cross", "seq"] = "cross"
+
+
+class Chat(_Node):
+    """Sugar: a chat turn over `messages`; the optimizer lowers it to `Generate(Cross(messages))`."""
+
+    kind: Literal["chat"] = "chat"
+    messages: tuple[Node, ...]
+    model: str = ""
+    max_tokens: int = Field(default=0, ge=0)
+    temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0)
+
+
+class Retrieve(_Node):
+    """Sugar: the top-k fragments a named retriever returns for `query`; lowered to a `Plus` of fragments."""
+
+    kind: Literal["retrieve"] = "retrieve"
+    query: str
+    k: int = Field(default=4, ge=1)
+    retriever: str = "default"
+
+
+class Repeat(_Node):
+    """Bulk: `n` independent runs of the same generate."""
+
+    kind: Literal["repeat"] = "repeat"
+    n: int = Field(ge=1)
+    query: Generate
+
+    def expand(self) -> tuple[Generate, ...]:
+        """The `n` generate calls it stands for: distinct (equal) objects, so nothing downstream can mistake
+        them for one call."""
+        return tuple(self.query.model_copy() for _ in range(self.n))
+
+
+class Map(_Node):
+    """Bulk: one generate per input string, with shared settings."""
+
+    kind: Literal["map"] = "map"
+    inputs: tuple[str, ...]
+    model: str = ""
+    max_tokens: int = Field(default=0, ge=0)
+    temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0)
+
+    def expand(self) -> tuple[Generate, ...]:
+        """The generate calls it stands for: one per input, each the input as a user message."""
+        return tuple(
+            Generate(input=User(text=t), model=self.model, max_tokens=self.max_tokens, temperature=self.temperature)
+            for t in self.inputs
+        )
+
+
+class Monad(_Node):
+    """Run `query` for its effect (for example to warm the cache); it contributes nothing to the prompt."""
+
+    kind: Literal["monad"] = "monad"
+    query: Node
+
+
+class Print(_Node):
+    """Print `text` when executed; contributes nothing to the prompt."""
+
+    kind: Literal["print"] = "print"
+    text: str
+
+
+Node = Annotated[
+    System | User | Assistant | Fragment | Generate | Plus | Cross | Chat | Retrieve | Repeat | Map | Monad | Print,
+    Field(discriminator="kind"),
+]
+
+for _cls in (Assistant, Generate, Plus, Cross, Chat, Repeat, Monad):
+    _cls.model_rebuild()
+
+MESSAGE_TYPES = (System, User, Assistant)
+LEAF_TYPES = (System, User, Assistant, Fragment, Retrieve, Map, Print)
+
+
+# --------------------------------------------------------------------------------------------- builders
+
+
+def _as_node(x: Any, where: str) -> Node:
+    if isinstance(x, str):
+        return User(text=x)
+    if isinstance(x, _Node):
+        return x  # type: ignore[return-value]
+    raise QueryValidationError(where, f"expected a query node or a string, got {type(x).__name__}")
+
+
+def _flatten_args(args: tuple[Any, ...]) -> list[Any]:
+    out: list[Any] = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            out.extend(a)
+        else:
+            out.append(a)
+    return out
+
+
+def system(text: str) -> System:
+    return System(text=text)
+
+
+def user(text: str) -> User:
+    return User(text=text)
+
+
+def assistant(text: str) -> Assistant:
+    return Assistant(text=text)
+
+
+def fragment(text: str, id: str | None = None, **metadata: Any) -> Fragment:
+    return Fragment(text=text, id=id, metadata=metadata)
+
+
+def plus(*children: Any) -> Plus:
+    """Order-free join. Strings become `Fragment`s; lists are spliced in."""
+    items = _flatten_args(children)
+    if not items:
+        raise QueryValidationError("plus()", "a plus needs at least one child")
+    nodes = [Fragment(text=c) if isinstance(c, str) else _as_node(c, f"plus()[{i}]") for i, c in enumerate(items)]
+    return Plus(children=tuple(nodes))
+
+
+def cross(*children: Any) -> Cross:
+    """Ordered join. Strings become `User` messages; lists are spliced in."""
+    items = _flatten_args(children)
+    if not items:
+        raise QueryValidationError("cross()", "a cross needs at least one child")
+    return Cross(children=tuple(_as_node(c, f"cross()[{i}]") for i, c in enumerate(items)))
+
+
+def generate(
+    input: Any,
+    model: str = "",
+    max_tokens: int = 0,
+    temperature: float = DEFAULT_TEMPERATURE,
+    n: int = 1,
+    stop: Iterable[str] | None = None,
+    seed: int | None = None,
+) -> Generate:
+    return Generate(
+        input=_as_node(input, "generate().input"),
+        model=model,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        n=n,
+        stop=tuple(stop or ()),
+        seed=seed,
+    )
+
+
+def retrieve(query: str, k: int = 4, retriever: str = "default") -> Retrieve:
+    return Retrieve(query=query, k=k, retriever=retriever)
+
+
+def chat(
+    *messages: Any, model: str = "", max_tokens: int = 0, temperature: float = DEFAULT_TEMPERATURE
+) -> Chat:
+    items = _flatten_args(messages)
+    if not items:
+        raise QueryValidationError("chat()", "a chat needs at least one message")
+    return Chat(
+        messages=tuple(_as_node(m, f"chat()[{i}]") for i, m in enumerate(items)),
+        model=model,
+        max_tokens=max_tokens,
+        temperature=temperature,
+    )
+
+
+# --------------------------------------------------------------------------------------------- traversal
+
+
+def children_of(node: Node) -> tuple[Node, ...]:
+    """The direct sub-queries of a node (an `Assistant`'s source is provenance, not a child)."""
+    if isinstance(node, (Plus, Cross)):
+        return node.children
+    if isinstance(node, Chat):
+        return node.messages
+    if isinstance(node, Generate):
+        return (node.input,)
+    if isinstance(node, Repeat):
+        return (node.query,)
+    if isinstance(node, Monad):
+        return (node.query,)
+    return ()
+
+
+def with_children(node: Node, children: Iterable[Node]) -> Node:
+    """A copy of `node` with its direct sub-queries replaced (the inverse of `children_of`)."""
+    kids = tuple(children)
+    if isinstance(node, (Plus, Cross)):
+        return node if kids == node.children else node.model_copy(update={"children": kids})
+    if isinstance(node, Chat):
+        return node if kids == node.messages else node.model_copy(update={"messages": kids})
+    if isinstance(node, Generate):
+        (inp,) = kids
+        return node if inp is node.input else node.model_copy(update={"input": inp})
+    if isinstance(node, (Repeat, Monad)):
+        (q,) = kids
+        return node if q is node.query else node.model_copy(update={"query": q})
+    if kids:
+        raise ValueError(f"{type(node).__name__} has no children")
+    return node
+
+
+def transform(node: Node, fn: Callable[[Node], Node]) -> Node:
+    """Rebuild the tree bottom-up, applying `fn` to every node after its children."""
+    kids = children_of(node)
+    if kids:
+        node = with_children(node, [transform(k, fn) for k in kids])
+    return fn(node)
+
+
+def walk(node: Node, path: str = "$") -> Iterator[tuple[str, Node]]:
+    """Every node with its JSON-style path (the same paths errors name), parents first."""
+    yield path, node
+    if isinstance(node, (Plus, Cross)):
+        key = node.keyword
+        for i, c in enumerate(node.children):
+            yield from walk(c, f"{path}.{key}[{i}]")
+    elif isinstance(node, Chat):
+        for i, c in enumerate(node.messages):
+            yield from walk(c, f"{path}.chat.messages[{i}]")
+    elif isinstance(node, Generate):
+        yield from walk(node.input, f"{path}.g.input")
+    elif isinstance(node, Repeat):
+        yield from walk(node.query, f"{path}.repeat.query")
+    elif isinstance(node, Monad):
+        yield from walk(node.query, f"{path}.monad")
+
+
+# --------------------------------------------------------------------------------------------- rendering
+
+
+def _clip(text: str, width: int = 60) -> str:
+    one = " ".join(text.split())
+    return one if len(one) <= width else one[: width - 1] + "…"
+
+
+def _label(node: Node) -> str:
+    if isinstance(node, System):
+        return f"system: {_clip(node.text)!r}"
+    if isinstance(node, User):
+        return f"user: {_clip(node.text)!r}"
+    if isinstance(node, Assistant):
+        return f"assistant{' (generated)' if node.source is not None else ''}: {_clip(node.text)!r}"
+    if isinstance(node, Fragment):
+        ident = f" [{node.id}]" if node.id else ""
+        return f"fragment{ident}: {_clip(node.text)!r}"
+    if isinstance(node, Generate):
+        opts = [f"model={node.model or '(default)'}", f"max_tokens={node.max_tokens}", f"temperature={node.temperature:g}"]
+        if node.n != 1:
+            opts.append(f"n={node.n}")
+        if node.stop:
+            opts.append(f"stop={list(node.stop)}")
+        return "generate(" + ", ".join(opts) + ")"
+    if isinstance(node, Plus):
+        return f"{node.keyword} (order-free, {len(node.children)})"
+    if isinstance(node, Cross):
+        return f"{node.keyword} (ordered, {len(node.children)})"
+    if isinstance(node, Chat):
+        return f"chat(model={node.model or '(default)'}, max_tokens={node.max_tokens})"
+    if isinstance(node, Retrieve):
+        return f"retrieve(k={node.k}, retriever={node.retriever}): {_clip(node.query)!r}"
+    if isinstance(node, Repeat):
+        return f"repeat(n={node.n})"
+    if isinstance(node, Map):
+        return f"map({len(node.inputs)} inputs, model={node.model or '(default)'})"
+    if isinstance(node, Monad):
+        return "monad (run for effect)"
+    if isinstance(node, Print):
+        return f"print: {_clip(node.text)!r}"
+    return type(node).__name__
+
+
+def render(node: Node) -> str:
+    """A readable, indented tree of the query, one node a line."""
+    lines: list[str] = []
+
+    def go(n: Node, prefix: str, last: bool, root: bool) -> None:
+        lines.append(_label(n) if root else f"{prefix}{'└─ ' if last else '├─ '}{_label(n)}")
+        kids = children_of(n)
+        sub = "" if root else prefix + ("   " if last else "│  ")
+        for i, k in enumerate(kids):
+            go(k, sub, i == len(kids) - 1, False)
+
+    go(node, "", True, True)
+    return "\n".join(lines)

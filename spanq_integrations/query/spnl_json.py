@@ -1,0 +1,409 @@
+"""spnl-compatible JSON for span queries: `to_json` / `from_json`, and `dumps` / `loads` / `load_file` for text.
+
+The format is spnl's externally tagged one (`{"g": {...}}`, `{"plus": [...]}`, `{"user": "..."}`, bulk `repeat`
+and `map`), so a query written for spnl loads unchanged; spanq's own nodes (`fragment`, `chat`, `retrieve`, an
+`assistant` that remembers the `g` it came from) follow the same style. Reading checks every field and names the
+JSON path of the first problem (`$.g.input.cross[2]: unknown node "usr" ...`) in a `QueryParseError`.
+Writing is lossless: `from_json(to_json(q)) == q` for every tree whose joins and chats are non-empty.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from spanq_integrations.query.errors import QueryParseError, QueryValidationError
+from spanq_integrations.query.ir import (
+    DEFAULT_TEMPERATURE,
+    Assistant,
+    Chat,
+    Cross,
+    Fragment,
+    Generate,
+    Map,
+    Monad,
+    Node,
+    Plus,
+    Print,
+    Repeat,
+    Retrieve,
+    System,
+    User,
+)
+
+__all__ = ["dumps", "from_json", "load_file", "loads", "to_json"]
+
+# ------------------------------------------------------------------------------------------------- writing
+
+
+def to_json(node: Node) -> dict[str, Any]:
+    """The spnl JSON document of a query (a plain dict, ready for `json.dumps`)."""
+    return _write(node, "$")
+
+
+def dumps(node: Node, indent: int | None = 2) -> str:
+    """The spnl JSON text of a query."""
+    return json.dumps(to_json(node), indent=indent, ensure_ascii=False)
+
+
+def _write_settings(model: str, max_tokens: int, temperature: float) -> dict[str, Any]:
+    return {"model": model, "max_tokens": max_tokens, "temperature": temperature}
+
+
+def _write_generate_body(g: Generate, path: str) -> dict[str, Any]:
+    body = _write_settings(g.model, g.max_tokens, g.temperature)
+    if g.n != 1:
+        body["n"] = g.n
+    if g.stop:
+        body["stop"] = list(g.stop)
+    if g.seed is not None:
+        body["seed"] = g.seed
+    body["input"] = _write(g.input, f"{path}.g.input")
+    return body
+
+
+def _write(node: Node, path: str) -> dict[str, Any]:
+    if isinstance(node, System):
+        return {"system": node.text}
+    if isinstance(node, User):
+        return {"user": node.text}
+    if isinstance(node, Assistant):
+        if node.source is None:
+            return {"assistant": node.text}
+        source = _write(node.source, f"{path}.assistant.source")
+        return {"assistant": {"text": node.text, "source": source}}
+    if isinstance(node, Fragment):
+        if node.id is None and not node.metadata:
+            return {"fragment": node.text}
+        body: dict[str, Any] = {"text": node.text}
+        if node.id is not None:
+            body["id"] = node.id
+        if node.metadata:
+            body["metadata"] = dict(node.metadata)
+        return {"fragment": body}
+    if isinstance(node, Generate):
+        return {"g": _write_generate_body(node, path)}
+    if isinstance(node, (Plus, Cross)):
+        key = node.keyword
+        if not node.children:
+            raise QueryValidationError(
+                path, f'an empty "{key}" cannot be written: a join needs at least one child'
+            )
+        return {key: [_write(c, f"{path}.{key}[{i}]") for i, c in enumerate(node.children)]}
+    if isinstance(node, Chat):
+        if not node.messages:
+            raise QueryValidationError(path, "a chat with no messages cannot be written")
+        messages = [_write(m, f"{path}.chat.messages[{i}]") for i, m in enumerate(node.messages)]
+        return {
+            "chat": {**_write_settings(node.model, node.max_tokens, node.temperature), "messages": messages}
+        }
+    if isinstance(node, Retrieve):
+        return {"retrieve": {"query": node.query, "k": node.k, "retriever": node.retriever}}
+    if isinstance(node, Repeat):
+        return {"repeat": {"n": node.n, "query": _write(node.query, f"{path}.repeat.query")}}
+    if isinstance(node, Map):
+        metadata = _write_settings(node.model, node.max_tokens, node.temperature)
+        return {"map": {"metadata": metadata, "inputs": list(node.inputs)}}
+    if isinstance(node, Monad):
+        return {"monad": _write(node.query, f"{path}.monad")}
+    if isinstance(node, Print):
+        return {"print": node.text}
+    raise QueryValidationError(path, f"not a query node: {type(node).__name__}")
+
+
+# ------------------------------------------------------------------------------------------------- reading
+
+
+def from_json(doc: dict[str, Any] | str) -> Node:
+    """The query of a spnl JSON document: a parsed object, or JSON text."""
+    if isinstance(doc, str):
+        return loads(doc)
+    try:
+        return _read_node(doc, "$")
+    except RecursionError:
+        raise QueryParseError("$", "the document is nested too deeply to read") from None
+
+
+def loads(text: str | bytes) -> Node:
+    """The query of a spnl JSON text."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise QueryParseError("$", f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except UnicodeDecodeError as e:
+        raise QueryParseError("$", f"the text is not UTF-8: {e.reason} at byte {e.start}") from None
+    except RecursionError:
+        raise QueryParseError("$", "the document is nested too deeply to read") from None
+    return from_json(doc)
+
+
+def load_file(path: str | os.PathLike[str]) -> Node:
+    """The query of a spnl JSON file."""
+    with open(path, "rb") as f:
+        return loads(f.read())
+
+
+_Reader = Callable[[Any, str], Node]
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _read_node(value: Any, path: str) -> Node:
+    if not isinstance(value, dict):
+        raise QueryParseError(
+            path,
+            f"expected a query node (an object with one key, one of: {_NODE_KEYS}), got {_json_type(value)}",
+        )
+    if len(value) != 1:
+        keys = ", ".join(json.dumps(k) for k in value)
+        raise QueryParseError(
+            path,
+            f"a query node is an object with exactly one key naming its kind, got {len(value)} keys ({keys})",
+        )
+    ((key, body),) = value.items()
+    reader = _READERS.get(key)
+    if reader is None:
+        raise QueryParseError(path, f"unknown node {json.dumps(key)} (expected one of: {_NODE_KEYS})")
+    return reader(body, f"{path}.{key}")
+
+
+def _object(value: Any, path: str, fields: tuple[str, ...], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise QueryParseError(path, f"expected an object, got {_json_type(value)}")
+    for key in value:
+        if key not in fields:
+            raise QueryParseError(path, f"unknown field {json.dumps(key)} (expected: {', '.join(fields)})")
+    for key in required:
+        if key not in value:
+            raise QueryParseError(path, f'missing "{key}"')
+    return value
+
+
+def _string(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise QueryParseError(path, f"expected a string, got {_describe(value)}")
+    return value
+
+
+def _describe(value: Any) -> str:
+    """A JSON value's type, with the value itself when it is a short scalar."""
+    if isinstance(value, (dict, list)) or value is None:
+        return _json_type(value)
+    shown = json.dumps(value, ensure_ascii=False)
+    return f"{_json_type(value)} {shown}" if len(shown) <= 40 else _json_type(value)
+
+
+def _integer(value: Any, path: str, minimum: int | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise QueryParseError(path, f"expected an integer, got {_describe(value)}")
+    if minimum is not None and value < minimum:
+        raise QueryParseError(path, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _number(value: Any, path: str, minimum: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise QueryParseError(path, f"expected a number, got {_describe(value)}")
+    if not math.isfinite(value):
+        raise QueryParseError(path, f"must be a finite number, got {value}")
+    if value < minimum:
+        raise QueryParseError(path, f"must be >= {minimum:g}, got {value:g}")
+    return float(value)
+
+
+def _array(value: Any, path: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise QueryParseError(path, f"expected an array, got {_json_type(value)}")
+    return value
+
+
+def _settings(body: dict[str, Any], path: str) -> dict[str, Any]:
+    """`model`, `max_tokens` and `temperature`, with spnl's defaults for absent fields.
+
+    Here and below, an optional field that is null counts as absent: spnl writes its optional settings either way.
+    """
+    model, max_tokens, temperature = (body.get(k) for k in ("model", "max_tokens", "temperature"))
+    if model is not None:
+        model = _string(model, f"{path}.model")
+    if max_tokens is not None:
+        max_tokens = _integer(max_tokens, f"{path}.max_tokens", 0)
+    if temperature is not None:
+        temperature = _number(temperature, f"{path}.temperature", 0)
+    return {
+        "model": "" if model is None else model,
+        "max_tokens": 0 if max_tokens is None else max_tokens,
+        "temperature": DEFAULT_TEMPERATURE if temperature is None else temperature,
+    }
+
+
+def _build(cls: type[BaseModel], path: str, **fields: Any) -> Node:
+    """Construct a node; the checks above make a ValidationError unlikely, but one still becomes a parse error."""
+    try:
+        return cls(**fields)  # type: ignore[return-value]
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+        raise QueryParseError(f"{path}{where}", first["msg"]) from None
+
+
+def _children(value: Any, path: str, if_empty: str) -> tuple[Node, ...]:
+    items = _array(value, path)
+    if not items:
+        raise QueryParseError(path, if_empty)
+    return tuple(_read_node(item, f"{path}[{i}]") for i, item in enumerate(items))
+
+
+_G_FIELDS = ("model", "max_tokens", "temperature", "n", "stop", "seed", "input")
+
+
+def _read_generate_body(value: Any, path: str) -> Generate:
+    body = _object(value, path, _G_FIELDS, required=("input",))
+    n, stop, seed = (body.get(k) for k in ("n", "stop", "seed"))
+    stop_items = [] if stop is None else _array(stop, f"{path}.stop")
+    return _build(  # type: ignore[return-value]
+        Generate,
+        path,
+        input=_read_node(body["input"], f"{path}.input"),
+        **_settings(body, path),
+        n=1 if n is None else _integer(n, f"{path}.n", 1),
+        stop=tuple(_string(s, f"{path}.stop[{i}]") for i, s in enumerate(stop_items)),
+        seed=None if seed is None else _integer(seed, f"{path}.seed", None),
+    )
+
+
+def _read_g_node(value: Any, path: str) -> Generate:
+    node = _read_node(value, path)
+    if not isinstance(node, Generate):
+        raise QueryParseError(path, f'expected a "g" node, got "{next(iter(value))}"')
+    return node
+
+
+def _read_join(cls: type[Plus | Cross], keyword: str) -> _Reader:
+    return lambda value, path: _build(
+        cls, path, children=_children(value, path, f'a "{keyword}" needs at least one child'), keyword=keyword
+    )
+
+
+def _read_message(cls: type[System | User]) -> _Reader:
+    return lambda value, path: _build(cls, path, text=_string(value, path))
+
+
+def _read_assistant(value: Any, path: str) -> Node:
+    if isinstance(value, str):
+        return Assistant(text=value)
+    if not isinstance(value, dict):
+        raise QueryParseError(
+            path, f'expected a string or an object {{"text", "source"}}, got {_describe(value)}'
+        )
+    body = _object(value, path, ("text", "source"), required=("text",))
+    source = body.get("source")
+    return _build(
+        Assistant,
+        path,
+        text=_string(body["text"], f"{path}.text"),
+        source=None if source is None else _read_g_node(source, f"{path}.source"),
+    )
+
+
+def _read_fragment(value: Any, path: str) -> Node:
+    if isinstance(value, str):
+        return Fragment(text=value)
+    if not isinstance(value, dict):
+        expected = 'a string or an object {"text", "id", "metadata"}'
+        raise QueryParseError(path, f"expected {expected}, got {_describe(value)}")
+    body = _object(value, path, ("text", "id", "metadata"), required=("text",))
+    ident, metadata = body.get("id"), body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise QueryParseError(f"{path}.metadata", f"expected an object, got {_json_type(metadata)}")
+    return _build(
+        Fragment,
+        path,
+        text=_string(body["text"], f"{path}.text"),
+        id=None if ident is None else _string(ident, f"{path}.id"),
+        metadata=metadata or {},
+    )
+
+
+def _read_chat(value: Any, path: str) -> Node:
+    body = _object(value, path, ("model", "max_tokens", "temperature", "messages"), required=("messages",))
+    return _build(
+        Chat,
+        path,
+        messages=_children(body["messages"], f"{path}.messages", "a chat needs at least one message"),
+        **_settings(body, path),
+    )
+
+
+def _read_retrieve(value: Any, path: str) -> Node:
+    body = _object(value, path, ("query", "k", "retriever"), required=("query",))
+    k, retriever = body.get("k"), body.get("retriever")
+    return _build(
+        Retrieve,
+        path,
+        query=_string(body["query"], f"{path}.query"),
+        k=4 if k is None else _integer(k, f"{path}.k", 1),
+        retriever="default" if retriever is None else _string(retriever, f"{path}.retriever"),
+    )
+
+
+def _read_repeat(value: Any, path: str) -> Node:
+    """`{"n", "g": {...}}` (spnl 0.22), `{"n", "query": {"g": {...}}}` (older spnl) or `{"n", "generate": {...}}`."""
+    body = _object(value, path, ("n", "g", "query", "generate"), required=("n",))
+    forms = [key for key in ("g", "query", "generate") if key in body]
+    if len(forms) != 1:
+        found = f"got {', '.join(json.dumps(f) for f in forms)}" if forms else "got none"
+        raise QueryParseError(path, f'expected exactly one of "g", "query" or "generate" ({found})')
+    (form,) = forms
+    where = f"{path}.{form}"
+    query = _read_g_node(body[form], where) if form == "query" else _read_generate_body(body[form], where)
+    return _build(Repeat, path, n=_integer(body["n"], f"{path}.n", 1), query=query)
+
+
+def _read_map(value: Any, path: str) -> Node:
+    body = _object(value, path, ("metadata", "inputs"), required=("inputs",))
+    metadata = body.get("metadata")
+    if metadata is not None:
+        metadata = _object(metadata, f"{path}.metadata", ("model", "max_tokens", "temperature"))
+    settings = _settings(metadata or {}, f"{path}.metadata")
+    inputs = _array(body["inputs"], f"{path}.inputs")
+    texts = tuple(_string(s, f"{path}.inputs[{i}]") for i, s in enumerate(inputs))
+    return _build(Map, path, inputs=texts, **settings)
+
+
+_READERS: dict[str, _Reader] = {
+    "g": _read_generate_body,
+    "seq": _read_join(Cross, "seq"),
+    "cross": _read_join(Cross, "cross"),
+    "par": _read_join(Plus, "par"),
+    "plus": _read_join(Plus, "plus"),
+    "system": _read_message(System),
+    "user": _read_message(User),
+    "assistant": _read_assistant,
+    "fragment": _read_fragment,
+    "chat": _read_chat,
+    "retrieve": _read_retrieve,
+    "repeat": _read_repeat,
+    "map": _read_map,
+    "monad": lambda value, path: Monad(query=_read_node(value, path)),
+    "print": lambda value, path: Print(text=_string(value, path)),
+}
+_NODE_KEYS = ", ".join(sorted(_READERS))

@@ -1,0 +1,167 @@
+"""The async executor: runs a span query against a backend and returns the closed tree with per-call metrics.
+
+Independent siblings (`Plus`/`par` children, the copies of a `Repeat`) run concurrently, bounded by a semaphore
+on backend calls; `Cross`/`seq` children run in order. A finished `Generate` becomes an `Assistant` whose
+`source` is the `Generate` it ran (with its input already closed). If any call fails, its running siblings
+are cancelled and awaited, and the error names the failing node's path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from spanq_integrations.backends.protocol import (
+    Backend,
+    CallMetrics,
+    ExecutionResult,
+    TokenCallback,
+    answer_of,
+)
+from spanq_integrations.backends.resolve import resolve_backend
+from spanq_integrations.query.errors import GenerationError, QueryValidationError, SpanQueryError
+from spanq_integrations.query.ir import (
+    Assistant,
+    Chat,
+    Cross,
+    Fragment,
+    Generate,
+    Map,
+    Monad,
+    Node,
+    Plus,
+    Print,
+    Repeat,
+    Retrieve,
+    System,
+    User,
+)
+from spanq_integrations.runtime.sync import run_sync
+
+__all__ = ["ExecutionResult", "aexecute", "answer_of", "execute"]  # the result model lives with the protocol
+
+
+def _answer_path(tree: Node, path: str = "$") -> str | None:
+    """The path of the `Generate` whose output is the answer (the one `on_token` streams)."""
+    if isinstance(tree, Generate):
+        return path
+    if isinstance(tree, Cross) and tree.children:
+        i = len(tree.children) - 1
+        return _answer_path(tree.children[i], f"{path}.{tree.keyword}[{i}]")
+    return None
+
+
+async def _all_or_cancel(aws: Sequence[Awaitable[Node]]) -> list[Node]:
+    """Await concurrently; on the first failure cancel the others, wait for them, and raise that failure."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        if failed:
+            raise failed[0].exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Run:
+    def __init__(self, backend: Backend, limit: int, on_token: TokenCallback | None, stream_path: str | None):
+        self.backend = backend
+        self.semaphore = asyncio.Semaphore(limit)
+        self.on_token = on_token
+        self.stream_path = stream_path
+        self.calls: list[CallMetrics] = []
+
+    async def eval(self, node: Node, path: str) -> Node:
+        if isinstance(node, (System, User, Assistant, Fragment)):
+            return node
+        if isinstance(node, Print):
+            print(node.text, flush=True)
+            return node
+        if isinstance(node, Cross):
+            out = []
+            for i, child in enumerate(node.children):
+                out.append(await self.eval(child, f"{path}.{node.keyword}[{i}]"))
+            return node.model_copy(update={"children": tuple(out)})
+        if isinstance(node, Plus):
+            out = await _all_or_cancel(
+                [self.eval(c, f"{path}.{node.keyword}[{i}]") for i, c in enumerate(node.children)]
+            )
+            return node.model_copy(update={"children": tuple(out)})
+        if isinstance(node, Monad):
+            return node.model_copy(update={"query": await self.eval(node.query, f"{path}.monad")})
+        if isinstance(node, (Repeat, Map)):
+            calls = [self.eval(g, f"{path}.{node.kind}[{i}]") for i, g in enumerate(node.expand())]
+            return Plus(children=tuple(await _all_or_cancel(calls)))
+        if isinstance(node, Generate):
+            return await self.call(node, path)
+        if isinstance(node, (Chat, Retrieve)):
+            raise QueryValidationError(
+                path, f"{node.kind!r} is sugar: run the optimizer first (optimize=True)"
+            )
+        raise QueryValidationError(path, f"cannot execute {type(node).__name__}")
+
+    async def call(self, g: Generate, path: str) -> Node:
+        closed_input = await self.eval(g.input, f"{path}.g.input")
+        closed = g.model_copy(update={"input": closed_input})
+        on_token = self.on_token if path == self.stream_path else None
+        async with self.semaphore:
+            try:
+                completion = await self.backend.generate(closed, path=path, on_token=on_token)
+            except SpanQueryError as e:
+                if getattr(e, "path", None) is None and not isinstance(e, GenerationError):
+                    e.path = path  # type: ignore[attr-defined]
+                    e.args = (f"{path}: {e}",)
+                raise
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except Exception as e:
+                raise GenerationError(path, e) from e
+        metrics = completion.metrics.model_copy(update={"path": path})
+        self.calls.append(metrics)
+        outs = [Assistant(text=t, source=closed) for t in completion.texts]
+        return outs[0] if len(outs) == 1 else Plus(children=tuple(outs))
+
+
+async def aexecute(
+    query: Node,
+    backend: Backend | str | None = None,
+    *,
+    optimize: bool = True,
+    retrievers: Mapping[str, Callable[..., Any]] | None = None,
+    tree_reduction_k: int | None = None,
+    max_concurrency: int | None = None,
+    on_token: TokenCallback | None = None,
+) -> ExecutionResult:
+    """Run `query` on `backend` (a `Backend`, a URL, or None for the embedded default).
+
+    `optimize` applies the optimizer for this backend's capabilities first; `tree_reduction_k` turns on tree
+    reduction; `on_token` receives the answer's text as it streams.
+    """
+    be, owned = resolve_backend(backend)
+    try:
+        plan = query
+        if optimize:
+            from spanq_integrations.optimizer import optimize as run_optimizer
+
+            plan = run_optimizer(
+                query, be.capabilities, retrievers=retrievers, tree_reduction_k=tree_reduction_k
+            )
+        limit = max_concurrency or be.capabilities.max_concurrency
+        run = _Run(be, max(1, limit), on_token, _answer_path(plan))
+        t0 = time.perf_counter()
+        tree = await run.eval(plan, "$")
+        return ExecutionResult(tree=tree, calls=run.calls, wall_s=time.perf_counter() - t0, plan=plan)
+    finally:
+        if owned:
+            await be.aclose()
+
+
+def execute(query: Node, backend: Backend | str | None = None, **kwargs: Any) -> ExecutionResult:
+    """Synchronous `aexecute`, for scripts; also works when called from inside a running event loop."""
+    return run_sync(lambda: aexecute(query, backend, **kwargs), name="spanq-execute")

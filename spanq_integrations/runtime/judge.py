@@ -1,0 +1,422 @@
+"""Judges over many candidates, flat or as a tree of narrow judges (attention locality), on any backend.
+
+    result = judge(candidates, "Tell me the names of the cats mentioned.", k=2, reducer="extract")
+    result.verdict          # ['Ada Moreau', 'Bo Lind', …]
+    result.levels           # level 1 (4 calls over the candidates) … level 3 (the root)
+    result.metrics          # calls, tokens, wall time
+
+The judge is the query `G(cross(system, plus(candidates), user(instruction)))` of a reducer template
+(`reducers`); `k` turns on the optimizer's tree-reduction rule, which rewrites it into a k-ary tree of judges
+that each read at most k inputs (8 candidates, k=2: 4 + 2 + 1 = 7 calls in 3 levels). It needs nothing from
+the server, so it runs on any OpenAI-compatible endpoint, on `spanq serve` and embedded. Calls of one level run
+concurrently (they are independent `plus` children); a judge starts as soon as its own inputs are done.
+
+Candidates are texts or query nodes; a `Generate` (or `Chat`) candidate is an inner generation that runs inside
+the same tree. Candidates are opaque to the rewrite: they are optimized on their own (without tree reduction)
+and put back in place, so a candidate's own `plus` is neither flattened into the judge's nor reduced.
+
+The levels are read back from the executed tree's provenance: each judge's answer is an `Assistant` whose
+`source` is the closed call, whose input holds the answers (or candidates) it read.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from spanq_integrations.backends.protocol import Backend, BackendCapabilities, CallMetrics
+from spanq_integrations.backends.resolve import resolve_backend
+from spanq_integrations.query.errors import QueryValidationError, ReducerParseError, check_fan_in
+from spanq_integrations.query.flatten import block_text
+from spanq_integrations.query.ir import (
+    Assistant,
+    Chat,
+    Cross,
+    Fragment,
+    Generate,
+    Map,
+    Monad,
+    Node,
+    Plus,
+    Print,
+    Repeat,
+    Retrieve,
+    System,
+    User,
+    transform,
+)
+from spanq_integrations.runtime.executor import ExecutionResult, aexecute
+from spanq_integrations.runtime.reducers import Reducer, resolve_reducer
+from spanq_integrations.runtime.sync import run_sync
+
+__all__ = [
+    "JudgeCall",
+    "JudgeInput",
+    "JudgeLevel",
+    "JudgeMetrics",
+    "JudgeResult",
+    "ajudge",
+    "judge",
+    "judge_plan",
+    "judge_query",
+]
+
+Candidate = str | Node
+_NODE_TYPES = (System, User, Assistant, Fragment, Generate, Plus, Cross, Chat, Retrieve, Repeat, Map)
+_TEXT_TYPES = (System, User, Assistant, Fragment)
+DEFAULT_JUDGE_MAX_TOKENS = 256
+
+
+# --------------------------------------------------------------------------------------------- results
+
+
+class JudgeInput(BaseModel):
+    """One input of a judge call: an original candidate (by index) or the answer of a lower judge (by path)."""
+
+    kind: Literal["candidate", "call"]
+    index: int | None = None  # the candidate's index, for kind="candidate"
+    path: str | None = None  # the lower judge's call path, for kind="call"
+    text: str
+
+
+class JudgeCall(BaseModel):
+    """One judge call of the executed tree: where it ran, what it read, what it answered."""
+
+    path: str
+    level: int  # 1: reads only candidates; the root has the highest level
+    inputs: list[JudgeInput]
+    output: str
+    metrics: CallMetrics | None = None
+    parsed: Any = None  # the output read by the reducer (intermediate answers too)
+    parse_error: str | None = None  # why an intermediate answer could not be read (the root's raises)
+
+
+class JudgeLevel(BaseModel):
+    level: int
+    calls: list[JudgeCall]
+
+
+class JudgeMetrics(BaseModel):
+    """The cost of a judge run: judge calls, every call (inner generations too), tokens and wall time."""
+
+    judge_calls: int = 0
+    calls: int = 0
+    levels: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    wall_s: float = 0.0
+
+
+class JudgeResult(BaseModel):
+    """What `judge` returns: the verdict (per reducer), the levels read from provenance, and the cost."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    verdict: Any
+    reducer: str
+    k: int | None
+    candidates: list[str]  # the candidates' texts (inner generations' outputs once they ran)
+    levels: list[JudgeLevel] = Field(default_factory=list)  # level 1 first, the root's level last
+    calls: list[CallMetrics] = Field(default_factory=list)  # every call, in completion order
+    metrics: JudgeMetrics = Field(default_factory=JudgeMetrics)
+    tree: Any = None  # the closed tree
+    plan: Any = None  # the executed plan
+
+    @property
+    def answer(self) -> str:
+        """The root judge's raw answer ("" when no judge call was needed)."""
+        return self.levels[-1].calls[0].output if self.levels else ""
+
+    @property
+    def judge_calls(self) -> list[JudgeCall]:
+        return [c for level in self.levels for c in level.calls]
+
+
+# --------------------------------------------------------------------------------------------- queries
+
+
+def _check_k(k: int | None) -> None:
+    check_fan_in(k, "k", "candidates", none="for one flat judge over all candidates")
+
+
+def _as_candidate(candidate: Candidate, index: int) -> Node:
+    if isinstance(candidate, str):
+        return Fragment(text=candidate)
+    if isinstance(candidate, (Monad, Print)):
+        raise QueryValidationError(
+            f"judge(candidates)[{index}]", f"a {candidate.kind} is an effect, not a candidate to judge"
+        )
+    if isinstance(candidate, _NODE_TYPES):
+        return candidate
+    raise QueryValidationError(
+        f"judge(candidates)[{index}]",
+        f"a candidate must be a string or a query node (a Generate for an inner generation), "
+        f"got {type(candidate).__name__}",
+    )
+
+
+def _candidates(candidates: Sequence[Candidate]) -> list[Node]:
+    if isinstance(candidates, (str, BaseModel)):
+        raise QueryValidationError("judge(candidates)", "pass a list of candidates, not a single one")
+    nodes = [_as_candidate(c, i) for i, c in enumerate(candidates)]
+    if not nodes:
+        raise QueryValidationError("judge(candidates)", "there are no candidates to judge: pass at least one")
+    return nodes
+
+
+def _judge_generate(
+    reducer: Reducer, candidates: Sequence[Node], instruction: str, settings: dict[str, Any]
+) -> Generate:
+    return Generate(
+        input=Cross(
+            children=(
+                System(text=reducer.system_prompt),
+                Plus(children=tuple(candidates)),
+                User(text=reducer.instruction(instruction)),
+            )
+        ),
+        **settings,
+    )
+
+
+def _settings(model: str, max_tokens: int, temperature: float, seed: int | None) -> dict[str, Any]:
+    return {"model": model, "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+
+
+def judge_query(
+    candidates: Sequence[Candidate],
+    instruction: str,
+    reducer: Reducer | str = "extract",
+    *,
+    model: str = "",
+    max_tokens: int = DEFAULT_JUDGE_MAX_TOKENS,
+    temperature: float = 0.0,
+    seed: int | None = None,
+) -> Generate:
+    """The flat judge as a span query: one call that reads every candidate. `optimize(..., tree_reduction_k=k,
+    tree_reduction_instruction=reducer.intermediate_instruction(instruction))` turns it into the tree."""
+    r = resolve_reducer(reducer)
+    nodes = [r.present(i, c) for i, c in enumerate(_candidates(candidates))]
+    return _judge_generate(r, nodes, instruction, _settings(model, max_tokens, temperature, seed))
+
+
+def judge_plan(
+    candidates: Sequence[Candidate],
+    instruction: str,
+    k: int | None = 2,
+    reducer: Reducer | str = "extract",
+    capabilities: BackendCapabilities | None = None,
+    *,
+    model: str = "",
+    max_tokens: int = DEFAULT_JUDGE_MAX_TOKENS,
+    temperature: float = 0.0,
+    seed: int | None = None,
+) -> Node:
+    """The optimized query `judge` runs: the flat judge rewritten by the optimizer's tree-reduction rule.
+
+    The candidates stand in as placeholders while the optimizer runs, then are put back, each optimized on
+    its own: the rule groups them without looking inside, and reduces nothing within them.
+    """
+    from spanq_integrations.optimizer import optimize
+
+    _check_k(k)
+    r = resolve_reducer(reducer)
+    nodes = _candidates(candidates)
+    nonce = secrets.token_hex(6)
+    placeholders = [Fragment(text=f"\u27e6spanq-judge-candidate:{i}:{nonce}\u27e7") for i in range(len(nodes))]
+    flat = _judge_generate(r, placeholders, instruction, _settings(model, max_tokens, temperature, seed))
+    tree = optimize(
+        flat,
+        capabilities,
+        tree_reduction_k=k,
+        tree_reduction_instruction=r.intermediate_instruction(instruction),
+    )
+    presented = {
+        p.text: r.present(i, optimize(c, capabilities)) for i, (p, c) in enumerate(zip(placeholders, nodes))
+    }
+
+    def put_back(node: Node) -> Node:
+        if isinstance(node, Fragment) and node.text in presented:
+            return presented[node.text]
+        return node
+
+    return transform(tree, put_back)
+
+
+# --------------------------------------------------------------------------------------------- provenance
+
+
+class _Reader:
+    """Reads the judge calls, level by level, out of an executed tree."""
+
+    def __init__(self, reducer: Reducer, instruction: str, n: int, calls: Sequence[CallMetrics]):
+        self.reducer = reducer
+        self.system = System(text=reducer.system_prompt)
+        self.instructions = {reducer.instruction(instruction), reducer.intermediate_instruction(instruction)}
+        self.metrics = {c.path: c for c in calls}
+        self.texts: list[str] = [""] * n
+        self.judges: list[JudgeCall] = []
+        self._next_candidate = 0
+
+    def is_judge(self, node: Node) -> bool:
+        """A judge's answer: generated from `cross(our system, group, our instruction)`."""
+        if not (isinstance(node, Assistant) and isinstance(node.source, Generate)):
+            return False
+        inp = node.source.input
+        return (
+            isinstance(inp, Cross)
+            and len(inp.children) == 3
+            and inp.children[0] == self.system
+            and isinstance(inp.children[2], User)
+            and inp.children[2].text in self.instructions
+        )
+
+    def read(self, node: Node, path: str) -> tuple[int, JudgeInput]:
+        """(height, input) of a `plus` child: a judge's answer (height >= 1) or a candidate (height 0)."""
+        if not self.is_judge(node):
+            index = self._next_candidate  # tree reduction keeps the candidates' order: read them in order
+            self._next_candidate += 1
+            text = self.reducer.candidate_text(index, node)
+            if index < len(self.texts):
+                self.texts[index] = text
+            return 0, JudgeInput(kind="candidate", index=index, text=text)
+        g: Generate = node.source  # type: ignore[union-attr,assignment]
+        cross: Cross = g.input  # type: ignore[assignment]
+        group = cross.children[1]
+        base = f"{path}.g.input.{cross.keyword}[1]"
+        if isinstance(group, Plus):
+            read = [self.read(child, f"{base}.{group.keyword}[{j}]") for j, child in enumerate(group.children)]
+        else:  # one candidate: the optimizer dropped the single-child plus
+            read = [self.read(group, base)]
+        level = 1 + max(height for height, _ in read)
+        self.judges.append(
+            JudgeCall(
+                path=path,
+                level=level,
+                inputs=[inp for _, inp in read],
+                output=node.text,  # type: ignore[union-attr]
+                metrics=self.metrics.get(path),
+            )
+        )
+        return level, JudgeInput(kind="call", path=path, text=node.text)  # type: ignore[union-attr]
+
+    def levels(self) -> list[JudgeLevel]:
+        by_level: dict[int, list[JudgeCall]] = {}
+        for call in self.judges:
+            by_level.setdefault(call.level, []).append(call)
+        return [JudgeLevel(level=lv, calls=by_level[lv]) for lv in sorted(by_level)]  # each left to right
+
+
+def _metrics(levels: list[JudgeLevel], run: ExecutionResult) -> JudgeMetrics:
+    totals = run.totals()
+    return JudgeMetrics(
+        judge_calls=sum(len(level.calls) for level in levels),
+        calls=int(totals["calls"]),
+        levels=len(levels),
+        prompt_tokens=int(totals["prompt_tokens"]),
+        cached_tokens=int(totals["cached_tokens"]),
+        generated_tokens=int(totals["generated_tokens"]),
+        wall_s=run.wall_s,
+    )
+
+
+# --------------------------------------------------------------------------------------------- running
+
+
+async def _lone(
+    r: Reducer, candidate: Node, k: int | None, backend: Backend, max_concurrency: int | None
+) -> JudgeResult:
+    """One candidate and a reducer that needs no call for it: the verdict is the candidate (an inner
+    generation among the candidates still runs, alone)."""
+    if isinstance(candidate, _TEXT_TYPES):
+        return JudgeResult(verdict=r.lone(candidate.text), reducer=r.name, k=k, candidates=[candidate.text])
+    from spanq_integrations.optimizer import optimize
+
+    plan = optimize(candidate, backend.capabilities)
+    run = await aexecute(plan, backend, optimize=False, max_concurrency=max_concurrency)
+    text = block_text(run.tree)
+    return JudgeResult(
+        verdict=r.lone(text), reducer=r.name, k=k, candidates=[text], calls=run.calls,
+        metrics=_metrics([], run), tree=run.tree, plan=plan,
+    )  # fmt: skip
+
+
+async def ajudge(
+    candidates: Sequence[Candidate],
+    instruction: str,
+    k: int | None = 2,
+    reducer: Reducer | str = "extract",
+    *,
+    backend: Backend | str | None = None,
+    model: str = "",
+    max_tokens: int = DEFAULT_JUDGE_MAX_TOKENS,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    max_concurrency: int | None = None,
+) -> JudgeResult:
+    """Judge `candidates` by `instruction` with a reducer template; `k` (>= 2) makes it a k-ary tree of judges,
+    `k=None` one flat judge. `backend` is a `Backend`, a URL, or None for the embedded default.
+
+    Errors: `QueryValidationError` for k < 2, no candidates or an unknown reducer (before any call);
+    `ReducerParseError` when the root's answer cannot be parsed: it names the call's path, shows the output
+    (`.path`, `.output`) and carries the run as `.result` (verdict None) for a fallback of your own.
+    Intermediate answers that cannot be parsed are recorded in their `JudgeCall.parse_error`.
+    """
+    _check_k(k)
+    r = resolve_reducer(reducer)
+    nodes = _candidates(candidates)
+    be, owned = resolve_backend(backend)
+    try:
+        if len(nodes) == 1 and not r.reads_a_lone_candidate:
+            return await _lone(r, nodes[0], k, be, max_concurrency)
+        plan = judge_plan(
+            nodes, instruction, k, r, be.capabilities,
+            model=model, max_tokens=max_tokens, temperature=temperature, seed=seed,
+        )  # fmt: skip
+        run = await aexecute(plan, be, optimize=False, max_concurrency=max_concurrency)
+    finally:
+        if owned:
+            await be.aclose()
+
+    reader = _Reader(r, instruction, len(nodes), run.calls)
+    reader.read(run.tree, "$")
+    levels = reader.levels()
+    root = levels[-1].calls[0]
+    root_error: ReducerParseError | None = None
+    for call in reader.judges:
+        try:
+            call.parsed = r.parse(call.output, path=call.path, candidates=reader.texts)
+        except ReducerParseError as e:
+            call.parse_error = str(e)
+            if call is root:
+                root_error = e
+    result = JudgeResult(
+        verdict=root.parsed,
+        reducer=r.name,
+        k=k,
+        candidates=reader.texts,
+        levels=levels,
+        calls=run.calls,
+        metrics=_metrics(levels, run),
+        tree=run.tree,
+        plan=plan,
+    )
+    if root_error is not None:
+        root_error.result = result  # type: ignore[attr-defined]  # the levels, for a fallback of your own
+        raise root_error
+    return result
+
+
+def judge(
+    candidates: Sequence[Candidate],
+    instruction: str,
+    k: int | None = 2,
+    reducer: Reducer | str = "extract",
+    **kwargs: Any,
+) -> JudgeResult:
+    """Synchronous `ajudge`, for scripts; also works when called from inside a running event loop."""
+    return run_sync(lambda: ajudge(candidates, instruction, k, reducer, **kwargs), name="spanq-judge")
