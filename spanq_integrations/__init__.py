@@ -24,6 +24,7 @@ from spanq_integrations.query.errors import (
     QueryParseError,
     QueryValidationError,
     ReducerParseError,
+    RequestRejectedError,
     SpanQueryError,
 )
 from spanq_integrations.query.ir import (
@@ -109,5 +110,6 @@ __all__ = [  # noqa: RUF022  (grouped by topic)
     "ContextLengthError",
     "GenerationError",
     "ReducerParseError",
+    "RequestRejectedError",
     "__version__",
 ]

@@ -22,7 +22,12 @@ from typing import Any
 from spanq_backend.kv.span_table import EXTRA_ARGS_KEY, SpanTable
 from spanq_backend.serving.lowering import LoweredPrompt, Tokenizer, lower
 from spanq_integrations.backends.protocol import CallMetrics, Completion, TokenCallback
-from spanq_integrations.query.errors import BackendError, ContextLengthError, SpanQueryError
+from spanq_integrations.query.errors import (
+    BackendError,
+    ContextLengthError,
+    RequestRejectedError,
+    SpanQueryError,
+)
 from spanq_integrations.query.ir import Assistant, Generate
 
 __all__ = [
@@ -57,7 +62,7 @@ def engine_error(e: Exception) -> SpanQueryError:
     msg = str(e)
     if "longer than" in msg or "context length" in msg:
         return ContextLengthError(msg)
-    return BackendError(msg)
+    return RequestRejectedError(f"the engine refused the request: {msg}")
 
 
 # --------------------------------------------------------------------------------------------- generation
@@ -185,15 +190,19 @@ class SpanGenerator:
 
     def sampling_params(self, call: Generate, seed: int | None = None) -> Any:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
-        return SamplingParams(
-            max_tokens=call.max_tokens or self.default_max_tokens,
-            temperature=call.temperature,
-            stop=list(call.stop) or None,
-            seed=seed if seed is not None else call.seed,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        try:
+            return SamplingParams(
+                max_tokens=call.max_tokens or self.default_max_tokens,
+                temperature=call.temperature,
+                stop=list(call.stop) or None,
+                seed=seed if seed is not None else call.seed,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except (VLLMClientError, ValueError) as e:  # parameters vLLM refuses: the client's to fix
+            raise engine_error(e) from e
 
     async def run(
         self,

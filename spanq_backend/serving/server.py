@@ -40,9 +40,17 @@ from spanq_integrations.query.errors import (
     QueryParseError,
     QueryValidationError,
     ReducerParseError,
+    RequestRejectedError,
     SpanQueryError,
 )
 from spanq_integrations.query.ir import Chat, Generate, Map, Node, walk
+from spanq_integrations.query.limits import (
+    DEFAULT_LIMITS,
+    QueryLimitError,
+    QueryLimits,
+    check_json_depth,
+    check_limits,
+)
 from spanq_integrations.query.spnl_json import from_json, to_json
 from spanq_integrations.runtime.executor import ExecutionResult, aexecute
 
@@ -165,6 +173,7 @@ _ERROR_STATUS: tuple[tuple[type[SpanQueryError], int], ...] = (
     (ReducerParseError, 500),
     (ModelNotFoundError, 404),
     (ContextLengthError, 400),
+    (RequestRejectedError, 400),
     (BackendUnavailableError, 503),
     (BackendError, 500),
     (GenerationError, 500),
@@ -174,13 +183,18 @@ _ERROR_STATUS: tuple[tuple[type[SpanQueryError], int], ...] = (
 
 def error_body(error: BaseException) -> tuple[int, dict[str, Any]]:
     """HTTP status and OpenAI-shaped body `{"error": {"message", "type", "code"}}` for a failure."""
-    for cls, status in _ERROR_STATUS:
-        if isinstance(error, cls):
-            return status, {"error": {"message": str(error), "type": type(error).__name__, "code": status}}
-    log.error("query failed", exc_info=error)
-    return 500, {
-        "error": {"message": f"{type(error).__name__}: {error}", "type": "InternalServerError", "code": 500}
-    }
+    if isinstance(error, GenerationError) and isinstance(error.cause, SpanQueryError):
+        error = error.cause  # a call's own typed failure decides the status
+    if not isinstance(error, GenerationError):
+        for cls, status in _ERROR_STATUS:
+            if isinstance(error, cls):
+                return status, {"error": {"message": str(error), "type": type(error).__name__, "code": status}}
+    # Anything else is the server's own fault: its text stays in the log, the client gets an id to quote.
+    incident = uuid.uuid4().hex[:12]
+    where = f" at {error.path}" if isinstance(error, GenerationError) else ""
+    log.error("query failed (incident %s)", incident, exc_info=error)
+    message = f"internal error{where} (incident {incident}); the server's log has the details"
+    return 500, {"error": {"message": message, "type": "InternalServerError", "code": 500}}
 
 
 def usage_of(result: ExecutionResult) -> dict[str, Any]:
@@ -188,15 +202,28 @@ def usage_of(result: ExecutionResult) -> dict[str, Any]:
     return result.usage.openai()
 
 
-def parse_query(body: bytes) -> Node:
-    """The span query in a request body; a `QueryParseError` naming the JSON path if it is not one."""
+def parse_query(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> Node:
+    """The span query in a request body, within `limits`; a `QueryParseError` naming the JSON path if it is not
+    one, a `QueryLimitError` naming the limit if it asks for too much. Nothing else runs before this passes."""
+    if len(body) > limits.max_body_bytes:
+        raise QueryLimitError(
+            "$", f"the body is {len(body)} bytes, over the server's limit max_body_bytes={limits.max_body_bytes} "
+            "(spanq serve --max-body-bytes)"
+        )
     try:
         doc = json.loads(body)
+    except RecursionError:
+        raise QueryLimitError(
+            "$", f"the body is nested too deeply: over the limit max_depth={limits.max_depth} (spanq serve --max-depth)"
+        ) from None
     except ValueError as e:
         raise QueryParseError(
             "$", f"the request body is not JSON ({e}); send a span query in spnl JSON"
         ) from e
-    return from_json(doc)
+    check_json_depth(doc, limits)
+    query = from_json(doc)
+    check_limits(query, limits)
+    return query
 
 
 class _StreamedAnswer(Backend):
@@ -296,7 +323,9 @@ class QueryRun:
             await self.task
 
 
-def build_query_router(tokenizer: Any, served_model_names: Sequence[str]) -> Any:
+def build_query_router(
+    tokenizer: Any, served_model_names: Sequence[str], limits: QueryLimits = DEFAULT_LIMITS
+) -> Any:
     """The FastAPI router of `POST /v1/query/execute`, for an app whose state holds vLLM's engine client."""
     from fastapi import APIRouter
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -361,7 +390,7 @@ def build_query_router(tokenizer: Any, served_model_names: Sequence[str]) -> Any
         """Run a span query (spnl JSON); `?stream=true` streams the answer as chat.completion.chunk events."""
         backend = await backend_of(raw_request)
         try:
-            query = parse_query(body)
+            query = parse_query(body, limits)
             backend.check_models(query)
         except SpanQueryError as e:
             return error_response(e)
@@ -397,6 +426,18 @@ def build_query_router(tokenizer: Any, served_model_names: Sequence[str]) -> Any
 # --------------------------------------------------------------------------------------------- the command
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def limits_of(args: argparse.Namespace) -> QueryLimits:
+    """The query limits `spanq serve` was started with."""
+    return QueryLimits(**{name: getattr(args, f"spanq_{name}") for name in DEFAULT_LIMITS.describe()})
+
+
 def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     """`vllm serve`'s arguments with spanq's defaults; `--model default|tiny|PATH` resolved to a folder."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -413,6 +454,12 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
             "`vllm serve` option passes through.",
         )
     )
+    limits = parser.add_argument_group(
+        "spanq query limits", "what one POST /v1/query/execute may ask for; a query over a limit is a 400 naming it"
+    )
+    for name, default in DEFAULT_LIMITS.describe().items():
+        limits.add_argument(f"--{name.replace('_', '-')}", dest=f"spanq_{name}", type=_positive_int, default=default,
+                            metavar="N", help=f"(default {default})")
     parser.set_defaults(**SERVE_DEFAULTS, **(CPU_SERVE_DEFAULTS if current_platform.is_cpu() else {}))
     args = parser.parse_args(list(argv))
     if args.headless or args.grpc or (args.api_server_count or 1) != 1:
@@ -465,7 +512,8 @@ def serve_main(argv: list[str]) -> int:
     configure_logging_from_args(args)
     from spanq_backend.vllm_integration.frontend import query_route_mounted
 
-    with query_route_mounted(lambda: build_query_router(tokenizer, args.served_model_name)):
+    limits = limits_of(args)
+    with query_route_mounted(lambda: build_query_router(tokenizer, args.served_model_name, limits)):
         uvloop.run(entry.run_server(args))
     return 0
 

@@ -12,6 +12,7 @@ __all__ = [
     "QueryParseError",
     "QueryValidationError",
     "ReducerParseError",
+    "RequestRejectedError",
     "SpanQueryError",
     "check_fan_in",
 ]
@@ -57,6 +58,10 @@ class ModelNotFoundError(BackendError):
 
 class ContextLengthError(BackendError):
     """A prompt (or a single span) does not fit the model's context window."""
+
+
+class RequestRejectedError(BackendError):
+    """The engine refused a request's parameters (a client's mistake, not the server's)."""
 
 
 class GenerationError(SpanQueryError):

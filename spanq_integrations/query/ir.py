@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 DEFAULT_TEMPERATURE = 0.6  # spnl's default
+MAX_TEMPERATURE = 2.0  # what OpenAI-compatible servers (vLLM included) accept
 
 
 class _Node(BaseModel):
@@ -95,10 +96,10 @@ class Generate(_Node):
     input: Node
     model: str = ""
     max_tokens: int = Field(default=0, ge=0)
-    temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0)
+    temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0, le=MAX_TEMPERATURE)
     n: int = Field(default=1, ge=1)
     stop: tuple[str, ...] = ()
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # a 64-bit seed, as samplers take
 
 
 class Plus(_Node):
@@ -124,7 +125,7 @@ class Chat(_Node):
     messages: tuple[Node, ...]
     model: str = ""
     max_tokens: int = Field(default=0, ge=0)
-    temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0)
+    temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0, le=MAX_TEMPERATURE)
 
 
 class Retrieve(_Node):
@@ -156,7 +157,7 @@ class Map(_Node):
     inputs: tuple[str, ...]
     model: str = ""
     max_tokens: int = Field(default=0, ge=0)
-    temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0)
+    temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0, le=MAX_TEMPERATURE)
 
     def expand(self) -> tuple[Generate, ...]:
         """The generate calls it stands for: one per input, each the input as a user message."""

@@ -123,6 +123,7 @@ def from_json(doc: dict[str, Any] | str) -> Node:
     """The query of a spnl JSON document: a parsed object, or JSON text."""
     if isinstance(doc, str):
         return loads(doc)
+    _check_text(doc)
     try:
         return _read_node(doc, "$")
     except RecursionError:
@@ -149,6 +150,25 @@ def load_file(path: str | os.PathLike[str]) -> Node:
 
 
 _Reader = Callable[[Any, str], Node]
+
+
+def _check_text(doc: Any) -> None:
+    """Refuse strings that are not Unicode text (a lone surrogate, which JSON's `\\ud800` escapes allow): no
+    tokenizer reads them and no answer could carry them back. One walk, without recursion."""
+    stack: list[tuple[Any, str]] = [(doc, "$")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise QueryParseError(path, f"not valid Unicode text (a lone surrogate at index {e.start})") from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, path))
+                stack.append((item, f"{path}.{key}" if isinstance(key, str) else path))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
 
 
 def _json_type(value: Any) -> str:

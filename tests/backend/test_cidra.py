@@ -2,7 +2,7 @@
 
 A property test drives the planner against a model of the KV cache (which position each physical block's
 keys encode, who holds it); an end-to-end test runs 8 orders of the same 4 fragments in one batch on the
-real engine and compares each output with the same request run alone.
+real engine and compares each output with the same request run alone and with the HF span reference.
 """
 
 from __future__ import annotations
@@ -111,11 +111,13 @@ def test_one_request_reading_a_block_at_two_positions_gets_a_copy():
 
 
 @pytest.mark.vllm
-def test_eight_orders_in_one_batch_match_solo_runs(tiny_backend):
+def test_eight_orders_in_one_batch_match_solo_runs_and_the_reference(tiny_backend, tiny_model):
+    import torch
     from test_span_correctness import rag_query
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    from benchmarks.hf_span import load_hf_model, span_reference_logprobs
     from spanq_backend import vllm_integration as vllm_plugin
 
     engine = tiny_backend.engine
@@ -150,6 +152,13 @@ def test_eight_orders_in_one_batch_match_solo_runs(tiny_backend):
         assert t_tok == a_tok, order
         assert max(abs(x - y) for x, y in zip(t_lp, a_lp)) < 1e-4, order
         assert t_cached == a_cached > 0
+    # Not only consistent with itself: each batched output is span attention, by the independent reference.
+    hf = load_hf_model(tiny_model)
+    for order, (t_tok, t_lp, _) in zip(order_list, together):
+        lw = engine.lower(rag_query(order))
+        ref = span_reference_logprobs(hf, lw.token_ids, lw.table.spans, t_tok).double()
+        got = torch.tensor(t_lp, dtype=torch.float64)
+        assert torch.allclose(got, ref, atol=2e-4), f"{order}: max |diff| = {(got - ref).abs().max():.2e}"
 
 
 @pytest.mark.vllm

@@ -118,7 +118,18 @@ def test_requests_racing_on_new_spans_leave_only_isolated_kv(small_engine, hf_mo
         await engine.prepare(second)
         return racing, second, await run_plain(engine, second)
 
-    _, second, (cached2, toks, lps) = asyncio.run(scenario())
+    (racing, _), second, (cached2, toks, lps) = asyncio.run(scenario())
+    # The racing request itself: whatever it found cached was isolated span KV, and everything after that was
+    # computed in context (attending to all before it), never read as a span that was not there yet.
+    first = engine.lower(query(d, "ABCD"))
+    cached, r_toks, r_lps = racing
+    spans = first.table.spans
+    hit = [span for span in spans if span[1] <= cached]
+    assert cached <= first.table.anchor_len or cached in {e for _, e in spans}, (
+        f"the hit ends inside a span ({cached}): {spans}"
+    )
+    ref = span_reference_logprobs(hf_model, first.token_ids, hit, r_toks).double()  # no spans: full attention
+    assert torch.allclose(r_lps, ref, atol=TOL), f"racing run: max |diff| = {(r_lps - ref).abs().max():.2e}"
     assert cached2 >= second.table.spans[-1][1]
     assert_matches_reference(hf_model, second, toks, lps)
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from spanq_integrations import (
     Assistant,
@@ -62,20 +64,28 @@ def rag_query(order: str, max_tokens: int = 6):
 
 
 class Server:
-    def __init__(self, url: str, log: Path, served_name: str):
+    def __init__(self, url: str, log: Path, served_name: str, pid: int = 0):
         self.url = url
         self.log = log
         self.served_name = served_name
+        self.pid = pid  # the API server process
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory, request) -> Iterator[Server]:
     port = free_port()
     log = tmp_path_factory.mktemp("spanq-serve") / "server.log"
-    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", str(tiny_model), "--port", str(port)]
+    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", str(tiny_model), "--port", str(port),
+               "--max-calls", "64"]
     failed_before = request.session.testsfailed
-    with running_server(command, log, "spanq serve"):
-        yield Server(f"http://127.0.0.1:{port}", log, tiny_model.name)
+    with running_server(command, log, "spanq serve") as proc:
+        yield Server(f"http://127.0.0.1:{port}", log, tiny_model.name, proc.pid)
     if request.session.testsfailed > failed_before:
         reporter = request.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
@@ -282,3 +292,89 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_its_blocks(server: Serv
     _wait_until_idle(server.url, idle_usage)
     answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(rag_query("DCBA", max_tokens=2)), timeout=60)
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+
+
+# --------------------------------------------------------------------------------------------- hostile input
+
+
+def _post_raw(server: Server, body: bytes | str) -> httpx.Response:
+    data = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else body
+    return httpx.post(f"{server.url}{EXECUTE}", content=data, headers={"content-type": "application/json"},
+                      timeout=120)
+
+
+def _assert_healthy(server: Server) -> None:
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_queries_over_a_limit_are_400s_naming_the_limit_and_the_server_stays_up(server: Server):
+    deep = '{"user":"x"}'
+    for _ in range(10_000):
+        deep = '{"plus":[' + deep + "]}"
+    cases = {
+        "max_n": '{"g":{"max_tokens":8,"temperature":0,"n":1000000000,"input":{"user":"hi"}}}',
+        "max_bulk": '{"repeat":{"n":10000000,"g":{"input":{"user":"hi"},"max_tokens":1}}}',
+        "max_depth": deep,
+        "max_calls": '{"repeat":{"n":200,"g":{"input":{"user":"hi"},"max_tokens":1}}}',  # this server: 64
+        "max_body_bytes": '{"user":"' + "x" * (9 << 20) + '"}',
+    }
+    rss = server.rss_bytes()
+    started = time.monotonic()
+    for limit, body in cases.items():
+        answer = _post_raw(server, body)
+        assert answer.status_code == 400, (limit, answer.status_code, answer.text[:300])
+        message = answer.json()["error"]["message"]
+        assert limit in message and "spanq serve --" in message, message
+        _assert_healthy(server)
+    assert time.monotonic() - started < 60, "refusing must not run anything"
+    assert server.rss_bytes() < rss + (512 << 20), "refused queries must not grow the server"
+
+
+def test_values_the_engine_would_refuse_are_400s_naming_the_path(server: Server):
+    cases = {
+        '{"g":{"max_tokens":2,"temperature":1e308,"input":{"user":"hi"}}}': "$.g.temperature",
+        '{"g":{"max_tokens":2,"seed":1208925819614629174706176,"input":{"user":"hi"}}}': "$.g.seed",
+        '{"g":{"max_tokens":2,"input":{"user":"\\ud800"}}}': "$.g.input.user",
+    }
+    for body, path in cases.items():
+        answer = _post_raw(server, body)
+        assert answer.status_code == 400, (body, answer.status_code, answer.text[:300])
+        assert answer.json()["error"]["message"].startswith(path), answer.text
+    _assert_healthy(server)
+
+
+# Random documents: mostly malformed, some small valid queries (one token each), some valid ones broken in one
+# place. Only 200 and 4xx may come back, and the server keeps answering.
+_small_queries = st.builds(
+    lambda text, n, order: {"g": {"max_tokens": 1, "temperature": 0, "n": n, "input": {"cross": [
+        {"system": "Notes."}, {"plus": [{"fragment": DOCS[c]} for c in order]}, {"user": text}]}}},
+    st.text(max_size=10), st.integers(1, 2), st.sampled_from(["AB", "BA", "C"]),
+)
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["g", "plus", "cross", "user", "input", "n", "max_tokens", "repeat", "fragment", "model"])
+        | st.text(max_size=3), inner, max_size=3),
+    max_leaves=12,
+)
+
+
+def _broken(doc: dict, data: st.DataObject) -> dict:
+    body = dict(doc["g"])
+    key = data.draw(st.sampled_from(["max_tokens", "temperature", "n", "input", "seed", "stop", "model"]))
+    body[key] = data.draw(_values)
+    return {"g": body}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzzed_queries_get_200_or_4xx_and_the_server_stays_up(server: Server, data):
+    kind = data.draw(st.sampled_from(["random", "valid", "broken"]))
+    doc = data.draw(_values) if kind == "random" else data.draw(_small_queries)
+    if kind == "broken":
+        doc = _broken(doc, data)
+    answer = httpx.post(f"{server.url}{EXECUTE}", json=doc, timeout=120)
+    assert answer.status_code == 200 or 400 <= answer.status_code < 500, (doc, answer.status_code, answer.text[:300])
+    if answer.status_code != 200:
+        assert "InternalServerError" not in answer.text
+    _assert_healthy(server)

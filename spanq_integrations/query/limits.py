@@ -1,0 +1,112 @@
+"""Size limits of a query, checked before any work starts (a server must not be taken down by one request).
+
+A span query is a tree a client writes: nothing in its grammar stops `"n": 1000000000` or a million-deep
+nesting, and either would exhaust a server's memory or stack long before a model ran. `QueryLimits` bounds
+what one query may ask for; `check_limits` walks the tree once, without recursion, and raises
+`QueryLimitError` (a `QueryValidationError`, HTTP 400) naming the limit, the path and how to raise it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+from spanq_integrations.query.errors import QueryValidationError
+from spanq_integrations.query.ir import Chat, Fragment, Generate, Map, Node, Repeat, Retrieve
+
+__all__ = ["DEFAULT_LIMITS", "QueryLimitError", "QueryLimits", "check_json_depth", "check_limits"]
+
+
+class QueryLimitError(QueryValidationError):
+    """A query asks for more than the server allows (`QueryLimits`)."""
+
+
+@dataclass(frozen=True)
+class QueryLimits:
+    """What one query may ask for. `spanq serve` takes each as `--max-...` (for example `--max-n 64`)."""
+
+    max_body_bytes: int = 8 << 20  # the request body, before it is parsed
+    max_depth: int = 64  # nesting of query nodes
+    max_n: int = 16  # choices of one generate call (`n`)
+    max_bulk: int = 256  # copies of a `repeat`, inputs of a `map`
+    max_calls: int = 1024  # generate calls in the whole query, choices and bulk copies included
+    max_fragments: int = 512  # corpus fragments (and retrieved ones, `k` each) in the whole query
+
+    def describe(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+DEFAULT_LIMITS = QueryLimits()
+
+
+def _fail(limit: str, value: int, allowed: int, path: str, what: str) -> QueryLimitError:
+    flag = "--" + limit.replace("_", "-")
+    return QueryLimitError(path, f"{what} is {value}, over the server's limit {limit}={allowed} (spanq serve {flag})")
+
+
+def check_json_depth(doc: Any, limits: QueryLimits = DEFAULT_LIMITS) -> None:
+    """Refuse a parsed JSON document nested deeper than a query may be, before it is read into nodes.
+
+    A query node nests through an object, its body, and (for joins) an array: three JSON levels per node."""
+    allowed = 3 * limits.max_depth + 3
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > allowed:
+            raise _fail("max_depth", depth // 3, limits.max_depth, "$", "the nesting of the document")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+
+
+def _children(node: Node) -> Iterator[tuple[str, Node]]:
+    for name in ("input", "query"):
+        child = getattr(node, name, None)
+        if child is not None and not isinstance(child, str):
+            yield f".{name}", child
+    children = getattr(node, "children", None)
+    if children is not None:
+        for i, child in enumerate(children):
+            yield f"[{i}]", child
+    messages = getattr(node, "messages", None)
+    if isinstance(node, Chat) and messages is not None:
+        for i, child in enumerate(messages):
+            yield f".messages[{i}]", child
+
+
+def check_limits(query: Node, limits: QueryLimits = DEFAULT_LIMITS) -> None:
+    """Raise `QueryLimitError` if `query` asks for more than `limits` allow; walks the tree once, iteratively."""
+    calls = 0
+    fragments = 0
+    # (node, path, depth, how many times it runs: the product of the n/repeat/map counts above it)
+    stack: list[tuple[Node, str, int, int]] = [(query, "$", 1, 1)]
+    while stack:
+        node, path, depth, runs = stack.pop()
+        if depth > limits.max_depth:
+            raise _fail("max_depth", depth, limits.max_depth, path, "the nesting of query nodes")
+        if isinstance(node, Generate):
+            if node.n > limits.max_n:
+                raise _fail("max_n", node.n, limits.max_n, f"{path}.n", "the number of choices")
+            runs *= node.n
+            calls += runs
+        elif isinstance(node, Repeat):
+            if node.n > limits.max_bulk:
+                raise _fail("max_bulk", node.n, limits.max_bulk, f"{path}.n", "the number of copies")
+            runs *= node.n
+        elif isinstance(node, Map):
+            count = len(node.inputs)
+            if count > limits.max_bulk:
+                raise _fail("max_bulk", count, limits.max_bulk, f"{path}.inputs", "the number of inputs")
+            calls += runs * count
+        elif isinstance(node, Fragment):
+            fragments += 1
+        elif isinstance(node, Retrieve):
+            fragments += node.k
+        if calls > limits.max_calls:
+            raise _fail("max_calls", calls, limits.max_calls, path, "the number of generate calls")
+        if fragments > limits.max_fragments:
+            raise _fail("max_fragments", fragments, limits.max_fragments, path, "the number of fragments")
+        for suffix, child in _children(node):
+            stack.append((child, path + suffix, depth + 1, runs))

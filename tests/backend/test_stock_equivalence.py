@@ -1,0 +1,110 @@
+"""Invariant 7 end to end: a request without a span table is served exactly as vLLM serves it with the plugin off.
+
+The stock side runs in a process of its own with `SPANQ_DISABLE_PLUGIN=1` (no hook of spanq's is installed
+there); the span side is the shared plugin-on engine of the test session. Both run the same prompts (some
+sharing prefixes, so the prefix cache is hit) greedily, with log-probabilities, one after another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+STOCK_RUN = r"""
+import asyncio, json, sys
+from spanq_backend import vllm_integration
+from spanq_backend.serving.engine import SpanEngine
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+prompts = json.loads(sys.argv[2])
+engine = SpanEngine(model=sys.argv[1], spans=False, max_model_len=2048, max_num_seqs=8)
+assert not vllm_integration._registered, "the plugin loaded although SPANQ_DISABLE_PLUGIN=1"
+
+async def run():
+    out = []
+    for ids in prompts:
+        params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
+        outs, _ = await engine.run_tokens(ids, params)
+        toks = [t for o in outs for t in o.outputs[0].token_ids]
+        lps = [lp[t].logprob for o in outs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
+        out.append({"tokens": toks, "logprobs": lps, "cached": outs[-1].num_cached_tokens or 0})
+    return out
+
+print("RESULT " + json.dumps(asyncio.run(run())))
+engine.close()
+"""
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    base = "You are a careful assistant. " * 12
+    texts = [base + "Name three colours.", base + "Name three rivers.", "Count to five.", base + "Name three colours."]
+    return [tokenizer.encode(t) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_backend, tiny_model) -> list[dict]:
+    prompts = _prompts(tiny_backend.engine.tokenizer)
+    env = {**os.environ, "SPANQ_DISABLE_PLUGIN": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", STOCK_RUN, str(tiny_model), json.dumps(prompts)],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, done.stdout[-2000:] + done.stderr[-3000:]
+    results = json.loads(line.removeprefix("RESULT "))
+    assert results[-1]["cached"] > 0, "the stock run hit its prefix cache (the repeated prompt)"
+    return results
+
+
+def run_plugin_on(engine, prompts: list[list[int]]) -> list[dict]:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    async def run():
+        out = []
+        for ids in prompts:
+            params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
+            outs, _ = await engine.run_tokens(ids, params)
+            toks = [t for o in outs for t in o.outputs[0].token_ids]
+            lps = [lp[t].logprob for o in outs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
+            out.append({"tokens": toks, "logprobs": lps})
+        return out
+
+    return asyncio.run(run())
+
+
+def same(stock: list[dict], ours: list[dict]) -> bool:
+    return all(
+        s["tokens"] == p["tokens"] and max(abs(a - b) for a, b in zip(s["logprobs"], p["logprobs"])) < 1e-5
+        for s, p in zip(stock, ours)
+    )
+
+
+def test_requests_without_spans_equal_vllm_with_the_plugin_off(tiny_backend, stock):
+    engine = tiny_backend.engine
+    assert same(stock, run_plugin_on(engine, _prompts(engine.tokenizer)))
+
+
+def test_a_plugin_that_moved_stock_keys_would_be_caught(tiny_backend, stock, monkeypatch):
+    """The check can fail: a runner that rotates the cached blocks of stock requests differs from stock."""
+    from spanq_backend.kv.relocation import BlockPositionTracker, Move
+
+    stock_new_request = BlockPositionTracker.new_request
+
+    def new_request(self, req_id, block_ids, num_computed_tokens):
+        moves = stock_new_request(self, req_id, block_ids, num_computed_tokens)
+        hits = list(block_ids)[: num_computed_tokens // self.block_size]
+        return moves + [Move(b, 7) for b in hits]
+
+    monkeypatch.setattr(BlockPositionTracker, "new_request", new_request)
+    engine = tiny_backend.engine
+    ours = run_plugin_on(engine, _prompts(engine.tokenizer))  # cached by the test above: every one hits
+    assert not same(stock, ours), "stock keys rotated by 7 positions went unnoticed"
