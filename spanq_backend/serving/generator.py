@@ -248,7 +248,7 @@ class SpanGenerator:
             # it recomputes when the span is cached already (not the span's whole last block).
             ids = prompt + [self.pad_token_id]
             run = await self.run(ids, SamplingParams(max_tokens=1, temperature=0.0))
-            return len(ids) - 1 - run.cached_tokens  # tokens of [anchor][span] that were computed
+            return max(0, len(ids) - 1 - run.cached_tokens)  # tokens of [anchor][span] that were computed
 
         computed = await asyncio.gather(*(one(i) for i in range(len(lowered.table.spans))))
         return sum(1 for c in computed if c > 0), sum(computed)
@@ -279,12 +279,16 @@ class SpanGenerator:
             ttft_s=(first - t0) if first is not None else None,
             wall_s=time.perf_counter() - t0,
             prompt_tokens=len(lowered.token_ids),
-            cached_tokens=runs[0].cached_tokens,
+            # What the request found cached includes what this call's prepare requests just computed: that is
+            # reported as prepared, never as cached (invariant 8). Where two prepares computed one shared block,
+            # it is subtracted twice: the count errs low, never high.
+            cached_tokens=max(0, runs[0].cached_tokens - prepare_tokens),
             generated_tokens=sum(r.generated_tokens for r in runs),
             padded_tokens=lowered.padded_tokens,
             prepared_spans=prepared,
+            prepared_tokens=prepare_tokens,
             fallback=self.fallback if flattened else None,
-            extra={"spans": len(lowered.table.spans), "prepare_computed_tokens": prepare_tokens},
+            extra={"spans": len(lowered.table.spans)},
         )
         return Completion(
             texts=[r.text for r in runs], finish_reasons=[r.finish_reason for r in runs], metrics=metrics

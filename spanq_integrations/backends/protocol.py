@@ -34,10 +34,11 @@ class CallMetrics(BaseModel):
     ttft_s: float | None = None
     wall_s: float = 0.0
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV existed before this call (invariant 8 of docs/design.md)
     generated_tokens: int = 0
     padded_tokens: int = 0
     prepared_spans: int = 0
+    prepared_tokens: int = 0  # prompt tokens this call's own prepare requests computed (never counted as cached)
     fallback: str | None = None  # why the call's spans were sent as ordinary prompt text, when they were
     extra: dict[str, Any] = Field(default_factory=dict)
 
@@ -64,6 +65,7 @@ class Usage(BaseModel):
     generated_tokens: int = 0
     padded_tokens: int = 0
     prepared_spans: int = 0
+    prepared_tokens: int = 0
     fallback: str | None = None
 
     @classmethod
@@ -76,6 +78,7 @@ class Usage(BaseModel):
             generated_tokens=sum(c.generated_tokens for c in calls),
             padded_tokens=sum(c.padded_tokens for c in calls),
             prepared_spans=sum(c.prepared_spans for c in calls),
+            prepared_tokens=sum(c.prepared_tokens for c in calls),
             fallback=next((c.fallback for c in calls if c.fallback), None),
         )
 
@@ -88,6 +91,7 @@ class Usage(BaseModel):
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             "padded_tokens": self.padded_tokens,
             "prepared_spans": self.prepared_spans,
+            "prepared_tokens": self.prepared_tokens,
             "span_fallback": self.fallback,
         }
 

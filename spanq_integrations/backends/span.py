@@ -35,6 +35,7 @@ def _metrics_from_usage(usage: dict[str, Any], **fields: Any) -> CallMetrics:
         generated_tokens=int(usage.get("completion_tokens") or 0),
         padded_tokens=int(usage.get("padded_tokens") or 0),
         prepared_spans=int(usage.get("prepared_spans") or 0),
+        prepared_tokens=int(usage.get("prepared_tokens") or 0),
         fallback=usage.get("span_fallback") or None,
         **fields,
     )

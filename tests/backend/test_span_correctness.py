@@ -119,7 +119,7 @@ def test_nested_judge_reuses_inner_generations_and_matches_reference(engine, hf_
     assert lowered.table.anchors == (0, 0, 0), "each inner generation is a stand-alone span"
     outer = result.calls[-1]
     span_tokens = sum(e - s for s, e in lowered.table.spans)
-    computed = outer.extra["prepare_computed_tokens"]
+    computed = outer.prepared_tokens
     assert 0 < computed <= 3 * engine.config.block_size, (
         f"the judge computed {computed} of {span_tokens} span tokens: only trailing blocks should be new"
     )

@@ -94,6 +94,23 @@ def test_spans_already_cached_are_not_counted_as_prepared(tokenizer):
     assert completion.metrics.cached_tokens == 4096
 
 
+def test_tokens_the_calls_own_prepares_computed_are_not_counted_as_cached(tokenizer):
+    """The engine says the request found 300 tokens cached; 2 prepares of this call computed 2 x 96 of them
+    moments earlier: 108 existed before the call (invariant 8)."""
+    pytest.importorskip("vllm")
+
+    class Engine(ScriptedEngine):
+        async def __call__(self, prompt_ids, params):
+            prepare = params.max_tokens == 1
+            self.cached = len(prompt_ids) - 1 - 96 if prepare else 300
+            async for out in super().__call__(prompt_ids, params):
+                yield out
+
+    completion = asyncio.run(span_generator(Engine(), tokenizer).generate(rag(max_tokens=2)))
+    assert completion.metrics.prepared_spans == 2 and completion.metrics.prepared_tokens == 192
+    assert completion.metrics.cached_tokens == 300 - 192
+
+
 def test_n_choices_run_as_separate_requests_with_their_own_seeds(tokenizer):
     pytest.importorskip("vllm")
     engine = ScriptedEngine()

@@ -1,0 +1,40 @@
+"""Honest accounting (invariant 8 of docs/design.md): `cached_tokens` counts only prompt tokens whose KV
+existed before the call; what the call's own prepare requests computed is `prepared_tokens`, never cached."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from spanq_integrations import cross, fragment, generate, plus, system, user
+
+pytestmark = [pytest.mark.vllm]
+
+
+def rag(tag: str, order: str):
+    docs = {c: f"Sheet {c}{tag}. " + " ".join(f"Row {i} of {c} says {i * 3 % 11}." for i in range(18)) for c in "ABCD"}
+    return generate(
+        cross(system(f"Answer from the sheets ({tag})."), plus(*[fragment(docs[c]) for c in order]), user("Which row?")),
+        max_tokens=2,
+        temperature=0.0,
+    )
+
+
+def test_a_cold_call_reads_nothing_from_the_cache_and_a_warm_one_reads_its_documents(tiny_backend):
+    engine = tiny_backend.engine
+    tag = uuid.uuid4().hex[:8]  # a system prompt and documents no earlier call has seen
+
+    async def scenario():
+        return await engine.generate(rag(tag, "ABCD")), await engine.generate(rag(tag, "DBCA"))
+
+    cold, warm = (c.metrics for c in asyncio.run(scenario()))
+    lowered = engine.lower(rag(tag, "DBCA"))
+    span_tokens = sum(e - s for s, e in lowered.table.spans)
+    assert cold.prepared_spans == 4 and cold.prepared_tokens >= span_tokens
+    assert cold.cached_tokens == 0, f"a cold call reported {cold.cached_tokens} tokens as read from the cache"
+    assert warm.prepared_spans == 0 and warm.prepared_tokens == 0
+    assert warm.cached_tokens >= span_tokens, "the warm call read every document from the cache"
+    for m in (cold, warm):
+        assert 0 <= m.cached_tokens <= m.prompt_tokens  # prompt = cached + computed
