@@ -73,9 +73,15 @@ def span_attention_next_token_logprobs(
     """`[len(continuation), vocab]` log-probabilities of the next token after `token_ids` + each prefix of
     `continuation`, under span attention with exact relocation.
 
-    `spans` are (start, end) offsets into `token_ids`; span i's anchor is `token_ids[:anchors[i]]` (default:
-    the prefix before the first span; 0 for a stand-alone span). Without spans this is full attention.
+    `spans` are (start, end) offsets into `token_ids`, or a span table (its spans and anchors). Span i's
+    anchor is `token_ids[:anchors[i]]` for a length (default: the prefix before the first span; 0 for a
+    stand-alone span) or the tokens `anchors[i]` themselves, which need not be in the prompt: the span attends to
+    them alone, and nothing after the span does. Without spans this is full attention.
     """
+    if hasattr(spans, "spans"):  # a SpanTable
+        table = spans
+        spans = table.spans
+        anchors = [table.anchor_of(i) for i in range(len(spans))] if anchors is None else anchors
     ids = list(token_ids)
     cont = list(continuation)
     if not spans:
@@ -94,10 +100,12 @@ def span_attention_next_token_logprobs(
             kv.append(_kv(out.past_key_values), lo=pos)
         # The span alone after its anchor, the anchor moved to end right where the span starts.
         own = a if anchors is None else anchors[list(spans).index((s, e))]
+        own_ids = ids[:own] if isinstance(own, int) else list(own)
+        n = len(own_ids)
         out = model(
-            torch.tensor([ids[:own] + ids[s:e]]), position_ids=torch.arange(s - own, e).unsqueeze(0), use_cache=True
+            torch.tensor([own_ids + ids[s:e]]), position_ids=torch.arange(s - n, e).unsqueeze(0), use_cache=True
         )
-        kv.append(_kv(out.past_key_values), lo=own)
+        kv.append(_kv(out.past_key_values), lo=n)
         last_span_row = out.logits[0, -1:]
         pos = e
     rest = ids[pos:] + cont

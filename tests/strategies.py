@@ -8,6 +8,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from spanq_integrations.query.ir import (
+    ANCHOR_POLICIES,
     Assistant,
     Chat,
     Cross,
@@ -90,7 +91,8 @@ def span_queries(
             **settings,
         )
         branches = [
-            st.builds(Plus, children=some, keyword=st.sampled_from(["plus", "par"])),
+            st.builds(Plus, children=some, keyword=st.sampled_from(["plus", "par"]),
+                      anchor=st.none() | st.sampled_from(ANCHOR_POLICIES)),
             st.builds(Cross, children=some, keyword=st.sampled_from(["cross", "seq"])),
             generates,
             st.builds(Monad, query=children),

@@ -1,9 +1,9 @@
 """Span-aware block hashing: a pure function of the tokens and the span table, chained like vLLM's.
 
 - Context blocks before the first span chain from the start, exactly as stock vLLM hashes them.
-- A span's first block chains on its anchor (the prefix's last block; nothing for a stand-alone span), not
-  on the span before it, so the span hashes the same wherever it sits — and the same as in its prepare
-  request `[anchor][span]`, whose stock hashes are identical.
+- A span's first block chains on its anchor (the prefix's last block; nothing for a stand-alone span; the
+  stock chain of explicit anchor tokens), not on the span before it, so the span hashes the same wherever it
+  sits — and the same as in its prepare request `[anchor][span]`, whose stock hashes are identical.
 - A context block after spans chains on a join of the last context hash and the ordered keys (last block
   hashes) of the spans in between: what follows a `plus` group depends on which spans, in which order.
 Blocks past the prompt (generated tokens) continue the last chain.
@@ -44,16 +44,28 @@ def span_block_hashes(
     def extras(lo: int) -> Any:
         return extra_keys(lo, lo + bs) if extra_keys else None
 
+    explicit: dict[tuple[int, ...], Any] = {}  # explicit anchor tokens -> the hash of their last block
+
+    def anchor_hash(i: int) -> Any:
+        anchor = table.anchor_of(i)
+        if isinstance(anchor, int):
+            return hashes[anchor // bs - 1] if anchor else None
+        if anchor not in explicit:
+            parent = None
+            for k in range(0, len(anchor), bs):  # as stock vLLM hashes the prepare request's first blocks
+                parent = hash_block(parent, anchor[k : k + bs], extras(k))
+            explicit[anchor] = parent
+        return explicit[anchor]
+
     for j in range(len(hashes), len(token_ids) // bs):
         lo = j * bs
         block = token_ids[lo : lo + bs]
         i = span_of_block.get(j)
         if i is not None:
             start_block = table.spans[i][0] // bs
-            anchor_blocks = table.anchor_of(i) // bs
-            parent = hashes[j - 1] if j > start_block else (hashes[anchor_blocks - 1] if anchor_blocks else None)
+            parent = hashes[j - 1] if j > start_block else anchor_hash(i)
             # Extra keys as the span's prepare request `[anchor][span]` computes them.
-            hashes.append(hash_block(parent, block, extras(lo - table.spans[i][0] + table.anchor_of(i))))
+            hashes.append(hash_block(parent, block, extras(lo - table.spans[i][0] + table.anchor_size(i))))
             continue
         if j == 0 or (j - 1) not in span_of_block:
             parent = hashes[j - 1] if j else None

@@ -2,17 +2,24 @@
 
 It rides in `SamplingParams.extra_args["spanq"]` (never in the token stream, so user text cannot forge it)
 and is read by the block hasher in the scheduler. Every span starts and ends on a KV-block boundary. A
-span's anchor is a prefix of the request: by default the whole prefix before the first span (`anchor_len`
-tokens, block-aligned), so its cached KV is what it produces right after that prefix, on its own; a span
-with anchor 0 stands alone (an inner generation's whole conversation, read again by an outer judge).
+span's anchor is what its KV was computed after, on its own — its prepare request is `[anchor][span]`:
+- a prefix of the request, by length: by default the whole prefix before the first span (`anchor_len`
+  tokens, block-aligned); 0 makes the span stand alone (an inner generation's whole conversation, read again
+  by an outer judge);
+- or explicit tokens that need not appear in the request at all (a whole number of blocks), such as the chat
+  template's opening: the span is then reused after any prefix, whatever question or conversation precedes it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EXTRA_ARGS_KEY", "SpanTable", "SpanTableError"]
+__all__ = ["EXTRA_ARGS_KEY", "Anchor", "SpanTable", "SpanTableError"]
+
+Anchor = int | tuple[int, ...]
+"""A span's anchor: the length of the request's prefix it was computed after, or explicit anchor tokens."""
 
 EXTRA_ARGS_KEY = "spanq"
 
@@ -25,24 +32,37 @@ class SpanTableError(ValueError):
 class SpanTable:
     block_size: int
     spans: tuple[tuple[int, int], ...]  # (start, end) token offsets, block-aligned, ascending, disjoint
-    anchors: tuple[int, ...] | None = None  # per span: its anchor's length (the prefix, or 0); None: the prefix
+    anchors: tuple[Anchor, ...] | None = None  # per span (see `Anchor`); None: every span after the prefix
 
     @property
     def anchor_len(self) -> int:
-        """The shared anchor: the request's prefix before its first span."""
+        """The request's prefix before its first span (the default anchor)."""
         return self.spans[0][0] if self.spans else 0
 
-    def anchor_of(self, i: int) -> int:
+    def anchor_of(self, i: int) -> Anchor:
         return self.anchors[i] if self.anchors is not None else self.anchor_len
+
+    def anchor_ids(self, i: int, token_ids: Sequence[int]) -> list[int]:
+        """The tokens span i was computed after (its prepare request's first part)."""
+        anchor = self.anchor_of(i)
+        return list(token_ids[:anchor]) if isinstance(anchor, int) else list(anchor)
+
+    def anchor_size(self, i: int) -> int:
+        anchor = self.anchor_of(i)
+        return anchor if isinstance(anchor, int) else len(anchor)
 
     def validate(self, num_prompt_tokens: int) -> SpanTable:
         bs = self.block_size
         if bs <= 0:
             raise SpanTableError(f"block_size must be positive, got {bs}")
-        if self.anchors is not None and (
-            len(self.anchors) != len(self.spans) or any(a not in (0, self.anchor_len) for a in self.anchors)
-        ):
-            raise SpanTableError(f"anchors {self.anchors} must give each span 0 or the prefix ({self.anchor_len})")
+        if self.anchors is not None:
+            if len(self.anchors) != len(self.spans):
+                raise SpanTableError(f"{len(self.anchors)} anchors for {len(self.spans)} spans")
+            for i, a in enumerate(self.anchors):
+                if isinstance(a, int) and a not in (0, self.anchor_len):
+                    raise SpanTableError(f"anchor of span {i} ({a}) must be 0, the prefix ({self.anchor_len}) or tokens")
+                if not isinstance(a, int) and (not a or len(a) % bs):
+                    raise SpanTableError(f"anchor tokens of span {i} must be a whole number of blocks of {bs}")
         prev_end = 0
         for i, (s, e) in enumerate(self.spans):
             if s % bs or e % bs:
@@ -62,7 +82,7 @@ class SpanTable:
     def to_extra_args(self) -> dict[str, Any]:
         out: dict[str, Any] = {"v": 1, "block_size": self.block_size, "spans": [list(s) for s in self.spans]}
         if self.anchors is not None:
-            out["anchors"] = list(self.anchors)
+            out["anchors"] = [a if isinstance(a, int) else list(a) for a in self.anchors]
         return out
 
     @classmethod
@@ -77,7 +97,9 @@ class SpanTable:
             return cls(
                 int(raw["block_size"]),
                 tuple((int(s), int(e)) for s, e in raw["spans"]),
-                tuple(int(a) for a in anchors) if anchors is not None else None,
+                tuple(int(a) if isinstance(a, int) else tuple(int(t) for t in a) for a in anchors)
+                if anchors is not None
+                else None,
             )
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise SpanTableError(f"malformed span table: {e}") from e

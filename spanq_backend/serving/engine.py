@@ -22,13 +22,13 @@ from typing import Any, Self
 
 from spanq_backend.kv.span_table import SpanTable
 from spanq_backend.serving.generator import SpanGenerator, engine_error, load_chat_tokenizer
-from spanq_backend.serving.lowering import LoweredPrompt
+from spanq_backend.serving.lowering import DEFAULT_ANCHOR, LoweredPrompt
 from spanq_backend.vllm_integration.cache_probe import BlockPoolProbe
 from spanq_backend.vllm_integration.frontend import in_process_engines
 from spanq_backend.vllm_integration.support import SpanSupport, query_span_support
 from spanq_integrations.backends.protocol import Completion, TokenCallback
 from spanq_integrations.query.errors import BackendError, BackendUnavailableError
-from spanq_integrations.query.ir import Generate
+from spanq_integrations.query.ir import AnchorPolicy, Generate
 
 __all__ = ["EngineConfig", "SpanEngine"]
 
@@ -51,6 +51,7 @@ class EngineConfig:
     served_model_name: str | None = None
     enforce_eager: bool = True  # no torch.compile warm-up: starts in seconds instead of about a minute here
     num_blocks: int | None = None  # KV blocks (vLLM's num_gpu_blocks_override); None: from kv_cache_gib
+    span_anchor: AnchorPolicy = DEFAULT_ANCHOR  # the anchor policy of a `plus` that names none
 
 
 def _cpu_env_defaults(kv_cache_gib: float) -> None:
@@ -114,6 +115,7 @@ class SpanEngine:
             spans=self.config.spans and self.span_support.enabled,
             span_cached=self._probe.cached if self._probe is not None else None,
             fallback=self.span_support.reason if self.config.spans and not self.span_support.enabled else None,
+            default_anchor=self.config.span_anchor,
         )
         self.pad_token_id = self.generator.pad_token_id
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from spanq_backend.kv.span_table import EXTRA_ARGS_KEY, SpanTable
-from spanq_backend.serving.lowering import LoweredPrompt, Tokenizer, lower
+from spanq_backend.serving.lowering import DEFAULT_ANCHOR, LoweredPrompt, Tokenizer, lower
 from spanq_integrations.backends.protocol import CallMetrics, Completion, TokenCallback
 from spanq_integrations.query.errors import (
     BackendError,
@@ -28,7 +28,7 @@ from spanq_integrations.query.errors import (
     RequestRejectedError,
     SpanQueryError,
 )
-from spanq_integrations.query.ir import Assistant, Generate
+from spanq_integrations.query.ir import AnchorPolicy, Assistant, Generate
 
 __all__ = [
     "RequestStream",
@@ -116,6 +116,7 @@ class SpanGenerator:
         generated_ids: Callable[[Assistant], list[int] | None] | None = None,
         span_cached: Callable[[list[int]], bool] | None = None,
         fallback: str | None = None,
+        default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
     ):
         self.stream = stream
         self.tokenizer = tokenizer
@@ -127,6 +128,7 @@ class SpanGenerator:
         # Why spans are off on a span engine (its workers cannot move keys): reported on every call whose
         # spans were flattened because of it.
         self.fallback = fallback
+        self.default_anchor = default_anchor  # the anchor policy of a `plus` that names none
         # Whether a `[anchor][span]` prompt is wholly in the prefix cache (an in-process engine can tell): its
         # prepare request would compute nothing, so it is skipped.
         self.span_cached = span_cached
@@ -176,6 +178,7 @@ class SpanGenerator:
             self.max_model_len,
             call.max_tokens or 1,
             generated_ids=self.generated_ids,
+            default_anchor=self.default_anchor,
         )
         if not self.spans and lowered.has_spans:
             # A stock engine: the same messages, flattened, without span layout or padding.
@@ -240,18 +243,22 @@ class SpanGenerator:
         Returns how many spans had to be computed (the others were cached) and how many tokens that took."""
         from vllm import SamplingParams
 
-        async def one(i: int) -> int:
-            prompt = lowered.prepare_prompt(i)
-            if self.span_cached is not None and self.span_cached(prompt):
+        async def compute(prompt: list[int]) -> int:
+            """Put `prompt` (whole blocks) in the cache; the tokens it took (0: it was cached already)."""
+            if not prompt or (self.span_cached is not None and self.span_cached(prompt)):
                 return 0
             # One token past the span: vLLM always recomputes a prompt's last token, and this way that is all
             # it recomputes when the span is cached already (not the span's whole last block).
             ids = prompt + [self.pad_token_id]
             run = await self.run(ids, SamplingParams(max_tokens=1, temperature=0.0))
-            return max(0, len(ids) - 1 - run.cached_tokens)  # tokens of [anchor][span] that were computed
+            return max(0, len(ids) - 1 - run.cached_tokens)
 
-        computed = await asyncio.gather(*(one(i) for i in range(len(lowered.table.spans))))
-        return sum(1 for c in computed if c > 0), sum(computed)
+        spans = [compute(lowered.prepare_prompt(i)) for i in range(len(lowered.table.spans))]
+        # Spans anchored elsewhere than this prompt's prefix are found only past a cached prefix (vLLM looks the
+        # cache up contiguously from the first block): the prefix is computed as ordinary context, beside them.
+        prefix = [compute(lowered.prefix_prompt())] if lowered.reads_after_another_prefix else []
+        computed = await asyncio.gather(*spans, *prefix)
+        return sum(1 for c in computed[: len(spans)] if c > 0), sum(computed)
 
     async def generate(
         self, call: Generate, *, path: str = "$", on_token: TokenCallback | None = None

@@ -3,9 +3,14 @@
 The input's messages are rendered through the tokenizer's chat template with a unique sentinel where each
 `plus` child goes; the rendered text is split at the sentinels. Text between spans is tokenized as context;
 each span is tokenized on its own (its text, then a blank-line separator), so its tokens do not depend on its
-neighbours. The prefix before the first span is the spans' anchor. The anchor and every span are padded with
-`pad_token_id` to a KV-block boundary, so spans start on a block and their blocks can be shared; the padding
-is counted. A `plus` child that is not text-like (for example a nested `plus`) is read as its text.
+neighbours. The prefix before the first span and every span are padded with `pad_token_id` to a KV-block
+boundary, so spans start on a block and their blocks can be shared; the padding is counted.
+
+A span's anchor (what its KV is computed after, on its own) follows its `plus` group's policy: `"template"`
+(the default) is the chat template's opening alone — the same tokens whatever precedes the group, so a
+document is reused after any question, conversation or transcript; `"system"` adds the query's leading system
+messages; `"prefix"` is the whole prompt before the first span (today's exact layout, reused only after the
+same prefix). An anchor that is not the prompt's own prefix travels as explicit tokens in the span table. A `plus` child that is not text-like (for example a nested `plus`) is read as its text.
 A span whose tokens repeat an earlier span of the same prompt is laid out the same way but read as context:
 one cached block cannot sit at two positions of one request.
 
@@ -27,9 +32,23 @@ from typing import Any, Protocol
 from spanq_backend.kv.span_table import SpanTable
 from spanq_integrations.query.errors import ContextLengthError, QueryValidationError
 from spanq_integrations.query.flatten import BLOCK_SEPARATOR, block_text
-from spanq_integrations.query.ir import Assistant, Cross, Fragment, Monad, Node, Plus, Print, System, User
+from spanq_integrations.query.ir import (
+    AnchorPolicy,
+    Assistant,
+    Cross,
+    Fragment,
+    Monad,
+    Node,
+    Plus,
+    Print,
+    System,
+    User,
+)
 
-__all__ = ["LoweredPrompt", "Tokenizer", "lower"]
+__all__ = ["DEFAULT_ANCHOR", "LoweredPrompt", "Tokenizer", "lower"]
+
+DEFAULT_ANCHOR: AnchorPolicy = "template"
+"""The anchor policy of a `plus` that names none: reuse after any prefix (docs/design.md, "Anchors")."""
 
 
 class Tokenizer(Protocol):
@@ -61,7 +80,17 @@ class LoweredPrompt:
 
     def prepare_prompt(self, i: int) -> list[int]:
         """`[anchor][span i]`: computing this alone puts span i's isolated KV in the cache."""
-        return self.token_ids[: self.table.anchor_of(i)] + self.span_ids(i)
+        return self.table.anchor_ids(i, self.token_ids) + self.span_ids(i)
+
+    @property
+    def reads_after_another_prefix(self) -> bool:
+        """Whether some span's anchor is not this prompt's own prefix: then the prefix itself must be in the
+        cache for vLLM's lookup (contiguous from the first block) to reach the spans."""
+        return self.table.anchors is not None and any(not isinstance(a, int) for a in self.table.anchors)
+
+    def prefix_prompt(self) -> list[int]:
+        """The prompt before its first span (whole blocks)."""
+        return self.token_ids[: self.table.anchor_len]
 
     def span_key(self, i: int) -> str:
         """A stable key of span i under its anchor (for the engine's bookkeeping; the cache uses block hashes)."""
@@ -74,6 +103,7 @@ class LoweredPrompt:
 class _SpanSlot:
     text: str
     node: Node | None = None
+    anchor: AnchorPolicy | None = None  # its `plus` group's policy
 
 
 def _messages_with_slots(node: Node) -> tuple[list[dict[str, Any]], list[_SpanSlot]]:
@@ -105,7 +135,7 @@ def _messages_with_slots(node: Node) -> tuple[list[dict[str, Any]], list[_SpanSl
             for i, c in enumerate(n.children):
                 text = block_text(c, f"{path}.{n.keyword}[{i}]")
                 if text:
-                    slot = _SpanSlot(text, c)
+                    slot = _SpanSlot(text, c, n.anchor)
                     slots.append(slot)
                     add("user", slot)
         elif isinstance(n, (Monad, Print)):
@@ -136,6 +166,32 @@ def _span_tokens(tokenizer: Tokenizer, text: str) -> list[int]:
     return list(ids)
 
 
+_ANCHORS: weakref.WeakKeyDictionary[Any, OrderedDict[tuple, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+
+
+def _anchor_tokens(
+    tokenizer: Tokenizer, policy: AnchorPolicy, systems: tuple[str, ...], block_size: int, pad_token_id: int
+) -> tuple[int, ...]:
+    """The tokens of a canonical anchor: the chat template's opening of a user turn (after the query's leading
+    system messages for "system"), padded to a block boundary. Remembered per tokenizer."""
+    cache = _ANCHORS.setdefault(tokenizer, OrderedDict())
+    key = (policy, systems if policy == "system" else (), block_size, pad_token_id)
+    ids = cache.get(key)
+    if ids is None:
+        mark = f"\u27e6spanq:anchor:{secrets.token_hex(6)}\u27e7"
+        chat = [{"role": "system", "content": t} for t in key[1]] + [{"role": "user", "content": mark}]
+        rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
+        head, found, _ = str(rendered).partition(mark)
+        if not found:
+            raise QueryValidationError("$", "the chat template dropped a user message; it cannot carry spans")
+        out = list(tokenizer.encode(head, add_special_tokens=False)) if head else []
+        out.extend([pad_token_id] * ((-len(out)) % block_size))
+        ids = cache[key] = tuple(out) or tuple([pad_token_id] * block_size)
+        if len(cache) > 64:
+            cache.popitem(last=False)
+    return ids
+
+
 def _after_separator(text: str) -> str:
     """Text that follows a span, without the separator the span already ends with."""
     return text.removeprefix(BLOCK_SEPARATOR)
@@ -149,10 +205,12 @@ def lower(
     max_model_len: int | None = None,
     max_new_tokens: int = 0,
     generated_ids: Callable[[Assistant], list[int] | None] | None = None,
+    default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
 ) -> LoweredPrompt:
     """Lower a closed generate input to tokens and a span table (no spans when there is no `plus`).
 
-    `generated_ids(assistant)` returns a generated assistant's whole token sequence if the engine knows it."""
+    `generated_ids(assistant)` returns a generated assistant's whole token sequence if the engine knows it;
+    `default_anchor` is the policy of a `plus` that names none."""
     messages, slots = _messages_with_slots(node)
     nonce = secrets.token_hex(6)
     sentinel = [f"\u27e6spanq:{i}:{nonce}\u27e7" for i in range(len(slots))]
@@ -194,6 +252,17 @@ def lower(
     if slots:
         padded += pad(ids)
     anchor_len = len(ids)
+    systems = tuple(
+        p for m in messages if m["role"] == "system" for p in m["parts"] if isinstance(p, str)
+    ) if messages and messages[0]["role"] == "system" else ()
+
+    def anchor_for(slot: _SpanSlot) -> int | tuple[int, ...]:
+        policy = slot.anchor or default_anchor
+        if policy == "prefix":
+            return anchor_len
+        tokens = _anchor_tokens(tokenizer, policy, systems, block_size, pad_token_id)
+        return anchor_len if tuple(ids[:anchor_len]) == tokens else tokens  # the prefix itself: say so
+
     for i, slot in enumerate(slots):
         between = _after_separator(texts[i]) if i else ""
         if between.strip():
@@ -205,16 +274,17 @@ def lower(
             whole = generated_ids(slot.node)
         ids.extend((whole if whole is not None else _span_tokens(tokenizer, slot.text)) + sep_ids)
         padded += pad(ids)
-        anchor = 0 if whole is not None else anchor_len
+        anchor = 0 if whole is not None else anchor_for(slot)
+        anchor_size = anchor if isinstance(anchor, int) else len(anchor)
         key = (anchor, tuple(ids[start:]))
         if key not in seen:
             seen.add(key)
             spans.append((start, len(ids)))
             anchors.append(anchor)
             span_texts.append(slot.text)
-        if max_model_len is not None and len(ids) - start + anchor_len >= max_model_len:
+        if max_model_len is not None and len(ids) - start + anchor_size >= max_model_len:
             raise ContextLengthError(
-                f"span {i} ({len(ids) - start} tokens with its {anchor_len}-token anchor) does not fit the "
+                f"span {i} ({len(ids) - start} tokens with its {anchor_size}-token anchor) does not fit the "
                 f"model's context window of {max_model_len} tokens"
             )
     if slots:  # without spans, texts[0] was the whole prompt

@@ -27,6 +27,7 @@ from typing import Any
 from fastapi import Depends, Request  # module level: FastAPI resolves the route's annotations here
 
 from spanq_backend.serving.generator import SpanGenerator, engine_error, load_chat_tokenizer
+from spanq_backend.serving.lowering import DEFAULT_ANCHOR
 from spanq_backend.vllm_integration.support import SpanSupport, aquery_span_support
 from spanq_integrations.backends.protocol import Backend, BackendCapabilities, Completion, TokenCallback
 from spanq_integrations.backends.span import EXECUTE_PATH  # the route spnl's patched vLLM exposes
@@ -43,7 +44,7 @@ from spanq_integrations.query.errors import (
     RequestRejectedError,
     SpanQueryError,
 )
-from spanq_integrations.query.ir import Chat, Generate, Map, Node, walk
+from spanq_integrations.query.ir import ANCHOR_POLICIES, AnchorPolicy, Chat, Generate, Map, Node, walk
 from spanq_integrations.query.limits import (
     DEFAULT_LIMITS,
     QueryLimitError,
@@ -98,6 +99,7 @@ class EngineClientBackend(Backend):
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         span_cached: Any = None,
         span_support: SpanSupport | None = None,
+        default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
     ):
         """`span_cached(token_ids)`: whether a span's prepare prompt is wholly in the engine's prefix cache
         (`cache_probe.KVEventsMirror`); its prepare request is then skipped. `span_support`: what the engine's
@@ -115,6 +117,7 @@ class EngineClientBackend(Backend):
             span_cached=span_cached if support.enabled else None,
             spans=support.enabled,
             fallback=None if support.enabled else support.reason,
+            default_anchor=default_anchor,
         )
         self.capabilities = BackendCapabilities(
             name="spanq-serve", span_aware=True, prepares_spans=True, max_concurrency=max_concurrency
@@ -324,7 +327,10 @@ class QueryRun:
 
 
 def build_query_router(
-    tokenizer: Any, served_model_names: Sequence[str], limits: QueryLimits = DEFAULT_LIMITS
+    tokenizer: Any,
+    served_model_names: Sequence[str],
+    limits: QueryLimits = DEFAULT_LIMITS,
+    default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
 ) -> Any:
     """The FastAPI router of `POST /v1/query/execute`, for an app whose state holds vLLM's engine client."""
     from fastapi import APIRouter
@@ -356,6 +362,7 @@ def build_query_router(
                 max_concurrency=config.scheduler_config.max_num_seqs,
                 span_cached=mirror.cached if mirror is not None else None,
                 span_support=support,
+                default_anchor=default_anchor,
             )
         return backend
 
@@ -460,6 +467,11 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     for name, default in DEFAULT_LIMITS.describe().items():
         limits.add_argument(f"--{name.replace('_', '-')}", dest=f"spanq_{name}", type=_positive_int, default=default,
                             metavar="N", help=f"(default {default})")
+    parser.add_argument(
+        "--span-anchor", dest="spanq_span_anchor", choices=ANCHOR_POLICIES, default=DEFAULT_ANCHOR,
+        help="what a document's KV is computed after when its plus names no anchor: template (reused after any "
+        "prefix, the default), system (after the query's system prompt), prefix (exact, after the same prefix)",
+    )
     parser.set_defaults(**SERVE_DEFAULTS, **(CPU_SERVE_DEFAULTS if current_platform.is_cpu() else {}))
     args = parser.parse_args(list(argv))
     if args.headless or args.grpc or (args.api_server_count or 1) != 1:
@@ -513,7 +525,8 @@ def serve_main(argv: list[str]) -> int:
     from spanq_backend.vllm_integration.frontend import query_route_mounted
 
     limits = limits_of(args)
-    with query_route_mounted(lambda: build_query_router(tokenizer, args.served_model_name, limits)):
+    anchor = args.spanq_span_anchor
+    with query_route_mounted(lambda: build_query_router(tokenizer, args.served_model_name, limits, anchor)):
         uvloop.run(entry.run_server(args))
     return 0
 

@@ -184,6 +184,10 @@ class SpanQueryClient(BaseModel):
     recover_documents: Literal["auto", "tagged", "off"] = "auto"
     """Whether to look for the documents the surrounding LangChain run retrieved in the prompt and send them as
     spans: "auto" any documents, "tagged" only documents tagged by `SpanRetriever`, "off" never."""
+    span_anchor: Literal["template", "system", "prefix"] | None = None
+    """What each document's KV is computed after (see `spanq_integrations.plus`): None is the backend's default
+    ("template": reused after any question or conversation); "prefix" is exact but reused only after the same
+    prompt prefix."""
 
     _backend_instance: Backend | None = PrivateAttr(default=None)
     _owns_backend: bool = PrivateAttr(default=False)
@@ -303,7 +307,7 @@ class SpanQueryClient(BaseModel):
         span_aware = backend.capabilities.span_aware
         prepared = prepared.for_backend(span_aware)
         query = generate(
-            query_input(prepared.messages, span_aware=span_aware),
+            query_input(prepared.messages, span_aware=span_aware, anchor=self.span_anchor),
             model=settings.model,
             max_tokens=settings.max_tokens,
             temperature=settings.temperature,

@@ -28,7 +28,7 @@ from langchain_core.messages import (
 
 from spanq_integrations.langchain.spans import DEFAULT_DOCUMENT_SEPARATOR, span_marker
 from spanq_integrations.query.errors import QueryValidationError
-from spanq_integrations.query.ir import Assistant, Cross, Fragment, Node, Plus, System, User
+from spanq_integrations.query.ir import AnchorPolicy, Assistant, Cross, Fragment, Node, Plus, System, User
 
 __all__ = [
     "PromptMessage",
@@ -216,7 +216,7 @@ def span_count(prompt: Sequence[PromptMessage]) -> int:
 _NODE = {"system": System, "user": User, "assistant": Assistant}
 
 
-def query_input(prompt: Sequence[PromptMessage], *, span_aware: bool) -> Node:
+def query_input(prompt: Sequence[PromptMessage], *, span_aware: bool, anchor: AnchorPolicy | None = None) -> Node:
     """The `Generate` input for `prompt`.
 
     Span-aware backends get each run of adjacent spans as one `plus` of fragments (whitespace between spans
@@ -246,11 +246,11 @@ def query_input(prompt: Sequence[PromptMessage], *, span_aware: bool) -> Node:
             if not part.strip():
                 continue
             if run:
-                nodes.append(Plus(children=tuple(run)))
+                nodes.append(Plus(children=tuple(run), anchor=anchor))
                 run = []
             nodes.append(make(text=part))
         if run:
-            nodes.append(Plus(children=tuple(run)))
+            nodes.append(Plus(children=tuple(run), anchor=anchor))
     if not nodes:
         raise QueryValidationError("messages", "every message is empty: nothing to send to the model")
     return Cross(children=tuple(nodes))

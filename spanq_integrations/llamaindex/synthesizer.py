@@ -38,7 +38,7 @@ from llama_index.core.types import RESPONSE_TEXT_TYPE
 from spanq_integrations.llamaindex.llm import SpanQueryLLM
 from spanq_integrations.llamaindex.usage import METADATA_KEY, usage_of
 from spanq_integrations.query.errors import ContextLengthError, QueryValidationError
-from spanq_integrations.query.ir import Fragment, Generate, cross, fragment, plus, system, user
+from spanq_integrations.query.ir import AnchorPolicy, Fragment, Generate, cross, fragment, plus, system, user
 from spanq_integrations.runtime.executor import ExecutionResult
 
 __all__ = [
@@ -104,7 +104,10 @@ class SpanQuerySynthesizer(BaseSynthesizer):
         empty_response: str | None = None,
         raise_on_empty: bool = False,
         metadata_mode: MetadataMode = MetadataMode.LLM,
+        span_anchor: AnchorPolicy | None = None,
     ) -> None:
+        """`span_anchor`: what each node's KV is computed after (see `spanq_integrations.plus`); None is the
+        backend's default, "template": a node is reused whatever question or system prompt precedes it."""
         span_llm = span_query_llm(llm)
         super().__init__(
             llm=span_llm,
@@ -118,6 +121,7 @@ class SpanQuerySynthesizer(BaseSynthesizer):
         self._max_tokens = max_tokens
         self._raise_on_empty = raise_on_empty
         self._metadata_mode = metadata_mode
+        self._span_anchor = span_anchor
 
     # ----------------------------------------------------------------------------------------- prompts
 
@@ -149,7 +153,7 @@ class SpanQuerySynthesizer(BaseSynthesizer):
         return self._span_llm.generate_call(
             cross(
                 system(self._system_prompt),
-                plus(*fragments),
+                plus(*fragments, anchor=self._span_anchor),
                 user(self._query_template.format(query_str=query_str)),
             ),
             max_tokens=self._max_tokens,

@@ -35,6 +35,6 @@ def _simplify_join(node: Node) -> Node:
 
 
 def _flattens_into(child: Node, parent: Plus | Cross) -> bool:
-    if isinstance(parent, Plus):
-        return isinstance(child, Plus)
+    if isinstance(parent, Plus):  # one group: one anchor policy
+        return isinstance(child, Plus) and child.anchor in (None, parent.anchor)
     return isinstance(child, Cross) and child.keyword == parent.keyword

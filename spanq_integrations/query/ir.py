@@ -16,7 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from spanq_integrations.query.errors import QueryValidationError
 
 __all__ = [
+    "ANCHOR_POLICIES",
     "DEFAULT_TEMPERATURE",
+    "AnchorPolicy",
     "Assistant",
     "Chat",
     "Cross",
@@ -102,12 +104,22 @@ class Generate(_Node):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # a 64-bit seed, as samplers take
 
 
+AnchorPolicy = Literal["template", "system", "prefix"]
+ANCHOR_POLICIES: tuple[str, ...] = ("template", "system", "prefix")
+
+
 class Plus(_Node):
-    """A commutative join: the children are independent and order-free. `keyword` keeps spnl's spelling."""
+    """A commutative join: the children are independent and order-free. `keyword` keeps spnl's spelling.
+
+    `anchor`: what each child's KV is computed after, on a span-aware backend (None: the backend's default,
+    `"template"`). `"template"`: the chat template's opening only, so a child is reused after any question,
+    conversation or transcript; `"system"`: the opening with the query's leading system messages; `"prefix"`:
+    everything before the group, the most faithful and the least reusable."""
 
     kind: Literal["plus"] = "plus"
     children: tuple[Node, ...]
     keyword: Literal["plus", "par"] = "plus"
+    anchor: AnchorPolicy | None = None
 
 
 class Cross(_Node):
@@ -230,13 +242,15 @@ def fragment(text: str, id: str | None = None, **metadata: Any) -> Fragment:
     return Fragment(text=text, id=id, metadata=metadata)
 
 
-def plus(*children: Any) -> Plus:
-    """Order-free join. Strings become `Fragment`s; lists are spliced in."""
+def plus(*children: Any, anchor: AnchorPolicy | None = None) -> Plus:
+    """Order-free join. Strings become `Fragment`s; lists are spliced in. `anchor`: see `Plus`."""
     items = _flatten_args(children)
     if not items:
         raise QueryValidationError("plus()", "a plus needs at least one child")
+    if anchor is not None and anchor not in ANCHOR_POLICIES:
+        raise QueryValidationError("plus(anchor)", f"unknown anchor policy {anchor!r} (one of {', '.join(ANCHOR_POLICIES)})")
     nodes = [Fragment(text=c) if isinstance(c, str) else _as_node(c, f"plus()[{i}]") for i, c in enumerate(items)]
-    return Plus(children=tuple(nodes))
+    return Plus(children=tuple(nodes), anchor=anchor)
 
 
 def cross(*children: Any) -> Cross:

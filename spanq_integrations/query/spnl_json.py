@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from spanq_integrations.query.errors import QueryParseError, QueryValidationError
 from spanq_integrations.query.ir import (
+    ANCHOR_POLICIES,
     DEFAULT_TEMPERATURE,
     Assistant,
     Chat,
@@ -94,7 +95,10 @@ def _write(node: Node, path: str) -> dict[str, Any]:
             raise QueryValidationError(
                 path, f'an empty "{key}" cannot be written: a join needs at least one child'
             )
-        return {key: [_write(c, f"{path}.{key}[{i}]") for i, c in enumerate(node.children)]}
+        out: dict[str, Any] = {key: [_write(c, f"{path}.{key}[{i}]") for i, c in enumerate(node.children)]}
+        if isinstance(node, Plus) and node.anchor is not None:
+            out["anchor"] = node.anchor  # spanq's extension: a sibling key of the join
+        return out
     if isinstance(node, Chat):
         if not node.messages:
             raise QueryValidationError(path, "a chat with no messages cannot be written")
@@ -193,6 +197,8 @@ def _read_node(value: Any, path: str) -> Node:
             path,
             f"expected a query node (an object with one key, one of: {_NODE_KEYS}), got {_json_type(value)}",
         )
+    if len(value) == 2 and "anchor" in value and ({"plus", "par"} & set(value)):
+        return _read_anchored_plus(value, path)
     if len(value) != 1:
         keys = ", ".join(json.dumps(k) for k in value)
         raise QueryParseError(
@@ -321,6 +327,16 @@ def _read_join(cls: type[Plus | Cross], keyword: str) -> _Reader:
     return lambda value, path: _build(
         cls, path, children=_children(value, path, f'a "{keyword}" needs at least one child'), keyword=keyword
     )
+
+
+def _read_anchored_plus(value: dict[str, Any], path: str) -> Node:
+    """`{"plus": [...], "anchor": "template"}`: spanq's extension of spnl's join, naming the anchor policy."""
+    (key,) = {"plus", "par"} & set(value)
+    anchor = _string(value["anchor"], f"{path}.anchor")
+    if anchor not in ANCHOR_POLICIES:
+        raise QueryParseError(f"{path}.anchor", f"unknown anchor policy {json.dumps(anchor)} (one of: {', '.join(ANCHOR_POLICIES)})")
+    node = _read_join(Plus, key)(value[key], f"{path}.{key}")
+    return node.model_copy(update={"anchor": anchor})
 
 
 def _read_message(cls: type[System | User]) -> _Reader:

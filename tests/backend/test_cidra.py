@@ -156,7 +156,7 @@ def test_eight_orders_in_one_batch_match_solo_runs_and_the_reference(tiny_backen
     hf = load_hf_model(tiny_model)
     for order, (t_tok, t_lp, _) in zip(order_list, together):
         lw = engine.lower(rag_query(order))
-        ref = span_reference_logprobs(hf, lw.token_ids, lw.table.spans, t_tok).double()
+        ref = span_reference_logprobs(hf, lw.token_ids, lw.table, t_tok).double()
         got = torch.tensor(t_lp, dtype=torch.float64)
         assert torch.allclose(got, ref, atol=2e-4), f"{order}: max |diff| = {(got - ref).abs().max():.2e}"
 

@@ -126,16 +126,47 @@ def test_span_tokens_do_not_depend_on_the_order_or_the_neighbours(tok, newline):
     assert abcd.anchor_ids == dcba.anchor_ids == alone["A"].anchor_ids
 
 
-def test_prepare_prompt_is_the_anchor_then_the_span(tok, newline):
-    lp = lower(rag("CADB"), tok, BS, newline)
+def test_prepare_prompt_is_the_prefix_then_the_span_under_the_prefix_policy(tok, newline):
+    lp = lower(rag("CADB"), tok, BS, newline, default_anchor="prefix")
+    assert lp.table.anchors is None and not lp.reads_after_another_prefix
     for i in range(4):
         s, e = lp.table.spans[i]
         assert lp.prepare_prompt(i) == lp.token_ids[: lp.table.anchor_len] + lp.token_ids[s:e]
         assert len(lp.prepare_prompt(i)) % BS == 0
     # the key of a span follows its tokens, not its place
-    other = lower(rag("ABCD"), tok, BS, newline)
+    other = lower(rag("ABCD"), tok, BS, newline, default_anchor="prefix")
     assert lp.span_key(1) == other.span_key(0)  # A
     assert len({lp.span_key(i) for i in range(4)}) == 4
+
+
+def test_the_template_anchor_is_the_same_whatever_precedes_the_documents(tok, newline):
+    """The default: each document's anchor is the chat template's opening of a user turn, so the same document
+    is prepared the same way after any question, system prompt or conversation."""
+    question_first = cross(user("Question: " + QUESTION + "\nContext:"), plus(*[fragment(DOCS[c]) for c in "CADB"]))
+    chatty = cross(system("Be brief."), user("hi!"), assistant("Hello."), plus(*[fragment(DOCS[c]) for c in "BDAC"]),
+                   user(QUESTION))
+    prompts = {c: [] for c in "ABCD"}
+    for query, order in ((rag("ABCD"), "ABCD"), (question_first, "CADB"), (chatty, "BDAC")):
+        lp = lower(query, tok, BS, newline)
+        assert lp.reads_after_another_prefix
+        for i, c in enumerate(order):
+            anchor = lp.table.anchor_of(i)
+            assert isinstance(anchor, tuple) and len(anchor) % BS == 0
+            s, e = lp.table.spans[i]
+            assert lp.prepare_prompt(i) == list(anchor) + lp.token_ids[s:e]
+            prompts[c].append(lp.prepare_prompt(i))
+        assert lp.prefix_prompt() == lp.token_ids[: lp.table.anchor_len]
+    for c, seen in prompts.items():
+        assert seen[0] == seen[1] == seen[2], f"document {c} is prepared differently after another prefix"
+    head = tok.decode(list(lower(rag(), tok, BS, newline).table.anchor_of(0))).rstrip("\n")
+    assert head.endswith("<|im_start|>user") and SYSTEM not in head
+
+
+def test_the_system_anchor_keeps_the_system_prompt(tok, newline):
+    lp = lower(cross(system(SYSTEM), user("Q?"), plus(*[fragment(DOCS[c]) for c in "AB"], anchor="system")),
+               tok, BS, newline)
+    head = tok.decode(list(lp.table.anchor_of(0)))
+    assert SYSTEM in head and "Q?" not in head
 
 
 def test_prompt_is_the_chat_template_rendering(tok, marker):
@@ -264,11 +295,11 @@ def test_a_span_longer_than_the_context_is_refused_with_the_sizes(tok, newline):
 
 def test_the_span_limit_counts_the_anchor_and_one_generated_token(tok, newline):
     """A prepare request `[anchor][span]` generates one token: it must fit with it, and no more is asked."""
-    need = len(lower(rag("A"), tok, BS, newline).prepare_prompt(0)) + 1
+    need = len(lower(rag("A"), tok, BS, newline, default_anchor="prefix").prepare_prompt(0)) + 1
     with pytest.raises(ContextLengthError, match="span 0"):
-        lower(rag("A"), tok, BS, newline, max_model_len=need - 1)
+        lower(rag("A"), tok, BS, newline, max_model_len=need - 1, default_anchor="prefix")
     with pytest.raises(ContextLengthError) as raised:  # the span fits; the whole prompt does not
-        lower(rag("A"), tok, BS, newline, max_model_len=need)
+        lower(rag("A"), tok, BS, newline, max_model_len=need, default_anchor="prefix")
     assert "the prompt has" in str(raised.value)
 
 

@@ -18,6 +18,7 @@ import torch
 from benchmarks.hf_span import load_hf_model, span_reference_logprobs
 from spanq_backend.kv.relocation import KVRelocator, Move
 from spanq_integrations import cross, fragment, generate, plus, system, user
+from tests.backend.logprobs import run_with_logprobs
 
 pytestmark = [pytest.mark.vllm]
 
@@ -55,20 +56,13 @@ def hf_model(tiny_model):
 
 def reordered_run(engine, tag: str):
     """Prepare ABCD, then run DBCA with logprobs: every span is read at a new position."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
     d = docs(tag)
 
     async def scenario():
         await engine.prepare(engine.lower(query(d, "ABCD")))
         lowered = engine.lower(query(d, "DBCA"))
         await engine.prepare(lowered)
-        params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
-        outs, _ = await engine.run_tokens(lowered.token_ids, params, lowered.table)
-        toks = [t for o in outs for t in o.outputs[0].token_ids]
-        lps = [lp[t].logprob for o in outs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
-        return lowered, outs[-1].num_cached_tokens or 0, toks, torch.tensor(lps, dtype=torch.float64)
+        return (lowered, *await run_with_logprobs(engine, lowered, 6))
 
     return asyncio.run(scenario())
 
@@ -102,7 +96,7 @@ def test_the_reference_check_catches_a_broken_relocation(engine, hf_model, monke
     name = "unbroken" if mutation is None else mutation.__name__
     lowered, cached, toks, lps = reordered_run(engine, f"m{name}")
     assert cached >= lowered.table.spans[-1][1], "every span came from the cache, at a new position"
-    ref = span_reference_logprobs(hf_model, lowered.token_ids, lowered.table.spans, toks).double()
+    ref = span_reference_logprobs(hf_model, lowered.token_ids, lowered.table, toks).double()
     if mutation is None:
         assert matches(lps, ref), f"max |diff| = {(lps - ref).abs().max():.2e}"
     else:
@@ -110,12 +104,12 @@ def test_the_reference_check_catches_a_broken_relocation(engine, hf_model, monke
 
 
 @torch.no_grad()
-def anchor_left_at_zero_logprobs(model, token_ids, spans, continuation) -> torch.Tensor:
-    """The wrong semantics: each span computed at its new position with its anchor left at positions 0..a-1
+def anchor_left_at_zero_logprobs(model, token_ids, table, continuation) -> torch.Tensor:
+    """The wrong semantics: each span computed at its new position with its anchor left at positions 0..n-1
     (not moved to sit right before it), then the rest of the prompt after all of it."""
     from benchmarks.hf_span import _kv, _SpanKV
 
-    ids, cont = list(token_ids), list(continuation)
+    ids, cont, spans = list(token_ids), list(continuation), table.spans
     a = spans[0][0]
     kv = _SpanKV()
     out = model(torch.tensor([ids[:a]]), position_ids=torch.arange(a).unsqueeze(0), use_cache=True)
@@ -126,9 +120,10 @@ def anchor_left_at_zero_logprobs(model, token_ids, spans, continuation) -> torch
             out = model(torch.tensor([ids[pos:s]]), position_ids=torch.arange(pos, s).unsqueeze(0),
                         past_key_values=kv.cache(), use_cache=True)
             kv.append(_kv(out.past_key_values), lo=pos)
-        positions = torch.cat([torch.arange(a), torch.arange(s, e)]).unsqueeze(0)
-        out = model(torch.tensor([ids[:a] + ids[s:e]]), position_ids=positions, use_cache=True)
-        kv.append(_kv(out.past_key_values), lo=a)
+        own = table.anchor_ids(list(spans).index((s, e)), ids)
+        positions = torch.cat([torch.arange(len(own)), torch.arange(s, e)]).unsqueeze(0)
+        out = model(torch.tensor([own + ids[s:e]]), position_ids=positions, use_cache=True)
+        kv.append(_kv(out.past_key_values), lo=len(own))
         pos = e
     rest = ids[pos:] + cont
     out = model(torch.tensor([rest]), position_ids=torch.arange(pos, pos + len(rest)).unsqueeze(0),
@@ -141,7 +136,7 @@ def anchor_left_at_zero_logprobs(model, token_ids, spans, continuation) -> torch
 
 def test_the_reference_check_tells_the_anchor_moved_with_its_span_from_the_anchor_left_at_zero(engine, hf_model):
     lowered, _, toks, lps = reordered_run(engine, "anchor0")
-    right = span_reference_logprobs(hf_model, lowered.token_ids, lowered.table.spans, toks).double()
-    wrong = anchor_left_at_zero_logprobs(hf_model, lowered.token_ids, lowered.table.spans, toks).double()
+    right = span_reference_logprobs(hf_model, lowered.token_ids, lowered.table, toks).double()
+    wrong = anchor_left_at_zero_logprobs(hf_model, lowered.token_ids, lowered.table, toks).double()
     assert matches(lps, right)
     assert not matches(lps, wrong), f"the tolerance cannot tell the semantics apart: {(lps - wrong).abs().max():.2e}"

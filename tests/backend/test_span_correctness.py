@@ -85,7 +85,7 @@ def test_reordered_spans_hit_cache_and_match_reference(engine, hf_model):
     assert [lw2.span_ids(i) for i in range(4)] == [lw1.span_ids(3 - i) for i in range(4)]
 
     for lowered, tokens, lps in ((lw1, tok1, lp1), (lw2, tok2, lp2)):
-        ref = span_reference_logprobs(hf_model, lowered.token_ids, lowered.table.spans, tokens).double()
+        ref = span_reference_logprobs(hf_model, lowered.token_ids, lowered.table, tokens).double()
         assert torch.allclose(lps, ref, atol=TOL), f"max |diff| = {(lps - ref).abs().max():.2e}"
 
     # Span attention is not full attention: the reference must be able to tell them apart.
@@ -159,5 +159,5 @@ def test_two_spans_sharing_their_first_block_match_reference(engine, hf_model):
     assert lowered.token_ids[s0 : s0 + bs] == lowered.token_ids[s1 : s1 + bs], "the test needs a shared first block"
     assert after["duplicates"] > before["duplicates"], "the second use of the shared block was copied"
     for lw, _, _, tokens, lps in (first, second):
-        ref = span_reference_logprobs(hf_model, lw.token_ids, lw.table.spans, tokens).double()
+        ref = span_reference_logprobs(hf_model, lw.token_ids, lw.table, tokens).double()
         assert torch.allclose(lps, ref, atol=TOL), f"max |diff| = {(lps - ref).abs().max():.2e}"

@@ -63,11 +63,12 @@ def test_generate_prepares_each_span_then_runs_the_request_with_its_span_table(t
 
     lowered = gen.lower(rag(max_tokens=2))
     *prepares, main = engine.requests
-    assert len(prepares) == 2
+    assert len(prepares) == 3  # two spans under the template anchor, and the prompt's own prefix beside them
     anchor = lowered.table.anchor_len
     # `[anchor][span]` and one pad token, so a cached span costs one token to prepare, not a block.
     assert sorted(tuple(p.prompt_ids) for p in prepares) == sorted(
-        tuple(lowered.prepare_prompt(i) + [gen.pad_token_id]) for i in range(2)
+        [tuple(lowered.prepare_prompt(i) + [gen.pad_token_id]) for i in range(2)]
+        + [tuple(lowered.prefix_prompt() + [gen.pad_token_id])]
     )
     assert all(p.params.max_tokens == 1 and p.params.temperature == 0 for p in prepares)
     assert main.prompt_ids == lowered.token_ids
@@ -106,7 +107,8 @@ def test_tokens_the_calls_own_prepares_computed_are_not_counted_as_cached(tokeni
             async for out in super().__call__(prompt_ids, params):
                 yield out
 
-    completion = asyncio.run(span_generator(Engine(), tokenizer).generate(rag(max_tokens=2)))
+    generator = span_generator(Engine(), tokenizer, default_anchor="prefix")  # no separate prefix request
+    completion = asyncio.run(generator.generate(rag(max_tokens=2)))
     assert completion.metrics.prepared_spans == 2 and completion.metrics.prepared_tokens == 192
     assert completion.metrics.cached_tokens == 300 - 192
 
@@ -153,7 +155,8 @@ def test_a_generated_span_the_engine_knows_is_prepared_on_its_own_anchor(tokeniz
         "<|im_start|>user\nDescribe the key.<|im_end|>\nA brass key.", add_special_tokens=False
     )
     engine = ScriptedEngine()
-    gen = span_generator(engine, tokenizer, generated_ids=lambda a: whole if a == answer else None)
+    gen = span_generator(engine, tokenizer, generated_ids=lambda a: whole if a == answer else None,
+                         default_anchor="prefix")
     query = generate(
         cross(system("Pick one."), plus(answer, fragment("A copper lamp.")), user("Which?")), max_tokens=1
     )

@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from benchmarks.hf_span import load_hf_model, span_reference_logprobs
 from spanq_backend.kv.relocation import KVRelocator
 from spanq_integrations import cross, fragment, generate, plus, system, user
+from tests.backend.logprobs import run_with_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -23,29 +23,28 @@ def docs(tag: str) -> dict[str, str]:
     }
 
 
+PREAMBLE = "Background: " + " ".join(f"note {i} is filed under shelf {i % 9}." for i in range(60))
+
+
 def query(d: dict[str, str], order: str):
+    """A long preamble before the documents: every span is read far (hundreds of positions) from where it was
+    prepared, so keys left unmoved are far off."""
     return generate(
-        cross(system("Answer from the ledgers."), plus(*[fragment(d[c]) for c in order]), user("Which entry reads 5?")),
+        cross(system("Answer from the ledgers."), user(PREAMBLE), plus(*[fragment(d[c]) for c in order]),
+              user("Which entry reads 5?")),
         max_tokens=5,
         temperature=0.0,
     )
 
 
 def reordered(engine, tag: str):
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
     d = docs(tag)
 
     async def scenario():
         await engine.prepare(engine.lower(query(d, "ABC")))
         lowered = engine.lower(query(d, "CAB"))
         await engine.prepare(lowered)
-        params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
-        outs, _ = await engine.run_tokens(lowered.token_ids, params, lowered.table)
-        toks = [t for o in outs for t in o.outputs[0].token_ids]
-        lps = [lp[t].logprob for o in outs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
-        return lowered, outs[-1].num_cached_tokens or 0, toks, torch.tensor(lps, dtype=torch.float64)
+        return (lowered, *await run_with_logprobs(engine, lowered, 5))
 
     return asyncio.run(scenario())
 
@@ -59,7 +58,7 @@ def test_smollm2_reads_reordered_spans_as_the_reference(default_model):
     finally:
         engine.close()
     assert cached >= lowered.table.spans[-1][1]
-    ref = span_reference_logprobs(load_hf_model(default_model), lowered.token_ids, lowered.table.spans, toks)
+    ref = span_reference_logprobs(load_hf_model(default_model), lowered.token_ids, lowered.table, toks)
     diff = (lps - ref.double()).abs().max()
     assert diff < 1e-3, f"max |diff| = {diff:.2e}"
 
@@ -68,22 +67,23 @@ def test_a_bfloat16_engine_reads_reordered_spans_as_the_reference(tiny_model, mo
     from spanq_backend.serving.engine import SpanEngine
 
     hf = load_hf_model(tiny_model)
-    engine = SpanEngine(model=str(tiny_model), dtype="bfloat16", block_size=32, max_model_len=1024, max_num_seqs=4)
+    engine = SpanEngine(model=str(tiny_model), dtype="bfloat16", block_size=32, max_model_len=2048, max_num_seqs=4)
     try:
         lowered, cached, toks, lps = reordered(engine, "b")
         assert cached >= lowered.table.spans[-1][1]
-        ref = span_reference_logprobs(hf, lowered.token_ids, lowered.table.spans, toks).double()
+        ref = span_reference_logprobs(hf, lowered.token_ids, lowered.table, toks).double()
         right = (lps - ref).abs().max()
         # The same run with keys left unmoved misses by far more than bf16 rounding.
         monkeypatch.setattr(KVRelocator, "apply", lambda self, moves: None)
         lowered_w, _, toks_w, lps_w = reordered(engine, "bw")
-        ref_w = span_reference_logprobs(hf, lowered_w.token_ids, lowered_w.table.spans, toks_w).double()
+        ref_w = span_reference_logprobs(hf, lowered_w.token_ids, lowered_w.table, toks_w).double()
         wrong = (lps_w - ref_w).abs().max() if lps_w.shape == ref_w.shape else float("inf")
     finally:
         engine.close()
     # bf16 rounds every key to 8 bits of mantissa, so the tolerance is bf16's, not fp32's 2e-4. On the random
-    # tiny model positions matter little (measured: moved 2.2e-3, unmoved 5.7e-3 from the reference), so the
-    # unmoved run is only required to be further off; the fp32 mutation tests (test_mutations.py) are the
-    # sharp check.
+    # tiny model positions matter little (measured with the long preamble: moved 2.3e-3, unmoved 6.7e-3 from the
+    # reference), so the unmoved run is only required to be clearly further off; the fp32 mutation tests
+    # (test_mutations.py) are the sharp check.
+    print(f"bf16: moved {right:.2e}, unmoved {wrong:.2e} from the fp32 reference")
     assert right < 1e-2, f"bf16 engine vs fp32 reference: max |diff| = {right:.2e}"
-    assert wrong > 1.5 * right, f"unmoved keys are not told apart: {wrong:.2e} vs {right:.2e}"
+    assert wrong > 2 * right, f"unmoved keys are not told apart: {wrong:.2e} vs {right:.2e}"

@@ -25,6 +25,7 @@ from spanq_backend.vllm_integration.support import SpanSupport
 from spanq_backend.vllm_integration.worker import runner_span_status
 from spanq_integrations import cross, fragment, generate, plus, system, user
 from spanq_integrations.query.spnl_json import to_json
+from tests.backend.logprobs import run_with_logprobs
 from tests.servers import free_port, log_tail, running_server
 
 pytestmark = [pytest.mark.vllm]
@@ -78,23 +79,12 @@ def _engine(tiny_model: Path):
     return SpanEngine(model=str(tiny_model), block_size=32, max_model_len=1024, max_num_seqs=4, num_blocks=96)
 
 
-async def _run_with_table(engine, lowered, with_table: bool = True):
-    """One request with the span table attached out of band (as a client of the plugin may send it)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
-    outs, _ = await engine.run_tokens(lowered.token_ids, params, lowered.table if with_table else None)
-    toks = [t for o in outs for t in o.outputs[0].token_ids]
-    lps = [lp[t].logprob for o in outs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
-    return outs[-1].num_cached_tokens or 0, toks, torch.tensor(lps, dtype=torch.float64)
-
-
 def _span_lowering(engine, call):
     """The span layout of `call` (the engine's own generator lays prompts out as stock once spans are off)."""
     from spanq_backend.serving.lowering import lower
 
-    return lower(call.input, engine.tokenizer, engine.config.block_size, engine.pad_token_id, 1024, 5)
+    return lower(call.input, engine.tokenizer, engine.config.block_size, engine.pad_token_id, 1024, 5,
+                 default_anchor="prefix")
 
 
 async def _prepare_by_hand(engine, lowered) -> None:
@@ -139,7 +129,7 @@ def test_an_engine_whose_runner_is_not_hooked_runs_span_tables_as_stock(tiny_mod
             first = _span_lowering(engine, query(d, "ABCD"))
             await _prepare_by_hand(engine, first)
             second = _span_lowering(engine, query(d, "DCBA"))
-            return completion, second, await _run_with_table(engine, second)
+            return completion, second, await run_with_logprobs(engine, second, 5)
 
         completion, second, (cached, toks, lps) = asyncio.run(scenario())
         assert completion.metrics.fallback == engine.span_support.reason
@@ -166,11 +156,11 @@ def test_without_the_guard_an_unhooked_runner_reads_unmoved_keys(tiny_model, hf_
             first = _span_lowering(engine, query(d, "ABCD"))
             await _prepare_by_hand(engine, first)
             second = _span_lowering(engine, query(d, "DCBA"))
-            return second, await _run_with_table(engine, second)
+            return second, await run_with_logprobs(engine, second, 5)
 
         second, (cached, toks, lps) = asyncio.run(scenario())
         assert cached >= second.table.spans[-1][1], "every span was read from the cache at a new position"
-        span_ref = span_reference_logprobs(hf_model, second.token_ids, second.table.spans, toks).double()
+        span_ref = span_reference_logprobs(hf_model, second.token_ids, second.table, toks).double()
         full_ref = full_attention_logprobs(hf_model, second.token_ids, toks).double()
         # Neither reference holds: the keys of the moved spans still encode their old positions.
         assert not torch.allclose(lps, span_ref, atol=TOL)

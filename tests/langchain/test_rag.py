@@ -237,3 +237,31 @@ def test_a_langgraph_rag_app_works_unchanged(tiny_backend, chat):
     assert stats(second)["spans"] == 4 and stats(second)["span_source"] == "run_documents"
     assert stats(second)["prepared_spans"] == 0
     assert cache_read(second) >= document_tokens(tiny_backend, docs)
+
+
+# LangChain hub's rlm/rag-prompt, written out (the hub is not reachable here): one human message, the question
+# before the context.
+HUB_RAG_TEXT = (
+    "You are an assistant for question-answering tasks. Use the following pieces of retrieved context to answer "
+    "the question. If you don't know the answer, just say that you don't know. Use three sentences maximum and "
+    "keep the answer concise.\nQuestion: {question} \nContext: {context} \nAnswer:"
+)
+HUB_RAG_PROMPT = ChatPromptTemplate.from_messages([("human", HUB_RAG_TEXT)])
+
+
+def test_the_hub_rag_prompt_reuses_documents_across_questions(tiny_backend, chat):
+    """The question comes before the documents: under the default anchor the documents of the first question
+    are read from the cache for the second, and neither call counts what it computed as cache_read."""
+    docs = town_documents("hub")
+    retriever = OrderedRetriever(documents=docs, orders=ORDERS)
+    app = {"context": retriever | format_docs, "question": RunnablePassthrough()} | HUB_RAG_PROMPT | chat
+
+    first = app.invoke("What color is the town hall of Corrow Ridge?")
+    second = app.invoke("Which town has the dark red town hall?")
+
+    assert stats(first)["spans"] == stats(second)["spans"] == 4
+    assert stats(first)["prepared_spans"] == 4
+    assert stats(second)["prepared_spans"] == 0, "the second question found every document cached"
+    assert cache_read(first) < document_tokens(tiny_backend, docs), "a cold call reads no document from cache"
+    assert cache_read(second) >= document_tokens(tiny_backend, docs)
+    assert stats(first)["prepared_tokens"] >= document_tokens(tiny_backend, docs)

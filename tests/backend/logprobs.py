@@ -1,0 +1,20 @@
+"""One greedy request on an in-process `SpanEngine`, with the log-probability of each generated token: what the
+correctness tests compare with the HF reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+async def run_with_logprobs(engine: Any, lowered: Any, max_tokens: int, with_table: bool = True):
+    """`(cached tokens, generated tokens, their logprobs)` of `lowered` run with its span table (or without)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
+    outs, _ = await engine.run_tokens(lowered.token_ids, params, lowered.table if with_table else None)
+    toks = [t for o in outs for t in o.outputs[0].token_ids]
+    lps = [lp[t].logprob for o in outs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
+    return outs[-1].num_cached_tokens or 0, toks, torch.tensor(lps, dtype=torch.float64)
