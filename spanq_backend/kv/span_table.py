@@ -22,6 +22,7 @@ Anchor = int | tuple[int, ...]
 """A span's anchor: the length of the request's prefix it was computed after, or explicit anchor tokens."""
 
 EXTRA_ARGS_KEY = "spanq"
+MAX_ANCHOR_TOKENS = 1 << 14  # explicit anchors are a chat template's opening; a longer one is refused as stock
 
 
 class SpanTableError(ValueError):
@@ -61,8 +62,11 @@ class SpanTable:
             for i, a in enumerate(self.anchors):
                 if isinstance(a, int) and a not in (0, self.anchor_len):
                     raise SpanTableError(f"anchor of span {i} ({a}) must be 0, the prefix ({self.anchor_len}) or tokens")
-                if not isinstance(a, int) and (not a or len(a) % bs):
-                    raise SpanTableError(f"anchor tokens of span {i} must be a whole number of blocks of {bs}")
+                if not isinstance(a, int) and (not a or len(a) % bs or len(a) > MAX_ANCHOR_TOKENS):
+                    raise SpanTableError(
+                        f"anchor tokens of span {i} must be a whole number of blocks of {bs}, at most "
+                        f"{MAX_ANCHOR_TOKENS} tokens"
+                    )
         prev_end = 0
         for i, (s, e) in enumerate(self.spans):
             if s % bs or e % bs:

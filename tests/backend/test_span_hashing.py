@@ -263,6 +263,28 @@ def test_a_hasher_whose_engine_has_not_confirmed_spans_hashes_span_tables_as_sto
     assert engine_core.span_table_of(req) is None  # the other hooks see a stock request too
 
 
+def test_spans_with_explicit_anchor_tokens_hash_as_their_prepare_request_after_any_prefix(hashing):
+    """An anchor that is not the request's prefix (the chat template's opening, say) travels as tokens: each
+    span hashes as `[anchor tokens][span]` does, whatever the request holds before it."""
+    canonical = tuple(block_tokens(1, 7000))
+    for prefix in (block_tokens(1, 8000), block_tokens(3, 8100)):  # two different questions, other lengths
+        tokens = list(prefix)
+        spans = []
+        for name in "CA":
+            spans.append((len(tokens), len(tokens) + len(SPANS[name])))
+            tokens += SPANS[name]
+        tokens += TAIL
+        table = SpanTable(BS, tuple(spans), (canonical, canonical)).validate(len(tokens))
+        req = request(tokens, hashing.plugin, table=table)
+        for i, name in enumerate("CA"):
+            prepare = stock_hashes(hashing, list(canonical) + SPANS[name])
+            assert req.block_hashes[blocks_of(table, i)] == prepare[len(canonical) // BS :], (prefix[:1], name)
+        assert req.block_hashes[: len(prefix) // BS] == stock_hashes(hashing, prefix)  # the prefix: stock
+    too_long = SpanTable(BS, ((BS, 2 * BS),), (tuple(range(BS * 1025)),))
+    with pytest.raises(SpanTableError, match="at most"):
+        too_long.validate(4 * BS)
+
+
 def test_plugin_span_hashes_keep_the_cache_salt(hashing):
     """A salted request's spans match its salted prepare requests, and nothing unsalted."""
     tokens, table = layout("BA")
