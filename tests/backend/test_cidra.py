@@ -111,13 +111,13 @@ def test_one_request_reading_a_block_at_two_positions_gets_a_copy():
 
 
 @pytest.mark.vllm
-def test_eight_orders_in_one_batch_match_solo_runs_and_the_reference(tiny_backend, tiny_model):
+def test_eight_orders_in_one_batch_match_solo_runs_and_the_reference(tiny_backend, hf_model):
     import torch
     from test_span_correctness import rag_query
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from benchmarks.hf_span import load_hf_model, span_reference_logprobs
+    from benchmarks.hf_span import span_reference_logprobs
     from spanq_backend import vllm_integration as vllm_plugin
 
     engine = tiny_backend.engine
@@ -153,7 +153,7 @@ def test_eight_orders_in_one_batch_match_solo_runs_and_the_reference(tiny_backen
         assert max(abs(x - y) for x, y in zip(t_lp, a_lp)) < 1e-4, order
         assert t_cached == a_cached > 0
     # Not only consistent with itself: each batched output is span attention, by the independent reference.
-    hf = load_hf_model(tiny_model)
+    hf = hf_model
     for order, (t_tok, t_lp, _) in zip(order_list, together):
         lw = engine.lower(rag_query(order))
         ref = span_reference_logprobs(hf, lw.token_ids, lw.table, t_tok).double()

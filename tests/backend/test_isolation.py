@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from benchmarks.hf_span import load_hf_model, span_reference_logprobs
+from benchmarks.hf_span import span_reference_logprobs
 from spanq_integrations import BackendError, cross, fragment, generate, plus, system, user
 
 pytestmark = [pytest.mark.vllm]
@@ -43,11 +43,6 @@ def small_engine(tiny_model):
     eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=1024, max_num_seqs=4, num_blocks=48)
     yield eng
     eng.close()
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model):
-    return load_hf_model(tiny_model)
 
 
 async def run_plain(engine, lowered, with_table: bool = True):

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from benchmarks.hf_span import load_hf_model, span_reference_logprobs
+from benchmarks.hf_span import span_reference_logprobs
 from spanq_backend.kv.relocation import KVRelocator, Move
 from spanq_integrations import cross, fragment, generate, plus, system, user
 from tests.backend.logprobs import run_with_logprobs
@@ -47,11 +47,6 @@ def engine(tiny_model):
     eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=4)
     yield eng
     eng.close()
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model):
-    return load_hf_model(tiny_model)
 
 
 def reordered_run(engine, tag: str):

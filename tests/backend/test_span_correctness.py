@@ -13,7 +13,7 @@ import asyncio
 import pytest
 import torch
 
-from benchmarks.hf_span import full_attention_logprobs, load_hf_model, span_reference_logprobs
+from benchmarks.hf_span import full_attention_logprobs, span_reference_logprobs
 from spanq_integrations import cross, fragment, generate, plus, system, user
 from spanq_integrations.runtime.executor import aexecute
 
@@ -33,11 +33,6 @@ def engine(tiny_model):
     eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=8)
     yield eng
     eng.close()
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model):
-    return load_hf_model(tiny_model)
 
 
 def rag_query(order: str, question: str = "Which door is open?", max_tokens: int = 6):

@@ -63,10 +63,10 @@ def test_smollm2_reads_reordered_spans_as_the_reference(default_model):
     assert diff < 1e-3, f"max |diff| = {diff:.2e}"
 
 
-def test_a_bfloat16_engine_reads_reordered_spans_as_the_reference(tiny_model, monkeypatch):
+def test_a_bfloat16_engine_reads_reordered_spans_as_the_reference(tiny_model, hf_model, monkeypatch):
     from spanq_backend.serving.engine import SpanEngine
 
-    hf = load_hf_model(tiny_model)
+    hf = hf_model
     engine = SpanEngine(model=str(tiny_model), dtype="bfloat16", block_size=32, max_model_len=2048, max_num_seqs=4)
     try:
         lowered, cached, toks, lps = reordered(engine, "b")

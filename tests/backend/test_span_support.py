@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from benchmarks.hf_span import full_attention_logprobs, load_hf_model, span_reference_logprobs
+from benchmarks.hf_span import full_attention_logprobs, span_reference_logprobs
 from spanq_backend.vllm_integration.support import SpanSupport
 from spanq_backend.vllm_integration.worker import runner_span_status
 from spanq_integrations import cross, fragment, generate, plus, system, user
@@ -94,11 +94,6 @@ async def _prepare_by_hand(engine, lowered) -> None:
     for i in range(len(lowered.table.spans)):
         ids = lowered.prepare_prompt(i) + [engine.pad_token_id]
         await engine.run_tokens(ids, SamplingParams(max_tokens=1, temperature=0.0))
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model):
-    return load_hf_model(tiny_model)
 
 
 @pytest.fixture
