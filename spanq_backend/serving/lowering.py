@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from spanq_backend.kv.span_table import SpanTable
+from spanq_backend.kv.span_table import MAX_ANCHOR_TOKENS, SpanTable
 from spanq_integrations.query.errors import ContextLengthError, QueryValidationError
 from spanq_integrations.query.flatten import BLOCK_SEPARATOR, block_text
 from spanq_integrations.query.ir import (
@@ -84,9 +84,10 @@ class LoweredPrompt:
 
     @property
     def reads_after_another_prefix(self) -> bool:
-        """Whether some span's anchor is not this prompt's own prefix: then the prefix itself must be in the
-        cache for vLLM's lookup (contiguous from the first block) to reach the spans."""
-        return self.table.anchors is not None and any(not isinstance(a, int) for a in self.table.anchors)
+        """Whether no span is anchored on this prompt's own prefix: then no span's prepare request caches the
+        prefix, which vLLM's lookup (contiguous from the first block) must find before it reaches the spans."""
+        table = self.table
+        return table.anchor_len > 0 and all(table.anchor_of(i) != table.anchor_len for i in range(len(table.spans)))
 
     def prefix_prompt(self) -> list[int]:
         """The prompt before its first span (whole blocks)."""
@@ -252,16 +253,19 @@ def lower(
     if slots:
         padded += pad(ids)
     anchor_len = len(ids)
-    systems = tuple(
-        p for m in messages if m["role"] == "system" for p in m["parts"] if isinstance(p, str)
-    ) if messages and messages[0]["role"] == "system" else ()
+    # The "system" anchor: the prompt's own leading system message, as the template renders it (its text parts
+    # joined as they are in the prompt).
+    first = messages[0] if messages and messages[0]["role"] == "system" else None
+    systems = (BLOCK_SEPARATOR.join(p for p in first["parts"] if isinstance(p, str)),) if first else ()
 
     def anchor_for(slot: _SpanSlot) -> int | tuple[int, ...]:
         policy = slot.anchor or default_anchor
         if policy == "prefix":
             return anchor_len
         tokens = _anchor_tokens(tokenizer, policy, systems, block_size, pad_token_id)
-        return anchor_len if tuple(ids[:anchor_len]) == tokens else tokens  # the prefix itself: say so
+        if tuple(ids[:anchor_len]) == tokens or len(tokens) > MAX_ANCHOR_TOKENS:
+            return anchor_len  # the prefix itself (say so), or an anchor too long to travel: the exact prefix
+        return tokens
 
     for i, slot in enumerate(slots):
         between = _after_separator(texts[i]) if i else ""

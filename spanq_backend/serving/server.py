@@ -205,14 +205,19 @@ def usage_of(result: ExecutionResult) -> dict[str, Any]:
     return result.usage.openai()
 
 
+def body_too_large(limits: QueryLimits, size: int | None = None) -> QueryLimitError:
+    what = f"{size} bytes" if size is not None else "larger than that"
+    return QueryLimitError(
+        "$", f"the body is {what}, over the server's limit max_body_bytes={limits.max_body_bytes} "
+        "(spanq serve --max-body-bytes)"
+    )
+
+
 def parse_query(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> Node:
     """The span query in a request body, within `limits`; a `QueryParseError` naming the JSON path if it is not
     one, a `QueryLimitError` naming the limit if it asks for too much. Nothing else runs before this passes."""
     if len(body) > limits.max_body_bytes:
-        raise QueryLimitError(
-            "$", f"the body is {len(body)} bytes, over the server's limit max_body_bytes={limits.max_body_bytes} "
-            "(spanq serve --max-body-bytes)"
-        )
+        raise body_too_large(limits, len(body))
     try:
         doc = json.loads(body)
     except RecursionError:
@@ -366,9 +371,20 @@ def build_query_router(
             )
         return backend
 
-    async def read_body(request: Request) -> bytes:
-        # Read before the handler runs: `with_cancellation` then listens on the connection for a disconnect.
-        return await request.body()
+    async def read_body(request: Request) -> bytes | None:
+        """The body, read before the handler runs (`with_cancellation` then listens on the connection for a
+        disconnect); None as soon as it is over `max_body_bytes` — declared or received — so an oversized body
+        is never held in memory."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limits.max_body_bytes:
+            return None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def error_response(error: BaseException) -> JSONResponse:
         status, body = error_body(error)
@@ -392,10 +408,12 @@ def build_query_router(
     @router.post(EXECUTE_PATH)
     @with_cancellation
     async def execute_query(
-        raw_request: Request, stream: bool = False, body: bytes = Depends(read_body)
+        raw_request: Request, stream: bool = False, body: bytes | None = Depends(read_body)
     ) -> Any:
         """Run a span query (spnl JSON); `?stream=true` streams the answer as chat.completion.chunk events."""
         backend = await backend_of(raw_request)
+        if body is None:
+            return error_response(body_too_large(limits))
         try:
             query = parse_query(body, limits)
             backend.check_models(query)

@@ -225,11 +225,14 @@ def wrap_get_computed_blocks(orig: Any) -> Any:
         result = orig(self, request)
         rekey_missed_spans(request, result[1])
         blocks, num_computed = result[0], result[1]
-        if num_computed and len(blocks.blocks) == 1:
+        if len(blocks.blocks) == 1:
             mgr = self.coordinator.single_type_managers[0]
-            hit = [blk.block_id for blk in blocks.blocks[0][: num_computed // mgr.block_size]]
             state = manager_spans(mgr)
-            state.cow_plans[request.request_id] = state.planner.plan(hit).duplicate
+            # A plan from an earlier lookup of this request (not admitted then) is stale: its hit may be gone.
+            state.cow_plans.pop(request.request_id, None)
+            if num_computed:
+                hit = [blk.block_id for blk in blocks.blocks[0][: num_computed // mgr.block_size]]
+                state.cow_plans[request.request_id] = state.planner.plan(hit).duplicate
         return result
 
     return get_computed_blocks

@@ -101,7 +101,7 @@ class Generate(_Node):
     temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0, le=MAX_TEMPERATURE)
     n: int = Field(default=1, ge=1)
     stop: tuple[str, ...] = ()
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # a 64-bit seed, as samplers take
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)  # samplers take 64 bits; vLLM reads -1 as no seed
 
 
 AnchorPolicy = Literal["template", "system", "prefix"]

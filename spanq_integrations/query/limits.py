@@ -100,6 +100,8 @@ def check_limits(query: Node, limits: QueryLimits = DEFAULT_LIMITS) -> None:
             if count > limits.max_bulk:
                 raise _fail("max_bulk", count, limits.max_bulk, f"{path}.inputs", "the number of inputs")
             calls += runs * count
+        elif isinstance(node, Chat):  # sugar for one generate call
+            calls += runs
         elif isinstance(node, Fragment):
             fragments += 1
         elif isinstance(node, Retrieve):

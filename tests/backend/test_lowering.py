@@ -162,6 +162,18 @@ def test_the_template_anchor_is_the_same_whatever_precedes_the_documents(tok, ne
     assert head.endswith("<|im_start|>user") and SYSTEM not in head
 
 
+def test_the_system_anchor_is_the_prompts_own_system_message(tok, newline):
+    """Two system parts render as one system message in the prompt: the anchor is that message, so a prompt that
+    opens with it and nothing else is anchored on its own prefix (no extra tokens, no extra prepare)."""
+    lp = lower(cross(system("A."), system("B."), plus(*[fragment(DOCS[c]) for c in "AB"], anchor="system"),
+                     user("Q?")), tok, BS, newline)
+    assert lp.table.anchors is None and not lp.reads_after_another_prefix
+    long_system = "word " * 20000  # an anchor too long to travel as tokens falls back to the exact prefix
+    lp = lower(cross(system(long_system), user("Q?"), plus(*[fragment(DOCS[c]) for c in "AB"], anchor="system")),
+               tok, BS, newline)
+    assert lp.table.anchors is None
+
+
 def test_the_system_anchor_keeps_the_system_prompt(tok, newline):
     lp = lower(cross(system(SYSTEM), user("Q?"), plus(*[fragment(DOCS[c]) for c in "AB"], anchor="system")),
                tok, BS, newline)

@@ -90,7 +90,10 @@ def test_limits_refuse_what_would_take_a_server_down():
     for _ in range(10_000):
         deep = {"plus": [deep]}
     many_calls = {"par": [{"repeat": {"n": 200, "g": {"input": {"user": "x"}, "n": 10}}}]}
-    for doc, limit in [(n_huge, "max_n"), (repeat_huge, "max_bulk"), (deep, "max_depth"), (many_calls, "max_calls")]:
+    many_chats = {"plus": [{"chat": {"messages": [{"user": "hi"}]}}] * 1100}  # each chat is one call
+    cases = [(n_huge, "max_n"), (repeat_huge, "max_bulk"), (deep, "max_depth"), (many_calls, "max_calls"),
+             (many_chats, "max_calls")]
+    for doc, limit in cases:
         try:
             check_limits(from_json(doc))
         except QueryLimitError as e:
