@@ -66,9 +66,9 @@ class _SpanKV:
 def span_attention_next_token_logprobs(
     model: Any,
     token_ids: Sequence[int],
-    spans: Sequence[tuple[int, int]],
+    spans: Sequence[tuple[int, int]] | Any,
     continuation: Sequence[int],
-    anchors: Sequence[int] | None = None,
+    anchors: Sequence[int | Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """`[len(continuation), vocab]` log-probabilities of the next token after `token_ids` + each prefix of
     `continuation`, under span attention with exact relocation.
@@ -142,9 +142,9 @@ def _at(rows: torch.Tensor, continuation: Sequence[int]) -> torch.Tensor:
 def span_reference_logprobs(
     model: Any,
     token_ids: Sequence[int],
-    spans: Sequence[tuple[int, int]],
+    spans: Sequence[tuple[int, int]] | Any,
     continuation: Sequence[int],
-    anchors: Sequence[int] | None = None,
+    anchors: Sequence[int | Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Log-probabilities of `continuation`'s own tokens under span attention (see the module docstring)."""
     return _at(span_attention_next_token_logprobs(model, token_ids, spans, continuation, anchors), continuation)

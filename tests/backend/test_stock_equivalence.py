@@ -7,38 +7,27 @@ sharing prefixes, so the prefix cache is hit) greedily, with log-probabilities, 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from tests.backend.logprobs import greedy_runs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 STOCK_RUN = r"""
-import asyncio, json, sys
+import json, sys
 from spanq_backend import vllm_integration
 from spanq_backend.serving.engine import SpanEngine
-from vllm import SamplingParams
-from vllm.sampling_params import RequestOutputKind
+from tests.backend.logprobs import greedy_runs
 
-prompts = json.loads(sys.argv[2])
 engine = SpanEngine(model=sys.argv[1], spans=False, max_model_len=2048, max_num_seqs=8)
 assert not vllm_integration._registered, "the plugin loaded although SPANQ_DISABLE_PLUGIN=1"
-
-async def run():
-    out = []
-    for ids in prompts:
-        params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
-        outs, _ = await engine.run_tokens(ids, params)
-        toks = [t for o in outs for t in o.outputs[0].token_ids]
-        lps = [lp[t].logprob for o in outs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
-        out.append({"tokens": toks, "logprobs": lps, "cached": outs[-1].num_cached_tokens or 0})
-    return out
-
-print("RESULT " + json.dumps(asyncio.run(run())))
+print("RESULT " + json.dumps(greedy_runs(engine, json.loads(sys.argv[2]))))
 engine.close()
 """
 
@@ -56,29 +45,13 @@ def stock(tiny_backend, tiny_model) -> list[dict]:
     done = subprocess.run(
         [sys.executable, "-c", STOCK_RUN, str(tiny_model), json.dumps(prompts)],
         env=env, capture_output=True, text=True, timeout=600, check=False,
+        cwd=Path(__file__).resolve().parents[2],  # the repository: `tests.backend.logprobs` is importable there
     )
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, done.stdout[-2000:] + done.stderr[-3000:]
     results = json.loads(line.removeprefix("RESULT "))
     assert results[-1]["cached"] > 0, "the stock run hit its prefix cache (the repeated prompt)"
     return results
-
-
-def run_plugin_on(engine, prompts: list[list[int]]) -> list[dict]:
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    async def run():
-        out = []
-        for ids in prompts:
-            params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
-            outs, _ = await engine.run_tokens(ids, params)
-            toks = [t for o in outs for t in o.outputs[0].token_ids]
-            lps = [lp[t].logprob for o in outs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
-            out.append({"tokens": toks, "logprobs": lps})
-        return out
-
-    return asyncio.run(run())
 
 
 def same(stock: list[dict], ours: list[dict]) -> bool:
@@ -90,7 +63,7 @@ def same(stock: list[dict], ours: list[dict]) -> bool:
 
 def test_requests_without_spans_equal_vllm_with_the_plugin_off(tiny_backend, stock):
     engine = tiny_backend.engine
-    assert same(stock, run_plugin_on(engine, _prompts(engine.tokenizer)))
+    assert same(stock, greedy_runs(engine, _prompts(engine.tokenizer)))
 
 
 def test_a_plugin_that_moved_stock_keys_would_be_caught(tiny_backend, stock, monkeypatch):
@@ -106,5 +79,5 @@ def test_a_plugin_that_moved_stock_keys_would_be_caught(tiny_backend, stock, mon
 
     monkeypatch.setattr(BlockPositionTracker, "new_request", new_request)
     engine = tiny_backend.engine
-    ours = run_plugin_on(engine, _prompts(engine.tokenizer))  # cached by the test above: every one hits
+    ours = greedy_runs(engine, _prompts(engine.tokenizer))  # cached by the test above: every one hits
     assert not same(stock, ours), "stock keys rotated by 7 positions went unnoticed"
