@@ -23,6 +23,7 @@ class EmbeddedBackend(Backend):
             name="embedded" if spans else "embedded-stock",
             span_aware=spans,
             prepares_spans=spans,
+            span_outputs=spans,
             max_concurrency=self.engine.config.max_num_seqs,
         )
 
@@ -30,8 +31,15 @@ class EmbeddedBackend(Backend):
     def model_name(self) -> str:
         return self.engine.model_name
 
-    async def generate(self, call: Generate, *, path: str = "$", on_token: TokenCallback | None = None) -> Completion:
-        return await self.engine.generate(call, path=path, on_token=on_token)
+    async def generate(
+        self,
+        call: Generate,
+        *,
+        path: str = "$",
+        on_token: TokenCallback | None = None,
+        span_output: bool = False,
+    ) -> Completion:
+        return await self.engine.generate(call, path=path, on_token=on_token, span_output=span_output)
 
     async def aclose(self) -> None:
         self.close()

@@ -10,6 +10,7 @@ shared with `spanq serve`; this module only drives the engine.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import os
@@ -194,6 +195,8 @@ class SpanEngine:
         kind, req = cmd
         if kind == "add":
             self._start(engine, req)
+        elif kind == "reset":
+            req.set_result(bool(engine.reset_prefix_cache()))
         elif kind == "abort" and req.rid in self._active:
             engine.abort_request([req.rid])
             self._active.pop(req.rid, None)
@@ -263,15 +266,31 @@ class SpanEngine:
     def lower(self, call: Generate) -> LoweredPrompt:
         return self.generator.lower(call)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (spans included), on the engine's thread; False while requests run."""
+        if self._closed:
+            raise BackendUnavailableError("the embedded engine is closed")
+        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._cmds.put(("reset", done))
+        return done.result(timeout=60)
+
     async def prepare(self, lowered: LoweredPrompt) -> int:
         """Put every span's isolated KV in the cache (one `[anchor][span]` request each, run together).
 
         Returns how many spans had to be computed (the others were already cached)."""
         return await self.generator.prepare(lowered)
 
-    async def generate(self, call: Generate, *, path: str = "$", on_token: TokenCallback | None = None) -> Completion:
-        """Run one closed `Generate`: lower, prepare spans, run; with TTFT and cache usage measured."""
-        return await self.generator.generate(call, path=path, on_token=on_token)
+    async def generate(
+        self,
+        call: Generate,
+        *,
+        path: str = "$",
+        on_token: TokenCallback | None = None,
+        span_output: bool = False,
+    ) -> Completion:
+        """Run one closed `Generate`: lower, prepare spans, run; with TTFT and cache usage measured.
+        `span_output`: an outer generate reads the output as a span (`SpanGenerator.generate`)."""
+        return await self.generator.generate(call, path=path, on_token=on_token, span_output=span_output)
 
     def close(self) -> None:
         if not self._closed:

@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from spanq_backend.kv.span_table import EXTRA_ARGS_KEY, SpanTable
-from spanq_backend.serving.lowering import DEFAULT_ANCHOR, LoweredPrompt, Tokenizer, lower
+from spanq_backend.serving.lowering import (
+    DEFAULT_ANCHOR,
+    GeneratedSpan,
+    LoweredPrompt,
+    Tokenizer,
+    generated_span_ids,
+    lower,
+)
 from spanq_integrations.backends.protocol import CallMetrics, Completion, TokenCallback
 from spanq_integrations.query.errors import (
     BackendError,
@@ -113,7 +120,7 @@ class SpanGenerator:
         model_name: str,
         default_max_tokens: int = 256,
         spans: bool = True,
-        generated_ids: Callable[[Assistant], list[int] | None] | None = None,
+        generated_ids: Callable[[Assistant], GeneratedSpan | None] | None = None,
         span_cached: Callable[[list[int]], bool] | None = None,
         fallback: str | None = None,
         default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
@@ -132,43 +139,49 @@ class SpanGenerator:
         # Whether a `[anchor][span]` prompt is wholly in the prefix cache (an in-process engine can tell): its
         # prepare request would compute nothing, so it is skipped.
         self.span_cached = span_cached
-        # Nested generation: a generated assistant's whole token sequence (its prompt, then its output), for
-        # the generations this generator ran itself, unless the host supplies its own lookup.
+        # Nested generation: the output ids of the aligned generations this generator ran itself (by prompt
+        # and text), unless the host supplies its own lookup.
         self.generated_ids = generated_ids or self._remembered_ids
-        self._generated: OrderedDict[tuple[tuple[int, ...], str], list[int]] = OrderedDict()
+        self._generated: OrderedDict[tuple[tuple[int, ...], str], tuple[int, ...]] = OrderedDict()
         self.pad_token_id = tokenizer.encode("\n", add_special_tokens=False)[-1]
+        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
 
     REMEMBERED_GENERATIONS = 1024
 
-    def _remember(self, lowered: LoweredPrompt, runs: list[TokenRun]) -> None:
-        """Keep the token sequences of a plain (span-free) generation, so a judge can reuse its KV."""
-        if lowered.has_spans:
-            return  # its blocks hash as spans, not as one plain sequence: not reusable as a whole
-        for run in runs:
-            out = run.token_ids
-            text = run.text
-            if self.tokenizer.decode(out, skip_special_tokens=True) != text:
-                continue  # the text is not exactly these tokens (e.g. cut at a stop string)
-            self._generated[(tuple(lowered.token_ids), text)] = lowered.token_ids + out
-            self._generated.move_to_end((tuple(lowered.token_ids), text))
+    def _output_ids(self, run: TokenRun) -> tuple[int, ...] | None:
+        """The run's output ids that spell exactly its text: a trailing end-of-sequence token dropped (its KV is
+        never computed, and the text does not show it), and trailing tokens that end in the middle of a
+        character (the text holds them back). None if no ids do: a special token inside the output (the text
+        skips it), text cut at a stop string."""
+        out = run.token_ids
+        while out and out[-1] in self._special_ids:
+            out.pop()
+        for end in range(len(out), max(0, len(out) - 4), -1):
+            if self.tokenizer.decode(out[:end], skip_special_tokens=False) == run.text:
+                return tuple(out[:end])
+        return None
+
+    def _remember(self, lowered: LoweredPrompt, text: str, output_ids: tuple[int, ...]) -> None:
+        key = (tuple(lowered.token_ids), text)
+        self._generated[key] = output_ids
+        self._generated.move_to_end(key)
         while len(self._generated) > self.REMEMBERED_GENERATIONS:
             self._generated.popitem(last=False)
 
-    def _remembered_ids(self, node: Assistant) -> list[int] | None:
+    def _remembered_ids(self, node: Assistant) -> GeneratedSpan | None:
         if node.source is None or not self.spans:
             return None
         try:
-            lowered = self.lower(node.source)
+            lowered = self._lower(node.source, align_output=True)[0]
         except SpanQueryError:
             return None
-        if lowered.has_spans:
-            return None
-        return self._generated.get((tuple(lowered.token_ids), node.text))
+        out = self._generated.get((tuple(lowered.token_ids), node.text))
+        return None if out is None else GeneratedSpan(tuple(lowered.token_ids), out)
 
     def lower(self, call: Generate) -> LoweredPrompt:
         return self._lower(call)[0]
 
-    def _lower(self, call: Generate) -> tuple[LoweredPrompt, bool]:
+    def _lower(self, call: Generate, align_output: bool = False) -> tuple[LoweredPrompt, bool]:
         """The call's prompt, and whether its spans were flattened (a stock engine's layout)."""
         lowered = lower(
             call.input,
@@ -179,6 +192,7 @@ class SpanGenerator:
             call.max_tokens or 1,
             generated_ids=self.generated_ids,
             default_anchor=self.default_anchor,
+            align_output=align_output and self.spans,
         )
         if not self.spans and lowered.has_spans:
             # A stock engine: the same messages, flattened, without span layout or padding.
@@ -241,31 +255,54 @@ class SpanGenerator:
         """Put every span's isolated KV in the cache (one `[anchor][span]` request each, run together).
 
         Returns how many spans had to be computed (the others were cached) and how many tokens that took."""
-        from vllm import SamplingParams
-
-        async def compute(prompt: list[int]) -> int:
-            """Put `prompt` (whole blocks) in the cache; the tokens it took (0: it was cached already)."""
-            if not prompt or (self.span_cached is not None and self.span_cached(prompt)):
-                return 0
-            # One token past the span: vLLM always recomputes a prompt's last token, and this way that is all
-            # it recomputes when the span is cached already (not the span's whole last block).
-            ids = prompt + [self.pad_token_id]
-            run = await self.run(ids, SamplingParams(max_tokens=1, temperature=0.0))
-            return max(0, len(ids) - 1 - run.cached_tokens)
-
-        spans = [compute(lowered.prepare_prompt(i)) for i in range(len(lowered.table.spans))]
+        spans = [self.compute(lowered.prepare_prompt(i)) for i in range(len(lowered.table.spans))]
         # Spans anchored elsewhere than this prompt's prefix are found only past a cached prefix (vLLM looks the
         # cache up contiguously from the first block): the prefix is computed as ordinary context, beside them.
-        prefix = [compute(lowered.prefix_prompt())] if lowered.reads_after_another_prefix else []
+        prefix = [self.compute(lowered.prefix_prompt())] if lowered.reads_after_another_prefix else []
         computed = await asyncio.gather(*spans, *prefix)
         return sum(1 for c in computed[: len(spans)] if c > 0), sum(computed)
 
+    async def compute(self, prompt: list[int]) -> int:
+        """Put `prompt` (whole blocks) in the cache; the tokens it took (0: it was cached already)."""
+        from vllm import SamplingParams
+
+        if not prompt or (self.span_cached is not None and self.span_cached(prompt)):
+            return 0
+        # One token past the span: vLLM always recomputes a prompt's last token, and this way that is all it
+        # recomputes when the span is cached already (not the span's whole last block).
+        ids = prompt + [self.pad_token_id]
+        run = await self.run(ids, SamplingParams(max_tokens=1, temperature=0.0))
+        return max(0, len(ids) - 1 - run.cached_tokens)
+
+    async def seal(self, lowered: LoweredPrompt, runs: list[TokenRun]) -> tuple[int, int]:
+        """Make each run's output a span a judge reads on this prompt: remember its ids, and compute its last
+        block (the generation never computed its final token's KV; the separator and padding follow it) as
+        soon as it is done. Returns how many outputs were sealed and the tokens that took."""
+        sealed: list[Any] = []
+        for run in runs:
+            out = self._output_ids(run)
+            if out is None:
+                continue
+            self._remember(lowered, run.text, out)
+            span = generated_span_ids(self.tokenizer, out, self.block_size, self.pad_token_id)
+            sealed.append(self.compute(lowered.token_ids + span))
+        computed = await asyncio.gather(*sealed)
+        return len(computed), sum(computed)
+
     async def generate(
-        self, call: Generate, *, path: str = "$", on_token: TokenCallback | None = None
+        self,
+        call: Generate,
+        *,
+        path: str = "$",
+        on_token: TokenCallback | None = None,
+        span_output: bool = False,
     ) -> Completion:
-        """Run one closed `Generate`: lower, prepare spans, run its `n` choices; with TTFT and cache usage."""
+        """Run one closed `Generate`: lower, prepare spans, run its `n` choices; with TTFT and cache usage.
+
+        `span_output`: an outer generate reads this call's output as a span. Its prompt is laid out so the
+        output starts on a block boundary, and each output is sealed (`seal`) as soon as it is done."""
         t0 = time.perf_counter()
-        lowered, flattened = self._lower(call)
+        lowered, flattened = self._lower(call, align_output=span_output)
         prepared, prepare_tokens = await self.prepare_detail(lowered) if lowered.has_spans else (0, 0)
         runs = await asyncio.gather(
             *(
@@ -278,7 +315,9 @@ class SpanGenerator:
                 for k in range(call.n)
             )
         )
-        self._remember(lowered, runs)
+        sealed, seal_tokens = (0, 0)
+        if span_output and self.spans and not lowered.has_spans:
+            sealed, seal_tokens = await self.seal(lowered, runs)
         first = runs[0].first_text_at
         metrics = CallMetrics(
             path=path,
@@ -292,10 +331,15 @@ class SpanGenerator:
             cached_tokens=max(0, runs[0].cached_tokens - prepare_tokens),
             generated_tokens=sum(r.generated_tokens for r in runs),
             padded_tokens=lowered.padded_tokens,
-            prepared_spans=prepared,
-            prepared_tokens=prepare_tokens,
+            prepared_spans=prepared + sealed,
+            prepared_tokens=prepare_tokens + seal_tokens,
             fallback=self.fallback if flattened else None,
-            extra={"spans": len(lowered.table.spans)},
+            extra={
+                "spans": len(lowered.table.spans),
+                "generated_spans": lowered.generated_spans,
+                "generated_as_text": lowered.generated_as_text,
+                "sealed_outputs": sealed,
+            },
         )
         return Completion(
             texts=[r.text for r in runs], finish_reasons=[r.finish_reason for r in runs], metrics=metrics

@@ -14,9 +14,13 @@ same prefix). An anchor that is not the prompt's own prefix travels as explicit 
 A span whose tokens repeat an earlier span of the same prompt is laid out the same way but read as context:
 one cached block cannot sit at two positions of one request.
 
-Nested generation: a generated `Assistant` in a `plus` whose whole token sequence (its generate's prompt and
-its output) the engine still knows (`generated_ids`) becomes a stand-alone span of exactly those tokens
-(anchor 0): the KV its own generation left in the cache is reused, relocated, instead of prefilled again.
+Nested generation: an inner generate whose output an outer generate reads (`align_output`) has its prompt
+padded (newlines at the end of its last message) so that its output starts on a block boundary. A generated
+`Assistant` in a `plus` whose tokens the engine still knows (`generated_ids`: its aligned prompt and its
+output ids) becomes a span of its output ids alone — the judge's prompt holds the candidates' text, as a stock
+judge's does, plus padding — anchored on its own prompt, explicitly: the KV its generation left in the cache
+is reused, relocated, instead of prefilled again. A generated assistant the engine does not know is read as
+text under its group's policy (counted in `generated_as_text`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import hashlib
 import secrets
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -45,7 +49,7 @@ from spanq_integrations.query.ir import (
     User,
 )
 
-__all__ = ["DEFAULT_ANCHOR", "LoweredPrompt", "Tokenizer", "lower"]
+__all__ = ["DEFAULT_ANCHOR", "GeneratedSpan", "LoweredPrompt", "Tokenizer", "generated_span_ids", "lower"]
 
 DEFAULT_ANCHOR: AnchorPolicy = "template"
 """The anchor policy of a `plus` that names none: reuse after any prefix (docs/design.md, "Anchors")."""
@@ -65,6 +69,8 @@ class LoweredPrompt:
     table: SpanTable
     span_texts: list[str] = field(default_factory=list)
     padded_tokens: int = 0
+    generated_spans: int = 0  # generated assistants read as spans on their own prompt (their KV reused)
+    generated_as_text: int = 0  # generated assistants the engine no longer knows: read as text, prefilled again
 
     @property
     def has_spans(self) -> bool:
@@ -98,6 +104,23 @@ class LoweredPrompt:
         h = hashlib.sha256()
         h.update(repr((self.table.block_size, self.prepare_prompt(i))).encode())
         return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class GeneratedSpan:
+    """What an engine knows of a generation whose output an outer generate reads: its prompt (whole blocks,
+    laid out with `align_output`) and its output token ids (without a trailing end-of-sequence token)."""
+
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+
+
+def generated_span_ids(tokenizer: Tokenizer, output_ids: Sequence[int], block_size: int, pad_token_id: int) -> list[int]:
+    """A generated output as a judge reads it: its ids, the separator, padding to a block boundary — the same
+    tokens the generation's sealing request and the judge's span hold."""
+    ids = list(output_ids) + _span_tokens(tokenizer, BLOCK_SEPARATOR)
+    ids.extend([pad_token_id] * ((-len(ids)) % block_size))
+    return ids
 
 
 @dataclass
@@ -205,13 +228,15 @@ def lower(
     pad_token_id: int,
     max_model_len: int | None = None,
     max_new_tokens: int = 0,
-    generated_ids: Callable[[Assistant], list[int] | None] | None = None,
+    generated_ids: Callable[[Assistant], GeneratedSpan | None] | None = None,
     default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
+    align_output: bool = False,
 ) -> LoweredPrompt:
     """Lower a closed generate input to tokens and a span table (no spans when there is no `plus`).
 
-    `generated_ids(assistant)` returns a generated assistant's whole token sequence if the engine knows it;
-    `default_anchor` is the policy of a `plus` that names none."""
+    `generated_ids(assistant)` returns what the engine knows of a generated assistant (None: nothing);
+    `default_anchor` is the policy of a `plus` that names none; `align_output` pads a prompt without spans so
+    that its output starts on a block boundary (an inner generation whose output a judge reads as a span)."""
     messages, slots = _messages_with_slots(node)
     nonce = secrets.token_hex(6)
     sentinel = [f"\u27e6spanq:{i}:{nonce}\u27e7" for i in range(len(slots))]
@@ -220,9 +245,14 @@ def lower(
     for m in messages:
         pieces = [sentinel[slot_index[id(p)]] if isinstance(p, _SpanSlot) else p for p in m["parts"]]
         chat.append({"role": m["role"], "content": BLOCK_SEPARATOR.join(pieces)})
+    align_mark = f"\u27e6spanq:align:{nonce}\u27e7" if align_output and not slots else None
+    if align_mark is not None:
+        chat[-1]["content"] += align_mark
     rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     if not isinstance(rendered, str):
         raise TypeError("the tokenizer's chat template did not render to text")
+    if align_mark is not None:
+        return _aligned(rendered, align_mark, tokenizer, block_size, pad_token_id, max_model_len, max_new_tokens)
 
     # Split the rendered prompt at the sentinels, in order.
     texts: list[str] = []
@@ -250,6 +280,7 @@ def lower(
     anchors: list[int] = []
     span_texts: list[str] = []
     seen: set[tuple[int, ...]] = set()
+    generated_spans = generated_as_text = 0
     if slots:
         padded += pad(ids)
     anchor_len = len(ids)
@@ -273,12 +304,25 @@ def lower(
             ids.extend(enc(between))  # context between spans, e.g. an instruction between two groups
             padded += pad(ids)
         start = len(ids)
-        whole = None
+        known = None
         if generated_ids is not None and isinstance(slot.node, Assistant) and slot.node.source is not None:
-            whole = generated_ids(slot.node)
-        ids.extend((whole if whole is not None else _span_tokens(tokenizer, slot.text)) + sep_ids)
-        padded += pad(ids)
-        anchor = 0 if whole is not None else anchor_for(slot)
+            known = generated_ids(slot.node)
+            if known is not None and len(known.prompt_ids) > MAX_ANCHOR_TOKENS:
+                known = None  # a prompt too long to travel as an anchor: read as text
+            if known is None:
+                generated_as_text += 1
+            else:
+                generated_spans += 1
+        anchor: int | tuple[int, ...]
+        if known is not None:
+            span = generated_span_ids(tokenizer, known.output_ids, block_size, pad_token_id)
+            ids.extend(span)
+            padded += len(span) - len(known.output_ids) - len(sep_ids)
+            anchor = anchor_len if tuple(ids[:anchor_len]) == known.prompt_ids else known.prompt_ids
+        else:
+            ids.extend(_span_tokens(tokenizer, slot.text) + sep_ids)
+            padded += pad(ids)
+            anchor = anchor_for(slot)
         anchor_size = anchor if isinstance(anchor, int) else len(anchor)
         key = (anchor, tuple(ids[start:]))
         if key not in seen:
@@ -293,11 +337,44 @@ def lower(
             )
     if slots:  # without spans, texts[0] was the whole prompt
         ids.extend(enc(_after_separator(texts[-1])))
+    _check_fits(ids, padded, max_model_len, max_new_tokens)
+    table = SpanTable(block_size, tuple(spans), tuple(anchors) if any(a != anchor_len for a in anchors) else None)
+    table.validate(len(ids))
+    return LoweredPrompt(
+        token_ids=ids,
+        table=table,
+        span_texts=span_texts,
+        padded_tokens=padded,
+        generated_spans=generated_spans,
+        generated_as_text=generated_as_text,
+    )
+
+
+def _check_fits(ids: list[int], padded: int, max_model_len: int | None, max_new_tokens: int) -> None:
     if max_model_len is not None and len(ids) + max(max_new_tokens, 1) > max_model_len:
         raise ContextLengthError(
             f"the prompt has {len(ids)} tokens ({padded} of them padding) and asks for {max_new_tokens} more; "
             f"the model's context window is {max_model_len} tokens"
         )
-    table = SpanTable(block_size, tuple(spans), tuple(anchors) if any(a != anchor_len for a in anchors) else None)
-    table.validate(len(ids))
-    return LoweredPrompt(token_ids=ids, table=table, span_texts=span_texts, padded_tokens=padded)
+
+
+def _aligned(
+    rendered: str,
+    mark: str,
+    tokenizer: Tokenizer,
+    block_size: int,
+    pad_token_id: int,
+    max_model_len: int | None,
+    max_new_tokens: int,
+) -> LoweredPrompt:
+    """A prompt without spans, padded at `mark` (the end of its last message) to whole blocks, so that its
+    output starts on a block boundary."""
+    before, found, after = rendered.partition(mark)
+    if not found:
+        raise QueryValidationError("$", "the chat template dropped the last message's end; it cannot be aligned")
+    head = list(tokenizer.encode(before, add_special_tokens=False)) if before else []
+    tail = list(tokenizer.encode(after, add_special_tokens=False)) if after else []
+    n = (-(len(head) + len(tail))) % block_size
+    ids = head + [pad_token_id] * n + tail
+    _check_fits(ids, n, max_model_len, max_new_tokens)
+    return LoweredPrompt(token_ids=ids, table=SpanTable(block_size, ()), padded_tokens=n)

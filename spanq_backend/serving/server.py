@@ -120,7 +120,11 @@ class EngineClientBackend(Backend):
             default_anchor=default_anchor,
         )
         self.capabilities = BackendCapabilities(
-            name="spanq-serve", span_aware=True, prepares_spans=True, max_concurrency=max_concurrency
+            name="spanq-serve",
+            span_aware=True,
+            prepares_spans=True,
+            span_outputs=True,
+            max_concurrency=max_concurrency,
         )
 
     def check_model(self, model: str, path: str = "$") -> None:
@@ -139,10 +143,15 @@ class EngineClientBackend(Backend):
                 self.check_model(node.model, path)
 
     async def generate(
-        self, call: Generate, *, path: str = "$", on_token: TokenCallback | None = None
+        self,
+        call: Generate,
+        *,
+        path: str = "$",
+        on_token: TokenCallback | None = None,
+        span_output: bool = False,
     ) -> Completion:
         self.check_model(call.model, path)
-        return await self.generator.generate(call, path=path, on_token=on_token)
+        return await self.generator.generate(call, path=path, on_token=on_token, span_output=span_output)
 
     async def _stream(self, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
         """One token request on the engine client; aborted if the stream is closed early."""
@@ -243,9 +252,14 @@ class _StreamedAnswer(Backend):
         self.completion: Completion | None = None
 
     async def generate(
-        self, call: Generate, *, path: str = "$", on_token: TokenCallback | None = None
+        self,
+        call: Generate,
+        *,
+        path: str = "$",
+        on_token: TokenCallback | None = None,
+        span_output: bool = False,
     ) -> Completion:
-        completion = await self.inner.generate(call, path=path, on_token=on_token)
+        completion = await self.inner.generate(call, path=path, on_token=on_token, span_output=span_output)
         if on_token is not None:
             self.completion = completion
         return completion

@@ -38,7 +38,9 @@ class CallMetrics(BaseModel):
     generated_tokens: int = 0
     padded_tokens: int = 0
     prepared_spans: int = 0
-    prepared_tokens: int = 0  # prompt tokens this call's own prepare requests computed (never counted as cached)
+    # Tokens this call's own prepare requests computed (never counted as cached): its spans', and the last
+    # block of each output a judge will read as a span (sealed when the output is done).
+    prepared_tokens: int = 0
     fallback: str | None = None  # why the call's spans were sent as ordinary prompt text, when they were
     extra: dict[str, Any] = Field(default_factory=dict)
 
@@ -139,7 +141,10 @@ def answer_of(tree: Node) -> str:
 
 
 class Backend(abc.ABC):
-    """A serving backend. `generate` receives a `Generate` whose input is closed (no pending inner calls)."""
+    """A serving backend. `generate` receives a `Generate` whose input is closed (no pending inner calls).
+
+    A backend whose capabilities say `span_outputs` also accepts `span_output=True`: the executor passes it
+    for an inner generate whose output an outer generate reads through a `plus`."""
 
     capabilities: BackendCapabilities
 

@@ -21,6 +21,9 @@ class BackendCapabilities(BaseModel):
     name: str
     span_aware: bool = False
     prepares_spans: bool = False  # the backend puts each span in the cache itself, under the right anchor
+    # `generate(..., span_output=True)` is understood: an inner generation whose output an outer generate reads
+    # as a span is laid out for it (its output on a block boundary, its KV kept for the judge).
+    span_outputs: bool = False
     max_concurrency: int = 8
 
 

@@ -77,7 +77,9 @@ class _Run:
         self.stream_path = stream_path
         self.calls: list[CallMetrics] = []
 
-    async def eval(self, node: Node, path: str) -> Node:
+    async def eval(self, node: Node, path: str, in_input: bool = False) -> Node:
+        """`in_input`: `node` is read by an outer generate (part of its input), so the generates of its
+        `plus`es are read as spans."""
         if isinstance(node, (System, User, Assistant, Fragment)):
             return node
         if isinstance(node, Print):
@@ -86,17 +88,23 @@ class _Run:
         if isinstance(node, Cross):
             out = []
             for i, child in enumerate(node.children):
-                out.append(await self.eval(child, f"{path}.{node.keyword}[{i}]"))
+                out.append(await self.eval(child, f"{path}.{node.keyword}[{i}]", in_input))
             return node.model_copy(update={"children": tuple(out)})
         if isinstance(node, Plus):
             out = await _all_or_cancel(
-                [self.eval(c, f"{path}.{node.keyword}[{i}]") for i, c in enumerate(node.children)]
+                [
+                    self.call(c, p, span_output=True) if in_input and isinstance(c, Generate) else self.eval(c, p, in_input)
+                    for i, c in enumerate(node.children)
+                    for p in (f"{path}.{node.keyword}[{i}]",)
+                ]
             )
             return node.model_copy(update={"children": tuple(out)})
         if isinstance(node, Monad):
             return node.model_copy(update={"query": await self.eval(node.query, f"{path}.monad")})
         if isinstance(node, (Repeat, Map)):
-            calls = [self.eval(g, f"{path}.{node.kind}[{i}]") for i, g in enumerate(node.expand())]
+            calls = [
+                self.call(g, f"{path}.{node.kind}[{i}]", span_output=in_input) for i, g in enumerate(node.expand())
+            ]
             return Plus(children=tuple(await _all_or_cancel(calls)))
         if isinstance(node, Generate):
             return await self.call(node, path)
@@ -106,13 +114,14 @@ class _Run:
             )
         raise QueryValidationError(path, f"cannot execute {type(node).__name__}")
 
-    async def call(self, g: Generate, path: str) -> Node:
-        closed_input = await self.eval(g.input, f"{path}.g.input")
+    async def call(self, g: Generate, path: str, span_output: bool = False) -> Node:
+        closed_input = await self.eval(g.input, f"{path}.g.input", in_input=True)
         closed = g.model_copy(update={"input": closed_input})
         on_token = self.on_token if path == self.stream_path else None
+        extra = {"span_output": True} if span_output and self.backend.capabilities.span_outputs else {}
         async with self.semaphore:
             try:
-                completion = await self.backend.generate(closed, path=path, on_token=on_token)
+                completion = await self.backend.generate(closed, path=path, on_token=on_token, **extra)
             except SpanQueryError as e:
                 if getattr(e, "path", None) is None and not isinstance(e, GenerationError):
                     e.path = path  # type: ignore[attr-defined]

@@ -9,6 +9,7 @@ The same holds for a judge over three inner generations.
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -88,44 +89,99 @@ def test_reordered_spans_hit_cache_and_match_reference(engine, hf_model):
     assert (full - lp2).abs().max() > 10 * TOL
 
 
-def test_nested_judge_reuses_inner_generations_and_matches_reference(engine, hf_model):
-    """Plus distribution: the judge reads each inner generation (prompt + output) as one span, reusing the KV
-    the generation left in the cache; only each span's partial trailing block is computed again."""
-    # Sampled inner outputs (seeded), so the three candidates differ even on a random model.
+def squeeze_newlines(text: str) -> str:
+    return re.sub(r"\n+", "\n", text)
+
+
+def nested_judge(n: int, tag: str):
+    words = ["key", "lamp", "bell", "cup", "road", "tree", "door", "coin"]
     inner = [
-        generate(cross(system("Write one line."), user(f"Describe the {w}.")), max_tokens=40, temperature=1.0, seed=s)
-        for s, w in enumerate(("key", "lamp", "bell"))
-    ]
-    judge = generate(cross(system("Pick the best line."), plus(*inner), user("Which is best?")), max_tokens=5, temperature=0.0)
+        generate(cross(system("Write one line."), user(f"Describe the {words[i % 8]} {tag}{i}.")),
+                 max_tokens=40, temperature=1.0, seed=i)
+        for i in range(n)
+    ]  # sampled (seeded), so the candidates differ even on a random model
+    return generate(cross(system("Pick the best line."), plus(*inner), user("Which is best?")), max_tokens=5, temperature=0.0)
+
+
+@pytest.mark.parametrize("n", [3, 24])
+def test_nested_judge_reads_only_the_candidates_reusing_their_kv_and_matches_reference(engine, hf_model, n):
+    """Plus distribution: the judge reads each inner generation's output alone, as a span anchored on the
+    inner prompt, reusing the KV the generation left (its last block sealed when it finished): the judge's
+    prompt is the stock judge's plus padding, and it computes none of the candidates again."""
+    from spanq_backend.serving.embedded import EmbeddedBackend
+    from spanq_integrations.query.flatten import to_chat_messages
+
+    judge = nested_judge(n, f"n{n}")
 
     async def scenario():
-        from spanq_backend.serving.embedded import EmbeddedBackend
-
-        backend = EmbeddedBackend(engine=engine)
-        result = await aexecute(judge, backend)
-        closed_outer = result.tree.source
-        return result, await run_with_logprobs(engine, closed_outer)
+        result = await aexecute(judge, EmbeddedBackend(engine=engine))
+        return result, await run_with_logprobs(engine, result.tree.source)
 
     result, (lowered, prepared, _, tokens, lps) = asyncio.run(scenario())
-    assert len(result.calls) == 4
-    candidates = [c.text for c in result.tree.source.input.children[1].children]
-    assert len(set(candidates)) == 3, candidates
-    assert len(lowered.table.spans) == 3
-    assert lowered.table.anchors == (0, 0, 0), "each inner generation is a stand-alone span"
+    assert len(result.calls) == n + 1
+    closed = result.tree.source
+    candidates = closed.input.children[1].children
+    assert len({c.text for c in candidates}) == n
+    tok = engine.tokenizer
+    known = [engine.generator.generated_ids(c) for c in candidates]
+    # An output the engine cannot spell exactly as its text (on this random model: a special token inside it,
+    # which the text skips) is read as text; every other one is a span of its output ids.
+    as_text = [c for c, k in zip(candidates, known) if k is None]
+    assert len(as_text) <= n // 8, f"{len(as_text)} of {n} candidates read as text"
+    sealed = sum(c.extra["sealed_outputs"] for c in result.calls if c.path != "$")
     outer = result.calls[-1]
-    span_tokens = sum(e - s for s, e in lowered.table.spans)
-    # What the judge's prepares computed: the trailing block of each inner generation, and the judge's own prompt
-    # prefix (new to the engine, computed beside the spans so the cache lookup reaches them).
-    computed = outer.prepared_tokens
-    assert 0 < computed <= 3 * engine.config.block_size + lowered.table.anchor_len, (
-        f"the judge computed {computed} of {span_tokens} span tokens: only trailing blocks should be new"
-    )
-    assert prepared == 0, "the judge's spans were cached by the first run of the same judge"
-    ref = span_reference_logprobs(
-        hf_model, lowered.token_ids, lowered.table.spans, tokens, anchors=[0, 0, 0]
-    ).double()
-    assert torch.allclose(lps, ref, atol=TOL), f"max |diff| = {(lps - ref).abs().max():.2e}"
+    assert outer.path == "$" and outer.extra["generated_spans"] == sealed == n - len(as_text)
+    assert outer.extra["generated_as_text"] == len(as_text)
+    assert len(lowered.table.spans) == n
+    anchors = lowered.table.anchors
+    assert all(a == k.prompt_ids for a, k in zip(anchors, known) if k is not None), "anchored on its own prompt"
+    assert all(len(k.prompt_ids) % engine.config.block_size == 0 for k in known if k), "outputs start on a block"
 
+    # The judge's prompt is the stock judge's text plus padding (newlines): the candidates' output ids stand
+    # where the stock prompt re-tokenizes their text, and each span is tokenized apart from its neighbours (a
+    # token can merge across a boundary in the stock prompt, at most one per boundary).
+    stock_text = tok.apply_chat_template(to_chat_messages(closed.input), tokenize=False, add_generation_prompt=True)
+    stock = tok.encode(stock_text, add_special_tokens=False)
+    assert squeeze_newlines(tok.decode(lowered.token_ids)) == squeeze_newlines(stock_text)
+    retokenized = sum(
+        len(k.output_ids) - len(tok.encode(c.text, add_special_tokens=False)) for k, c in zip(known, candidates) if k
+    )
+    assert abs(outer.prompt_tokens - outer.padded_tokens - retokenized - len(stock)) <= n + 1
+    assert outer.prompt_tokens - outer.padded_tokens < 1.1 * len(stock), "not the inner prompts again"
+
+    # The judge computes no candidate it knows again: only those read as text, and its own prefix (new here).
+    bs = engine.config.block_size
+    text_tokens = sum(e - s for (s, e), k in zip(lowered.table.spans, known) if k is None)
+    assert outer.prepared_spans == len(as_text)
+    assert outer.prepared_tokens <= lowered.table.anchor_len + text_tokens + bs * len(as_text)
+    known_tokens = sum(e - s for (s, e), k in zip(lowered.table.spans, known) if k is not None)
+    assert outer.cached_tokens >= known_tokens, "the known candidates' KV existed before the judge's call"
+    assert prepared == 0
+
+    ref = span_reference_logprobs(hf_model, lowered.token_ids, lowered.table, tokens).double()
+    assert torch.allclose(lps, ref, atol=TOL), f"max |diff| = {(lps - ref).abs().max():.2e}"
+    # The reference tells the candidates' own prompts from the judge's prefix as their anchor.
+    on_prefix = span_reference_logprobs(hf_model, lowered.token_ids, lowered.table.spans, tokens).double()
+    assert (on_prefix - lps).abs().max() > 10 * TOL
+
+
+def test_a_judge_whose_candidates_were_evicted_computes_them_again_with_the_same_answer(engine, hf_model):
+    """The engine no longer holds the candidates' KV: the judge's prepares compute it again (said in its
+    metadata), and its log-probabilities still equal the reference."""
+    from spanq_backend.serving.embedded import EmbeddedBackend
+
+    judge = nested_judge(3, "evicted")
+
+    async def scenario():
+        result = await aexecute(judge, EmbeddedBackend(engine=engine))
+        assert engine.reset_prefix_cache(), "the engine's prefix cache could not be reset"
+        return result, await aexecute(result.tree.source.model_copy(update={"max_tokens": 5}), EmbeddedBackend(engine=engine))
+
+    first, again = asyncio.run(scenario())
+    call = again.calls[-1]
+    assert call.extra["generated_spans"] == 3
+    assert call.prepared_spans == 3 and call.prepared_tokens > 0 and call.cached_tokens == 0
+    assert again.answer == first.answer
 
 def test_two_spans_sharing_their_first_block_match_reference(engine, hf_model):
     """Two fragments whose first block holds the same tokens hash to one cached block, which the request then

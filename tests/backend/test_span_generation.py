@@ -17,8 +17,9 @@ from spanq_integrations import ContextLengthError, cross, fragment, generate, pl
 class ScriptedEngine:
     """A `RequestStream` that answers every request with `pieces` (one delta each) and records the requests."""
 
-    def __init__(self, pieces=("Hel", "lo"), cached=0):
+    def __init__(self, pieces=("Hel", "lo"), cached=0, ids=None):
         self.pieces = pieces
+        self.ids = ids or [7] * len(pieces)  # each piece's token id
         self.cached = cached
         self.requests = []
         self.closed = 0
@@ -29,7 +30,7 @@ class ScriptedEngine:
         try:
             for i, piece in enumerate(pieces):
                 last = i == len(pieces) - 1
-                choice = SimpleNamespace(text=piece, token_ids=[7], finish_reason="length" if last else None)
+                choice = SimpleNamespace(text=piece, token_ids=[self.ids[i]], finish_reason="length" if last else None)
                 yield SimpleNamespace(outputs=[choice], num_cached_tokens=self.cached, finished=last)
                 await asyncio.sleep(0)
         finally:
@@ -145,29 +146,71 @@ def test_an_over_long_prompt_is_refused_before_the_engine_sees_it(tokenizer):
     assert engine.requests == []
 
 
-def test_a_generated_span_the_engine_knows_is_prepared_on_its_own_anchor(tokenizer):
+def test_a_generated_span_the_engine_knows_is_its_output_on_its_own_prompt(tokenizer):
     pytest.importorskip("vllm")
+    from spanq_backend.serving.lowering import GeneratedSpan
     from spanq_integrations import Assistant
 
     inner = generate(user("Describe the key."), max_tokens=4)
     answer = Assistant(text="A brass key.", source=inner)
-    whole = tokenizer.encode(
-        "<|im_start|>user\nDescribe the key.<|im_end|>\nA brass key.", add_special_tokens=False
-    )
+    prompt = tuple(tokenizer.encode("<|im_start|>user\nDescribe the key.<|im_end|>\n<|im_start|>assistant\n"))
+    prompt += (tokenizer.encode("\n")[-1],) * ((-len(prompt)) % 32)
+    known = GeneratedSpan(prompt, tuple(tokenizer.encode("A brass key.", add_special_tokens=False)))
     engine = ScriptedEngine()
-    gen = span_generator(engine, tokenizer, generated_ids=lambda a: whole if a == answer else None,
+    gen = span_generator(engine, tokenizer, generated_ids=lambda a: known if a == answer else None,
                          default_anchor="prefix")
     query = generate(
         cross(system("Pick one."), plus(answer, fragment("A copper lamp.")), user("Which?")), max_tokens=1
     )
-    asyncio.run(gen.generate(query))
+    completion = asyncio.run(gen.generate(query))
 
     lowered = gen.lower(query)
-    assert lowered.table.anchors is not None and 0 in lowered.table.anchors
+    assert lowered.table.anchors is not None and lowered.table.anchors[0] == prompt
+    assert completion.metrics.extra["generated_spans"] == 1
+    s, e = lowered.table.spans[0]
+    assert lowered.token_ids[s : s + len(known.output_ids)] == list(known.output_ids), "the output alone"
     *prepares, _ = engine.requests
-    assert len(prepares) == 2
-    alone = [p for p in prepares if p.prompt_ids[: len(whole)] == whole]
-    assert len(alone) == 1  # the generated span: its own tokens from position 0, its inner prompt first
+    alone = [p for p in prepares if p.prompt_ids[: len(prompt)] == list(prompt)]
+    assert len(alone) == 1  # the generated span: after its own prompt
+    assert alone[0].prompt_ids[len(prompt) : len(prompt) + e - s] == lowered.token_ids[s:e]
     shared = lowered.token_ids[: lowered.table.anchor_len]
-    (other,) = [p for p in prepares if p is not alone[0]]
-    assert other.prompt_ids[: len(shared)] == shared  # the fragment: after the shared prefix
+    assert any(p.prompt_ids[: len(shared)] == shared for p in prepares if p is not alone[0])
+
+
+def test_a_generated_answer_the_engine_does_not_know_is_read_as_text_and_said_so(tokenizer):
+    pytest.importorskip("vllm")
+    from spanq_integrations import Assistant
+
+    answer = Assistant(text="A brass key.", source=generate(user("Describe the key."), max_tokens=4))
+    gen = span_generator(ScriptedEngine(), tokenizer)
+    query = generate(cross(plus(answer, fragment("A copper lamp.")), user("Which?")), max_tokens=1)
+    completion = asyncio.run(gen.generate(query))
+    assert completion.metrics.extra["generated_spans"] == 0
+    assert completion.metrics.extra["generated_as_text"] == 1
+    lowered = gen.lower(query)
+    s, _ = lowered.table.spans[0]
+    text_ids = tokenizer.encode("A brass key.", add_special_tokens=False)
+    assert lowered.token_ids[s : s + len(text_ids)] == text_ids
+
+
+def test_an_inner_generation_read_as_a_span_starts_its_output_on_a_block_and_is_sealed(tokenizer):
+    pytest.importorskip("vllm")
+    ids = tokenizer.encode(" A brass key", add_special_tokens=False)
+    engine = ScriptedEngine(pieces=[tokenizer.decode([t]) for t in ids], ids=ids)
+    gen = span_generator(engine, tokenizer)
+    inner = generate(user("Describe the key."), max_tokens=len(ids))
+    plain = gen.lower(inner)
+    completion = asyncio.run(gen.generate(inner, span_output=True))
+    run, seal = engine.requests
+    assert len(run.prompt_ids) % 32 == 0 and len(plain.token_ids) % 32 != 0
+    assert completion.metrics.padded_tokens == len(run.prompt_ids) - len(plain.token_ids)
+    # The pads are newlines at the end of the user's message, before the template closes it.
+    tail = tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n")
+    newline = tokenizer.encode("\n")[-1]
+    assert run.prompt_ids[-len(tail) :] == plain.token_ids[-len(tail) :] == tail
+    assert run.prompt_ids[len(plain.token_ids) - len(tail) : -len(tail)] == [newline] * completion.metrics.padded_tokens
+    assert seal.prompt_ids[: len(run.prompt_ids)] == run.prompt_ids, "the seal continues the generation"
+    assert completion.metrics.extra["sealed_outputs"] == 1
+    # Without span_output, the prompt is the template's own.
+    asyncio.run(gen.generate(inner))
+    assert engine.requests[-1].prompt_ids == plain.token_ids
