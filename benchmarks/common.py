@@ -154,8 +154,12 @@ def make_backend(model: str, *, spans: bool, kv_blocks: int | None = None, **eng
 
 
 def close_backend(backend: Any) -> None:
-    """Stop the engine of a backend made by `make_backend`."""
-    backend.engine.close()
+    """Stop the engine of a backend made by `make_backend` or `engine_pair`."""
+    engine = getattr(backend, "engine", None)
+    if engine is not None:
+        engine.close()
+    else:
+        backend.close()
 
 
 def warm_up(backend: Any) -> None:
@@ -171,15 +175,19 @@ def warm_up(backend: Any) -> None:
 def engine_pair(
     model: str, *, backends: tuple[Any, Any] | None = None, kv_blocks: int | None = None, **engine_options: Any
 ) -> Iterator[tuple[Any, Any]]:
-    """`(stock, spans)`: two embedded engines on `model` in this process, warmed up, closed on exit.
+    """`(stock, spans)`: the baseline and the span-aware engine on `model`, warmed up, closed on exit.
 
-    Both have prefix caching on; the stock one sends no span metadata, so the plugin leaves its requests alone.
-    `backends` given: use those (owned by the caller, not closed), e.g. one pair shared by several runs.
+    The baseline is stock vLLM in a process of its own with the plugin off (`ProcessBackend`); the span-aware
+    engine runs in this process. Both have prefix caching on and the same engine options; each measures its
+    calls' times where its engine runs. `backends` given: use those (owned by the caller, not closed), e.g. one
+    pair shared by several runs.
     """
     if backends is not None:
         yield backends
         return
-    stock = make_backend(model, spans=False, kv_blocks=kv_blocks, **engine_options)
+    from benchmarks.process_backend import ProcessBackend
+
+    stock = ProcessBackend(model, spans=False, plugin=False, num_blocks=kv_blocks, **engine_options)
     try:
         spans = make_backend(model, spans=True, kv_blocks=kv_blocks, **engine_options)
         try:

@@ -305,16 +305,52 @@ def test_haystack_bench_writes_through_the_shared_report(tmp_path, monkeypatch, 
 
 @pytest.fixture(scope="module")
 def engines(tiny_model):
-    """One stock and one span-aware engine on the tiny model, shared by the engine benchmarks."""
+    """The engine benchmarks' pair, shared by them: stock vLLM in its own process with the plugin off (as
+    `engine_pair` starts it), the span-aware engine in this one."""
     from benchmarks.common import close_backend, make_backend, warm_up
+    from benchmarks.process_backend import ProcessBackend
 
-    stock = make_backend(str(tiny_model), spans=False, max_model_len=4096, max_num_seqs=8)
+    stock = ProcessBackend(str(tiny_model), spans=False, plugin=False, max_model_len=4096, max_num_seqs=8)
     spans = make_backend(str(tiny_model), spans=True, max_model_len=4096, max_num_seqs=8)
     warm_up(stock)
     warm_up(spans)
     yield stock, spans
     close_backend(spans)
     close_backend(stock)
+
+
+@pytest.mark.vllm
+def test_the_baseline_is_stock_vllm_in_its_own_process(engines):
+    """The baseline engine runs without spanq's plugin, in another process; it answers as the span engine does
+    a prompt without spans, its errors reach the caller as spanq errors, and a closed one refuses calls."""
+    import os
+
+    from benchmarks.process_backend import ProcessBackend
+    from spanq_integrations import (
+        BackendUnavailableError,
+        ContextLengthError,
+        cross,
+        execute,
+        generate,
+        system,
+        user,
+    )
+
+    stock, spans = engines
+    assert isinstance(stock, ProcessBackend) and stock.plugin is False and stock._proc.pid != os.getpid()
+    assert not stock.capabilities.span_aware
+    plain = generate(cross(system("Be brief."), user("Name a colour.")), max_tokens=8, temperature=0.0)
+    result = execute(plain, stock)
+    assert result.answer == execute(plain, spans).answer
+    assert result.calls[0].ttft_s is not None and result.calls[0].prompt_tokens > 0
+    with pytest.raises(ContextLengthError):
+        execute(generate(user("word " * 5000), max_tokens=4), stock)
+    assert execute(plain, stock).answer == result.answer, "an error does not take the engine down"
+
+    other = ProcessBackend.__new__(ProcessBackend)  # a closed one, without starting an engine
+    other._closed, other._proc, other.capabilities = True, stock._proc, stock.capabilities
+    with pytest.raises(BackendUnavailableError):
+        execute(plain, other)
 
 
 @pytest.mark.slow
