@@ -27,6 +27,7 @@ from spanq_backend.serving.lowering import (
     Tokenizer,
     generated_span_ids,
     lower,
+    render_chat,
 )
 from spanq_integrations.backends.protocol import CallMetrics, Completion, TokenCallback
 from spanq_integrations.query.errors import (
@@ -35,7 +36,7 @@ from spanq_integrations.query.errors import (
     RequestRejectedError,
     SpanQueryError,
 )
-from spanq_integrations.query.ir import AnchorPolicy, Assistant, Generate
+from spanq_integrations.query.ir import AnchorPolicy, Assistant, Generate, Plus, walk
 
 __all__ = [
     "RequestStream",
@@ -183,6 +184,20 @@ class SpanGenerator:
 
     def _lower(self, call: Generate, align_output: bool = False) -> tuple[LoweredPrompt, bool]:
         """The call's prompt, and whether its spans were flattened (a stock engine's layout)."""
+        if not self.spans and any(isinstance(n, Plus) for _, n in walk(call.input)):
+            # A stock engine: the same messages, flattened, without span layout or padding (never laid out as
+            # spans first: the padding would count against the context window).
+            from spanq_integrations.query.flatten import to_chat_messages
+
+            text = render_chat(self.tokenizer, to_chat_messages(call.input), add_generation_prompt=True)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            max_new = call.max_tokens or 1
+            if self.max_model_len is not None and len(ids) + max_new > self.max_model_len:
+                raise ContextLengthError(
+                    f"the prompt has {len(ids)} tokens and asks for {max_new} more; the model's context window "
+                    f"is {self.max_model_len} tokens"
+                )
+            return LoweredPrompt(token_ids=ids, table=SpanTable(self.block_size, ())), True
         lowered = lower(
             call.input,
             self.tokenizer,
@@ -194,15 +209,6 @@ class SpanGenerator:
             default_anchor=self.default_anchor,
             align_output=align_output and self.spans,
         )
-        if not self.spans and lowered.has_spans:
-            # A stock engine: the same messages, flattened, without span layout or padding.
-            from spanq_integrations.query.flatten import to_chat_messages
-
-            text = self.tokenizer.apply_chat_template(
-                to_chat_messages(call.input), tokenize=False, add_generation_prompt=True
-            )
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            return LoweredPrompt(token_ids=ids, table=SpanTable(self.block_size, ())), True
         return lowered, False
 
     def sampling_params(self, call: Generate, seed: int | None = None) -> Any:

@@ -49,7 +49,15 @@ from spanq_integrations.query.ir import (
     User,
 )
 
-__all__ = ["DEFAULT_ANCHOR", "GeneratedSpan", "LoweredPrompt", "Tokenizer", "generated_span_ids", "lower"]
+__all__ = [
+    "DEFAULT_ANCHOR",
+    "GeneratedSpan",
+    "LoweredPrompt",
+    "Tokenizer",
+    "generated_span_ids",
+    "lower",
+    "render_chat",
+]
 
 DEFAULT_ANCHOR: AnchorPolicy = "template"
 """The anchor policy of a `plus` that names none: reuse after any prefix (docs/design.md, "Anchors")."""
@@ -104,6 +112,23 @@ class LoweredPrompt:
         h = hashlib.sha256()
         h.update(repr((self.table.block_size, self.prepare_prompt(i))).encode())
         return h.hexdigest()[:32]
+
+
+def render_chat(tokenizer: Tokenizer, chat: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    """The chat rendered as text by the model's own template. A template that refuses the messages (roles that
+    do not alternate, a system message it does not take) is the query's to fix: a `QueryValidationError`."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # pragma: no cover - transformers' chat templates need jinja2
+        TemplateError = ()  # type: ignore[assignment]  # noqa: N806
+    try:
+        rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except TemplateError as e:
+        roles = ", ".join(m["role"] for m in chat)
+        raise QueryValidationError("$", f"the model's chat template refused these messages ({roles}): {e}") from e
+    if not isinstance(rendered, str):
+        raise TypeError("the tokenizer's chat template did not render to text")
+    return rendered
 
 
 @dataclass(frozen=True)
@@ -204,7 +229,7 @@ def _anchor_tokens(
     if ids is None:
         mark = f"\u27e6spanq:anchor:{secrets.token_hex(6)}\u27e7"
         chat = [{"role": "system", "content": t} for t in key[1]] + [{"role": "user", "content": mark}]
-        rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
+        rendered = render_chat(tokenizer, chat, add_generation_prompt=False)
         head, found, _ = str(rendered).partition(mark)
         if not found:
             raise QueryValidationError("$", "the chat template dropped a user message; it cannot carry spans")
@@ -248,9 +273,7 @@ def lower(
     align_mark = f"\u27e6spanq:align:{nonce}\u27e7" if align_output and not slots else None
     if align_mark is not None:
         chat[-1]["content"] += align_mark
-    rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    if not isinstance(rendered, str):
-        raise TypeError("the tokenizer's chat template did not render to text")
+    rendered = render_chat(tokenizer, chat, add_generation_prompt=True)
     if align_mark is not None:
         return _aligned(rendered, align_mark, tokenizer, block_size, pad_token_id, max_model_len, max_new_tokens)
 

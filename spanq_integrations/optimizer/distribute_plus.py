@@ -2,15 +2,17 @@
 
 When the executor runs an inner generate it closes it, in place, into `Assistant(text, source=inner)`: the
 answer together with the call (and so the input) it came from. A span-aware backend lowers such an assistant,
-when it is a child of a `plus`, as one span: the inner input followed by the inner output, which is exactly
-what the inner call already computed, so the outer call reuses that KV instead of recomputing it. The reuse
+when it is a child of a `plus`, as a span of the output alone anchored on the inner prompt: exactly what the
+inner call already computed (its prompt laid out so the output starts on a KV block, because the executor told
+it the output would be read as a span), so the outer call reuses that KV instead of recomputing it. The reuse
 therefore needs no new node and no changed setting (changing an inner call's model or input would change its
 answer). What it needs is the shape: each inner generate must be a *direct* child of a `plus` in the outer
 input. This rule makes sure of that, for span-aware backends only (for any other backend it does nothing):
 
 - an inner generate wrapped in single-child joins, `plus(…, cross(G), …)`, is pulled up: `plus(…, G, …)`;
 - a `plus` holding inner generates inside a `plus` is spliced into it: `plus(plus(G₁, x), G₂)` →
-  `plus(G₁, x, G₂)`.
+  `plus(G₁, x, G₂)`, when both name the same anchor policy (or the inner one names none): a group with a
+  policy of its own keeps it.
 
 Inner generates themselves are moved, never changed (their inputs stay intact), and assistants that are
 already closed keep their `source`. Rule 3 performs the same rewrites on the whole tree when it runs; this
@@ -46,7 +48,11 @@ def _expose(node: Node) -> Node:
     if isinstance(node, Plus):
         exposed: list[Node] = []
         for child in children:
-            if isinstance(child, Plus) and any(isinstance(c, Generate) for c in child.children):
+            if (
+                isinstance(child, Plus)
+                and child.anchor in (None, node.anchor)
+                and any(isinstance(c, Generate) for c in child.children)
+            ):
                 exposed.extend(child.children)
             else:
                 exposed.append(_unwrap_single_generate(child))

@@ -214,3 +214,37 @@ def test_an_inner_generation_read_as_a_span_starts_its_output_on_a_block_and_is_
     # Without span_output, the prompt is the template's own.
     asyncio.run(gen.generate(inner))
     assert engine.requests[-1].prompt_ids == plain.token_ids
+
+
+def test_a_stock_engine_flattens_without_padding_so_a_prompt_that_fits_runs(tokenizer):
+    """Thirty short fragments: their span layout (a padded block each) would not fit a 256-token window, the
+    flattened prompt does; a stock engine sends the flattened prompt."""
+    pytest.importorskip("vllm")
+    query = generate(cross(plus(*[fragment(f"Note {i}.") for i in range(30)]), user("Go")), max_tokens=2)
+    spans_gen = span_generator(ScriptedEngine(), tokenizer)
+    assert spans_gen.lower(query).padded_tokens > 0 and len(spans_gen.lower(query).token_ids) > 256
+    engine = ScriptedEngine()
+    gen = SpanGenerator(engine, tokenizer, block_size=32, max_model_len=256, model_name="tiny", spans=False)
+    asyncio.run(gen.generate(query))
+    (request,) = engine.requests
+    assert len(request.prompt_ids) < 256 and EXTRA_ARGS_KEY not in (request.params.extra_args or {})
+    with pytest.raises(ContextLengthError):  # and one that does not fit is still refused before the engine
+        asyncio.run(gen.generate(generate(cross(plus(*["word " * 300]), user("Go")), max_tokens=2)))
+    assert len(engine.requests) == 1
+
+
+def test_a_chat_template_that_refuses_the_messages_is_the_querys_error(tiny_model):
+    import copy
+
+    from spanq_backend.serving.lowering import lower
+    from spanq_integrations import QueryValidationError
+
+    strict = copy.deepcopy(load_chat_tokenizer(tiny_model))
+    strict.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}{% endif %}"
+        "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    with pytest.raises(QueryValidationError, match="chat template refused these messages.*system, user"):
+        lower(cross(system("Be brief."), user("Hi")).model_copy(), strict, 32, 198)
+    assert lower(user("Hi"), strict, 32, 198).token_ids  # what the template takes still renders

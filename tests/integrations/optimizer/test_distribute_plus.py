@@ -30,6 +30,15 @@ def test_plus_of_inner_generates_is_spliced_into_its_parent_plus() -> None:
     assert distribute_plus(q, SPAN_AWARE) == Generate(input=Plus(children=(G1, x, G2)))
 
 
+def test_a_group_with_its_own_anchor_policy_is_not_spliced_into_another() -> None:
+    x = Fragment(text="x")
+    own = Plus(children=(G1, x), anchor="prefix")
+    q = Generate(input=Plus(children=(own, G2), anchor="template"))
+    assert distribute_plus(q, SPAN_AWARE) == q, "x would lose its group's prefix anchor"
+    same = Generate(input=Plus(children=(Plus(children=(G1, x), anchor="system"), G2), anchor="system"))
+    assert distribute_plus(same, SPAN_AWARE) == Generate(input=Plus(children=(G1, x, G2), anchor="system"))
+
+
 def test_inner_generates_are_moved_never_changed() -> None:
     q = Generate(input=Cross(children=(JUDGE, Plus(children=(Cross(children=(G1,)), G2)), ASK)))
     result = distribute_plus(q, SPAN_AWARE)
