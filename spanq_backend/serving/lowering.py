@@ -117,10 +117,8 @@ class LoweredPrompt:
 def render_chat(tokenizer: Tokenizer, chat: list[dict[str, str]], add_generation_prompt: bool) -> str:
     """The chat rendered as text by the model's own template. A template that refuses the messages (roles that
     do not alternate, a system message it does not take) is the query's to fix: a `QueryValidationError`."""
-    try:
-        from jinja2 import TemplateError
-    except ImportError:  # pragma: no cover - transformers' chat templates need jinja2
-        TemplateError = ()  # type: ignore[assignment]  # noqa: N806
+    from jinja2 import TemplateError  # what transformers renders chat templates with
+
     try:
         rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
     except TemplateError as e:
