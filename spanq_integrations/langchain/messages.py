@@ -275,12 +275,14 @@ def split_at_documents(
     """Cut `prompt` around the candidates' texts, found verbatim; or say why that is not safe.
 
     Returns `(new_prompt, None)` when it worked; `(None, reason)` when documents were given but cannot be used
-    as spans; `(None, None)` when there was nothing to look for. It is safe when every candidate found is found
-    exactly once (longer candidates first, a text inside a longer one's match does not count), all of them in
-    the same system or user message, next to each other with only whitespace between them, and the group
-    starts at the start of a line (or after a colon) and ends at the end of one. Candidates not found at all
-    are ignored (a chain may drop some documents). Nothing of the prompt's text is dropped: only the
-    whitespace around the documents changes.
+    as spans; `(None, None)` when there was nothing to look for. Documents found next to each other, with only
+    whitespace between them, form a group (one `plus`); a prompt may hold several groups — an agent's
+    transcript holds each step's tool results, a conversation the documents of each turn — in any system or
+    user messages. It is safe when each group starts at the start of a line (or after a colon) and ends at the
+    end of one, and no document appears twice in one group (one may appear again in another group: the
+    backend reads a repeat as context). Longer candidates are looked for first; a text inside a longer one's
+    match does not count. Candidates not found at all are ignored (a chain may drop some documents). Nothing of
+    the prompt's text is dropped: only the whitespace around the documents changes.
     """
     unique: dict[str, SpanCandidate] = {}
     for c in candidates:
@@ -291,55 +293,75 @@ def split_at_documents(
         return None, None
     claimed: dict[tuple[int, int], list[tuple[int, int, SpanCandidate]]] = {}
     for cand in sorted(unique.values(), key=lambda c: len(c.text), reverse=True):
-        hits: list[tuple[int, int, int]] = []
         for mi, message in enumerate(prompt):
             if message.role == "assistant":
                 continue
             for pj, part in enumerate(message.parts):
                 if not isinstance(part, str):
                     continue
-                taken = claimed.get((mi, pj), [])
+                taken = claimed.setdefault((mi, pj), [])
                 start = part.find(cand.text)
                 while start != -1:
                     end = start + len(cand.text)
                     if not any(s < end and start < e for s, e, _ in taken):
-                        hits.append((mi, pj, start))
-                    start = part.find(cand.text, start + 1)
-        if len(hits) > 1:
-            return None, f"the text of document {cand.label} appears {len(hits)} times in the prompt"
-        if hits:
-            mi, pj, start = hits[0]
-            claimed.setdefault((mi, pj), []).append((start, start + len(cand.text), cand))
+                        taken.append((start, end, cand))
+                    start = part.find(cand.text, end)
+    claimed = {k: v for k, v in claimed.items() if v}
     if not claimed:
         return None, (
             f"none of the {len(unique)} retrieved documents appears verbatim in the prompt (format them with "
             "format_docs_as_spans)"
         )
-    if len(claimed) > 1:
-        return None, "the documents are spread over several messages"
-    (((mi, pj), found),) = claimed.items()
-    found.sort(key=lambda f: f[0])
-    text = prompt[mi].parts[pj]
-    assert isinstance(text, str)
-    for (_, end, _), (start, _, _) in itertools.pairwise(found):
-        gap = text[end:start]
-        if gap.strip():
-            return None, (
+    new_prompt = [PromptMessage(m.role, list(m.parts)) for m in prompt]
+    for (mi, pj), found in sorted(claimed.items(), reverse=True):  # later parts first: indices stay valid
+        text = prompt[mi].parts[pj]
+        assert isinstance(text, str)
+        pieces, reason = _cut_groups(text, sorted(found, key=lambda f: f[0]))
+        if reason is not None:
+            return None, reason
+        new_prompt[mi].parts[pj : pj + 1] = pieces
+    return new_prompt, None
+
+
+def _cut_groups(
+    text: str, found: list[tuple[int, int, SpanCandidate]]
+) -> tuple[list[str | SpanPiece], str | None]:
+    """One message part cut into text and groups of documents (`found`: the documents' places, in order)."""
+    groups: list[list[tuple[int, int, SpanCandidate]]] = [[found[0]]]
+    for (_, end, _), hit in itertools.pairwise(found):
+        gap = text[end : hit[0]]
+        if not gap.strip():
+            groups[-1].append(hit)
+        elif _boundary_after(gap) and _boundary_before(gap):
+            groups.append([hit])  # text on lines of its own between two groups
+        else:
+            return [], (
                 f"text other than whitespace separates the documents ({gap.strip()[:40]!r}); format them "
                 "with format_docs_as_spans"
             )
-    before, after = text[: found[0][0]], text[found[-1][1] :]
-    if not _boundary_before(before) or not _boundary_after(after):
-        return None, (
-            "the documents do not start and end on line boundaries of the prompt; format them with "
-            "format_docs_as_spans"
-        )
     pieces: list[str | SpanPiece] = []
-    if before.strip():
-        pieces.append(before.rstrip())
-    pieces.extend(SpanPiece(c.text, c.id) for _, _, c in found)
-    if after.strip():
-        pieces.append(after.lstrip())
-    new_prompt = [PromptMessage(m.role, list(m.parts)) for m in prompt]
-    new_prompt[mi].parts[pj : pj + 1] = pieces
-    return new_prompt, None
+    pos = 0
+    for gi, group in enumerate(groups):
+        seen: dict[str, int] = {}
+        for _, _, c in group:
+            seen[c.text] = seen.get(c.text, 0) + 1
+        for doc, k in seen.items():
+            if k > 1:
+                label = next(c for _, _, c in group if c.text == doc).label
+                return [], f"the text of document {label} appears {k} times in one group of documents"
+        before = text[pos : group[0][0]]
+        after_end = groups[gi + 1][0][0] if gi + 1 < len(groups) else len(text)
+        after = text[group[-1][1] : after_end]
+        if not _boundary_before(before) or not _boundary_after(after):
+            return [], (
+                "the documents do not start and end on line boundaries of the prompt; format them with "
+                "format_docs_as_spans"
+            )
+        if before.strip():
+            pieces.append(before.strip() if gi else before.rstrip())
+        pieces.extend(SpanPiece(c.text, c.id) for _, _, c in group)
+        pos = group[-1][1]
+    tail = text[pos:]
+    if tail.strip():
+        pieces.append(tail.lstrip())
+    return pieces, None

@@ -3,8 +3,8 @@
 In `{"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm` the model only
 sees the finished prompt; the documents went by in sibling runs. `RunDocumentTracker` is a callback handler
 that LangChain adds to every run of the process (a configure hook, installed when `spanq_integrations.langchain`
-is imported): it remembers, per root run, the documents that retrievers returned, the documents any step
-returned (a list of `Document`s, or a dict holding one, e.g. a LangGraph node's update), and the span blocks
+is imported): it remembers, per root run, the documents that retrievers and tools returned, the documents any
+step returned (a list of `Document`s, or a dict holding one, e.g. a LangGraph node's update), and the span blocks
 `format_docs_as_spans` produced. When a spanq model runs inside that root run it asks for them and looks for
 them in its prompt (`messages.split_at_documents`). What a root run collected is forgotten when it ends; at
 most `MAX_ROOTS` root runs are kept (the oldest go first).
@@ -174,6 +174,11 @@ class RunDocumentTracker(BaseCallbackHandler):
         self._end(run_id, parent_run_id)
 
     def on_tool_end(self, output, *, run_id, parent_run_id=None, **kwargs: Any) -> None:
+        # A tool that returns documents (an agent's search), as its output or as a ToolMessage's artifact.
+        self._collect(run_id, output)
+        artifact = getattr(output, "artifact", None)
+        if artifact is not None:
+            self._collect(run_id, artifact)
         self._end(run_id, parent_run_id)
 
     def on_chain_error(self, error, *, run_id, parent_run_id=None, **kwargs: Any) -> None:

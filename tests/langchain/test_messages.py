@@ -120,7 +120,7 @@ def test_documents_missing_from_the_prompt_are_ignored():
     [
         ("Context:\n[1] Doc one is about boats.\n[2] Doc two is about apples.", "Which?", "text other than"),
         ("Doc one is about boats. Doc one is about boats.", "Which?", "appears 2 times"),
-        ("Context:\nDoc one is about boats.", "Doc two is about apples.", "several messages"),
+        ("Context:\n[1] Doc one is about boats.\n\nNote: [2] Doc two is about apples.", "Which?", "text other than"),
         ("Context: see Doc one is about boats. and more", "Which?", "line boundaries"),
         ("Context: (nothing retrieved)", "Which?", "none of the 2"),
     ],
@@ -129,6 +129,23 @@ def test_unsafe_layouts_fall_back_to_the_plain_prompt_with_a_reason(system_text,
     split, reason = split_at_documents(_prompt(system_text, question), DOCS)
     assert split is None
     assert words in reason
+
+
+def test_documents_in_several_messages_form_a_group_each_and_may_repeat_across_groups():
+    """An agent's transcript: each step's tool results in a message of their own, a document read again."""
+    prompt = [
+        PromptMessage("system", ["Use the tools."]),
+        PromptMessage("user", ["Results:\nDoc one is about boats.\n"]),
+        PromptMessage("assistant", ["Doc one is about boats. Searching again."]),
+        PromptMessage("user", ["More results:\nDoc two is about apples.\n\nDoc one is about boats.\nThen:\n"
+                               "Doc two is about apples.\nWhich?"]),
+    ]
+    split, reason = split_at_documents(prompt, DOCS)
+    assert reason is None
+    one, two = SpanPiece("Doc one is about boats.", "one"), SpanPiece("Doc two is about apples.", "two")
+    assert split[1].parts == ["Results:", one]
+    assert split[2].parts == prompt[2].parts, "an assistant's words are never cut"
+    assert split[3].parts == ["More results:", two, one, "Then:", two, "Which?"]
 
 
 def test_a_document_inside_a_longer_one_does_not_count_twice():

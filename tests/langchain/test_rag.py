@@ -11,7 +11,9 @@ from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.runnables import RunnablePassthrough
-from langgraph.graph import START, StateGraph
+from langchain_core.messages import HumanMessage, SystemMessage
+from langchain_core.tools import tool
+from langgraph.graph import END, START, StateGraph
 
 from spanq_integrations.langchain import (
     ChatSpanQuery,
@@ -265,3 +267,58 @@ def test_the_hub_rag_prompt_reuses_documents_across_questions(tiny_backend, chat
     assert cache_read(first) < document_tokens(tiny_backend, docs), "a cold call reads no document from cache"
     assert cache_read(second) >= document_tokens(tiny_backend, docs)
     assert stats(first)["prepared_tokens"] >= document_tokens(tiny_backend, docs)
+
+
+class AgentState(TypedDict):
+    messages: list
+    plan: list[list[int]]
+
+
+def test_a_langgraph_agent_reuses_what_its_tool_returned_in_earlier_steps_and_other_conversations(
+    tiny_backend, chat
+):
+    """An agent loop: each step calls a search tool that returns documents, appends them to the growing
+    transcript and asks the model. A step prepares only the documents no step of any conversation read before,
+    whatever opened the conversation; the documents stay in the transcript (several groups in one prompt)."""
+    docs = town_documents("agent")
+
+    @tool
+    def search(query: str, picks: list[int]) -> list[Document]:
+        """Search the town records."""
+        return [docs[i] for i in picks]
+
+    def act(state: AgentState) -> dict:
+        found = search.invoke({"query": "town halls", "picks": state["plan"][0]})
+        results = "Search results:\n" + "\n\n".join(d.page_content for d in found) + "\n"
+        return {"messages": [*state["messages"], HumanMessage(results)], "plan": state["plan"]}
+
+    def think(state: AgentState) -> dict:
+        return {"messages": [*state["messages"], chat.invoke(state["messages"])], "plan": state["plan"][1:]}
+
+    graph = StateGraph(AgentState)
+    graph.add_node("act", act)
+    graph.add_node("think", think)
+    graph.add_edge(START, "act")
+    graph.add_edge("act", "think")
+    graph.add_conditional_edges("think", lambda s: "act" if s["plan"] else END)
+    agent = graph.compile()
+
+    def replies(opening: list, plan: list[list[int]]) -> list[AIMessage]:
+        out = agent.invoke({"messages": opening, "plan": plan})["messages"]
+        return [m for m in out if isinstance(m, AIMessage) and "spanq" in m.response_metadata]
+
+    first = replies(
+        [SystemMessage("You are a town clerk."), HumanMessage("Which town halls are painted red?")], [[0, 1], [2, 3]]
+    )
+    assert [stats(m)["spans"] for m in first] == [2, 4], "step 2 reads step 1's results and its own"
+    assert [stats(m)["prepared_spans"] for m in first] == [2, 2], "step 2 prepares only its new documents"
+
+    # Another conversation, opened differently, reads the same documents in other orders and other steps.
+    second = replies(
+        [SystemMessage("You help tourists plan trips."), HumanMessage("Hi! I am going north next week."),
+         AIMessage("Lovely. How can I help?"), HumanMessage("Tell me about the town halls.")],
+        [[3, 1], [0, 2]],
+    )
+    assert [stats(m)["spans"] for m in second] == [2, 4]
+    assert [stats(m)["prepared_spans"] for m in second] == [0, 0], "every document was read before"
+    assert cache_read(second[1]) >= document_tokens(tiny_backend, docs)
