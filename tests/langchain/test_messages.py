@@ -137,8 +137,8 @@ def test_documents_in_several_messages_form_a_group_each_and_may_repeat_across_g
         PromptMessage("system", ["Use the tools."]),
         PromptMessage("user", ["Results:\nDoc one is about boats.\n"]),
         PromptMessage("assistant", ["Doc one is about boats. Searching again."]),
-        PromptMessage("user", ["More results:\nDoc two is about apples.\n\nDoc one is about boats.\nThen:\n"
-                               "Doc two is about apples.\nWhich?"]),
+        PromptMessage("user", [("More results:\nDoc two is about apples.\n\nDoc one is about boats.\nThen:\n"
+                                "Doc two is about apples.\nWhich?")]),
     ]
     split, reason = split_at_documents(prompt, DOCS)
     assert reason is None
