@@ -15,7 +15,15 @@ import torch
 from spanq_backend.kv.relocation import KLayout
 from spanq_backend.kv.rerope import RelocationError, RopeSpec
 
-__all__ = ["RELOCATABLE_ROPE_TYPES", "check_relocatable", "discover_cpu_k_layout", "rope_spec_of_model"]
+__all__ = [
+    "RELOCATABLE_ROPE_TYPES",
+    "check_relocatable",
+    "cpu_write_keys",
+    "discover_cpu_k_layout",
+    "read_keys",
+    "rope_spec_of_model",
+    "self_check",
+]
 
 
 def rope_spec_of_model(model: torch.nn.Module) -> RopeSpec:
@@ -111,3 +119,72 @@ def check_relocatable(model_path: str | Path) -> None:
             f"{Path(model_path).name}: cached spans cannot be moved exactly with " + " and ".join(problems)
             + "; use it without spans (a stock engine) instead"
         )
+
+
+def cpu_write_keys(kv_cache: torch.Tensor, keys: torch.Tensor, block_id: int) -> None:
+    """Write `keys` (`[block_size, kv_heads, head_dim]`) into block `block_id` of one layer's CPU_ATTN cache
+    (`[num_blocks, kv_heads, block_size, 2 * head_dim]`) the way vLLM's CPU attention writes them: through
+    `cpu_attn_reshape_and_cache`, with the same view of the cache (values are written as zeros)."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    num_blocks, heads, block_size, _ = kv_cache.shape
+    head_dim = keys.shape[-1]
+    key_cache, value_cache = kv_cache.view(num_blocks, heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    slots = torch.arange(block_id * block_size, (block_id + 1) * block_size, dtype=torch.long)
+    keys = keys.to(kv_cache.dtype).contiguous()
+    isa = _get_attn_isa(kv_cache.dtype, block_size, head_dim)
+    ops.cpu_attn_reshape_and_cache(keys, torch.zeros_like(keys), key_cache, value_cache, slots, isa)
+
+
+def read_keys(kv_cache: torch.Tensor, layout: KLayout, block_id: int) -> torch.Tensor:
+    """Block `block_id`'s keys as `[block_size, kv_heads, head_dim]`, read through `layout` (what the relocator
+    believes about where each key lives)."""
+    num_blocks, heads = kv_cache.shape[0], kv_cache.shape[1]
+    bs, hd = layout.block_size, layout.head_dim
+    region = kv_cache.view(num_blocks, heads, 2 * bs * hd)[block_id, :, : bs * hd]  # [heads, bs * hd]
+    return region[:, layout.flat_index.reshape(-1)].view(heads, bs, hd).transpose(0, 1)
+
+
+SELF_CHECK_DELTA = 37  # positions the self-check moves its keys by (any delta the rotary table covers)
+
+
+def self_check(
+    kv_caches: list[torch.Tensor],
+    layout: KLayout,
+    spec: RopeSpec,
+    write_keys: Any = cpu_write_keys,
+    make_relocator: Any = None,
+) -> None:
+    """The start-up check on the real cache: known keys are written into a block of the first layer through the
+    attention backend's own op (`write_keys`), read back through `layout`, moved by the relocator the engine
+    will use, read back again and compared with the reference rotation (`rerope_`). The block is restored
+    afterwards. Raises `RelocationError` saying what did not match; then the engine must not honour spans."""
+    from spanq_backend.kv.relocation import KVRelocator, Move
+    from spanq_backend.kv.rerope import rerope_
+
+    kv = kv_caches[0]
+    block = kv.shape[0] - 1  # the last block: free at start-up, restored below either way
+    heads = kv.shape[1]
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(layout.block_size, heads, layout.head_dim, generator=gen).to(kv.dtype)
+    saved = kv[block].clone()
+    try:
+        write_keys(kv, keys, block)
+        if not torch.equal(read_keys(kv, layout, block), keys):
+            raise RelocationError(
+                "start-up self-check: the keys the attention backend wrote are not where the K layout says"
+            )
+        relocator = (make_relocator or KVRelocator)([kv], layout, spec)
+        relocator.apply([Move(block, SELF_CHECK_DELTA)])
+        got = read_keys(kv, layout, block).to(torch.float32)
+        want = rerope_(keys.to(torch.float32).transpose(0, 1).clone(), SELF_CHECK_DELTA, spec).transpose(0, 1)
+        tol = 1e-4 if kv.dtype == torch.float32 else 2e-2
+        err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+        if not err <= tol:
+            raise RelocationError(
+                f"start-up self-check: keys moved on the real cache differ from the reference rotation "
+                f"(relative error {err:.2e}, tolerance {tol:.0e})"
+            )
+    finally:
+        kv[block].copy_(saved)

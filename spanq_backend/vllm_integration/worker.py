@@ -48,6 +48,9 @@ class SpanRuntime:
         self.tracker = BlockPositionTracker(self.block_size, int(kv_caches[0].shape[0]) if kv_caches else 0)
         spec = kv_layout.rope_spec_of_model(runner.get_model())
         layout = kv_layout.discover_cpu_k_layout(runner, self.block_size, spec.head_dim)
+        # Keys written by the backend's own op, moved and read back on this cache: any disagreement (a layout
+        # misread, a relocator that is wrong for this cache) refuses spans here instead of serving wrong keys.
+        kv_layout.self_check(kv_caches, layout, spec)
         self.relocator = KVRelocator(kv_caches, layout, spec)
         # Build or load the compiled op now, at start-up, not in the middle of the first step that moves keys.
         log.info("spanq: keys move with %s", "the compiled CPU op" if self.relocator.uses_compiled_kernel else "torch")

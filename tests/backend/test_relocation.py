@@ -579,3 +579,45 @@ def test_stock_steps_run_on_a_runner_whose_keys_cannot_move(monkeypatch, model, 
     step = _stock_step()
     assert execute_model(runner, step) == "output"
     assert ran == [step]
+
+
+# --------------------------------------------------------------------------------------------- self-check
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_start_up_self_check_passes_on_a_real_cpu_cache_and_leaves_it_unchanged(ops, dtype):
+    from spanq_backend.vllm_integration.kv_layout import discover_cpu_k_layout, self_check
+
+    kv = torch.randn(6, 2, BS, 2 * HEAD_DIM).to(dtype)
+    before = kv.clone()
+    layout = discover_cpu_k_layout(SimpleNamespace(kv_caches=[kv]), BS, HEAD_DIM)
+    self_check([kv], layout, plain_spec())
+    assert torch.equal(kv, before), "the checked block is restored"
+
+
+@pytest.mark.vllm
+def test_the_self_check_refuses_a_misread_layout_and_a_wrong_relocator(ops):
+    """What keeps a user on untested hardware safe: a layout that does not match what the backend's op writes,
+    or a relocator that moves keys wrongly, fails the check (and the engine then turns spans off)."""
+    from spanq_backend.kv.relocation import KLayout, KVRelocator
+    from spanq_backend.vllm_integration.kv_layout import discover_cpu_k_layout, self_check
+
+    kv = torch.zeros(6, 2, BS, 2 * HEAD_DIM)
+    right = discover_cpu_k_layout(SimpleNamespace(kv_caches=[kv]), BS, HEAD_DIM)
+    wrong = KLayout.row_major(BS, HEAD_DIM) if right.kind == "transposed" else KLayout.transposed(BS, HEAD_DIM)
+    with pytest.raises(RelocationError, match="not where the K layout says"):
+        self_check([kv], wrong, plain_spec())
+
+    class Unmoved(KVRelocator):
+        def apply(self, moves):  # keys left where they were
+            return None
+
+    class Backwards(KVRelocator):
+        def apply(self, moves):
+            super().apply([m._replace(delta=-m.delta) for m in moves])
+
+    for broken in (Unmoved, Backwards):
+        with pytest.raises(RelocationError, match="differ from the reference rotation"):
+            self_check([kv], right, plain_spec(), make_relocator=broken)
+    assert not kv.any(), "restored after a failed check too"

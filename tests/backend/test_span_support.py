@@ -185,6 +185,33 @@ def test_a_model_the_runtime_refuses_turns_spans_off_with_the_reason(tiny_model,
         engine.close()
 
 
+@pytest.mark.slow
+def test_a_failed_start_up_self_check_turns_spans_off_instead_of_serving_wrong_keys(tiny_model, monkeypatch):
+    """The K layout deliberately misread: the self-check on the real cache catches it, and the engine serves
+    span queries as stock, saying why."""
+    from spanq_backend.kv.relocation import KLayout
+    from spanq_backend.vllm_integration import kv_layout
+
+    real = kv_layout.discover_cpu_k_layout
+
+    def misread(runner, block_size, head_dim):
+        right = real(runner, block_size, head_dim)
+        if right.kind == "transposed":
+            return KLayout.row_major(block_size, head_dim)
+        return KLayout.transposed(block_size, head_dim)
+
+    monkeypatch.setattr(kv_layout, "discover_cpu_k_layout", misread)
+    engine = _engine(tiny_model)
+    try:
+        assert not engine.span_support.enabled
+        assert "self-check" in engine.span_support.reason
+        completion = asyncio.run(engine.generate(query(docs("s"), "BADC")))
+        assert completion.metrics.fallback and "self-check" in completion.metrics.fallback
+        assert completion.metrics.prepared_spans == 0 and completion.text
+    finally:
+        engine.close()
+
+
 # --------------------------------------------------------------------------------------------- processes
 
 
