@@ -416,5 +416,9 @@ def test_quality_bench(engines, tmp_path):
     assert main(argv, backends=engines) == 0
     report = read_report(tmp_path, "quality-tiny")
     summary = report["summary"]
-    assert summary["items"] == 2 and 0 <= summary["spans_exact_match"] <= 1
-    assert summary["kl_mean"]["mean"] >= 0 and summary["padding_overhead"] > 0
+    assert summary["items"] == 2 and list(summary["anchors"]) == ["template", "system", "prefix"]
+    for entry in summary["anchors"].values():
+        assert 0 <= entry["spans_exact_match"] <= 1 and entry["padding_overhead"] > 0
+        assert entry["kl_mean"]["mean"] >= 0 and 0 <= entry["argmax_agreement"]["mean"] <= 1
+    kl = {a: e["kl_mean"]["mean"] for a, e in summary["anchors"].items()}
+    assert kl["template"] != kl["prefix"], "the policies' anchors differ, so their span attention does"
