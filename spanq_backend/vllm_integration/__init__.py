@@ -92,9 +92,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("engine core", "vllm.v1.core.single_type_kv_cache_manager", "FullAttentionManager.allocate_new_blocks",
           "CIDRA's copies are made through vLLM's copy-on-write; block positions are recorded",
           wrap=engine_core.wrap_allocate_new_blocks),
-    Patch("worker", "vllm.v1.worker.cpu_model_runner", "CPUModelRunner.execute_model",
-          "keys of blocks read at a new position are re-rotated before the forward pass",
-          wrap=worker.wrap_execute_model),
+    Patch("worker", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model",
+          "keys of blocks read at a new position are re-rotated before the forward pass (the CPU runner "
+          "inherits this method: one hook for both)", wrap=worker.wrap_execute_model),
     Patch("worker", "vllm.v1.worker.gpu_model_runner", "copy_kv_cache_blocks_inplace",
           "a step's moves run after its block copies (the runner calls this module global)",
           wrap=worker.wrap_copy_blocks),

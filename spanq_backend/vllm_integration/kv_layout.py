@@ -7,6 +7,7 @@ so the layout is discovered at start-up, not assumed: index-coded keys are writt
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,13 @@ from spanq_backend.kv.rerope import RelocationError, RopeSpec
 
 __all__ = [
     "RELOCATABLE_ROPE_TYPES",
+    "attention_layer_of",
+    "backend_write_keys",
     "check_relocatable",
+    "cpu_read_keys",
     "cpu_write_keys",
     "discover_cpu_k_layout",
+    "logical_read_keys",
     "read_keys",
     "rope_spec_of_model",
     "self_check",
@@ -148,36 +153,77 @@ def read_keys(kv_cache: torch.Tensor, layout: KLayout, block_id: int) -> torch.T
 
 SELF_CHECK_DELTA = 37  # positions the self-check moves its keys by (any delta the rotary table covers)
 
+WriteKeys = Callable[[torch.Tensor, torch.Tensor, int], None]  # (layer's cache, keys [bs, heads, hd], block)
+ReadKeys = Callable[[torch.Tensor, int], torch.Tensor]  # (layer's cache, block) -> keys [bs, heads, hd]
+
+
+def cpu_read_keys(layout: KLayout) -> ReadKeys:
+    """A reader through the CPU K layout `layout`."""
+    return lambda kv, block: read_keys(kv, layout, block)
+
+
+def logical_read_keys(head_dim: int) -> ReadKeys:
+    """A reader of K at its logical place (`[blocks, heads, block_size, 2 * head_dim]`, K first)."""
+    return lambda kv, block: kv[block, :, :, :head_dim].transpose(0, 1)
+
+
+def backend_write_keys(layer: Any) -> WriteKeys:
+    """A writer through the attention backend's own cache-write op: `layer.impl.do_kv_cache_update`, the call
+    every vLLM 0.32 attention backend makes to store a step's keys and values (values are written as zeros)."""
+
+    def write(kv: torch.Tensor, keys: torch.Tensor, block: int) -> None:
+        bs = kv.shape[2]
+        slots = torch.arange(block * bs, (block + 1) * bs, dtype=torch.long, device=kv.device)
+        k = keys.to(device=kv.device, dtype=kv.dtype).contiguous()
+        layer.impl.do_kv_cache_update(layer, k, torch.zeros_like(k), kv, slots)
+
+    return write
+
+
+def attention_layer_of(runner: Any, kv_cache: torch.Tensor) -> Any:
+    """The attention layer (with its backend `impl`) that owns `kv_cache`, from the runner's forward context."""
+    context = runner.compilation_config.static_forward_context
+    layers = [m for m in context.values() if hasattr(getattr(m, "impl", None), "do_kv_cache_update")]
+    for layer in layers:
+        caches = getattr(layer, "kv_cache", None) or []
+        if any(isinstance(c, torch.Tensor) and c.data_ptr() == kv_cache.data_ptr() for c in caches):
+            return layer
+    if not layers:
+        raise RelocationError("the model runner has no attention layer with a cache-write op spanq knows")
+    return layers[0]
+
 
 def self_check(
     kv_caches: list[torch.Tensor],
-    layout: KLayout,
     spec: RopeSpec,
-    write_keys: Any = cpu_write_keys,
-    make_relocator: Any = None,
+    *,
+    write_keys: WriteKeys,
+    read_keys: ReadKeys,
+    make_relocator: Callable[[list[torch.Tensor]], Any],
+    block_size: int,
 ) -> None:
     """The start-up check on the real cache: known keys are written into a block of the first layer through the
-    attention backend's own op (`write_keys`), read back through `layout`, moved by the relocator the engine
-    will use, read back again and compared with the reference rotation (`rerope_`). The block is restored
-    afterwards. Raises `RelocationError` saying what did not match; then the engine must not honour spans."""
-    from spanq_backend.kv.relocation import KVRelocator, Move
+    attention backend's own op (`write_keys`), read back where the relocator believes keys live (`read_keys`),
+    moved by the relocator the engine will use (`make_relocator`), read back again and compared with the
+    reference rotation (`rerope_`). The block is restored afterwards. Raises `RelocationError` saying what did not
+    match; then the engine must not honour spans."""
+    from spanq_backend.kv.relocation import Move
     from spanq_backend.kv.rerope import rerope_
 
     kv = kv_caches[0]
     block = kv.shape[0] - 1  # the last block: free at start-up, restored below either way
     heads = kv.shape[1]
     gen = torch.Generator().manual_seed(0)
-    keys = torch.randn(layout.block_size, heads, layout.head_dim, generator=gen).to(kv.dtype)
+    keys = torch.randn(block_size, heads, spec.head_dim, generator=gen).to(kv.dtype).to(kv.device)
     saved = kv[block].clone()
     try:
         write_keys(kv, keys, block)
-        if not torch.equal(read_keys(kv, layout, block), keys):
+        if not torch.equal(read_keys(kv, block), keys):
             raise RelocationError(
                 "start-up self-check: the keys the attention backend wrote are not where the K layout says"
             )
-        relocator = (make_relocator or KVRelocator)([kv], layout, spec)
-        relocator.apply([Move(block, SELF_CHECK_DELTA)])
-        got = read_keys(kv, layout, block).to(torch.float32)
+        make_relocator([kv]).apply([Move(block, SELF_CHECK_DELTA)])
+        got = read_keys(kv, block).to(torch.float32)
         want = rerope_(keys.to(torch.float32).transpose(0, 1).clone(), SELF_CHECK_DELTA, spec).transpose(0, 1)
         tol = 1e-4 if kv.dtype == torch.float32 else 2e-2
         err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))

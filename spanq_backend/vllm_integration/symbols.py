@@ -30,7 +30,10 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.worker.gpu_model_runner", "copy_kv_cache_blocks_inplace", "module global the runner calls to copy blocks before the forward pass"),
     ("vllm.v1.request", "Request", "block_hashes (list, extended in place), sampling_params.extra_args, all_token_ids"),
     ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.execute_model", "(scheduler_output, intermediate_tensors) before the forward pass"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model", "same hook on GPU"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model", "the hooked method; CPUModelRunner inherits it"),
+    ("vllm.v1.kv_cache_layout", "KVCacheLayout", "the physical layouts of a cache; K stays at its logical place in each"),
+    ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.do_kv_cache_update",
+     "(layer, key, value, kv_cache, slot_mapping): the cache-write call of every backend; the GPU self-check's writer"),
     ("vllm.v1.core.sched.output", "NewRequestData", "req_id, block_ids, num_computed_tokens"),
     ("vllm.v1.core.sched.output", "CachedRequestData", "req_ids, resumed_req_ids, new_block_ids"),
     ("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa", "(dtype, block_size, head_size) -> isa of the CPU KV layout"),
@@ -74,6 +77,7 @@ _SIGNATURES = {
     "_apply_cow": ["self", "request_id", "block_idx", "source_block", "cow_block"],
     "hash_block_tokens": ["hash_function", "parent_block_hash", "curr_block_token_ids", "extra_keys"],
     "get_cached_block": ["self", "block_hash", "kv_cache_group_ids"],
+    "do_kv_cache_update": ["self", "layer", "key", "value", "kv_cache", "slot_mapping"],
 }
 
 

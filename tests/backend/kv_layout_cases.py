@@ -39,12 +39,12 @@ def spec_of(rope: str, positions: int = 1024) -> RopeSpec:
     return RopeSpec.from_cos_sin_cache(table, rotary_dim, HEAD_DIM, neox)
 
 
-def caches(layout: str, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+def caches(layout: str, dtype: torch.dtype, seed: int = 0, device: str | torch.device = "cpu") -> list[torch.Tensor]:
     """Per-layer logical views `[blocks, heads, block_size, 2 * head_dim]` of one allocation in `layout`."""
     order = LAYOUTS[layout]
     logical = (LAYERS, BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
     gen = torch.Generator().manual_seed(seed)
-    physical = torch.randn([logical[a] for a in order], generator=gen).to(dtype)
+    physical = torch.randn([logical[a] for a in order], generator=gen).to(dtype).to(device)
     view = physical.permute([order.index(a) for a in range(5)])  # back to the logical axes
     assert tuple(view.shape) == logical
     return [view[layer] for layer in range(LAYERS)]

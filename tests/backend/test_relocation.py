@@ -584,15 +584,25 @@ def test_stock_steps_run_on_a_runner_whose_keys_cannot_move(monkeypatch, model, 
 # --------------------------------------------------------------------------------------------- self-check
 
 
+def cpu_check(kv, layout, make_relocator=None):
+    from spanq_backend.kv.relocation import KVRelocator
+    from spanq_backend.vllm_integration import kv_layout
+
+    kv_layout.self_check(
+        [kv], plain_spec(), write_keys=kv_layout.cpu_write_keys, read_keys=kv_layout.cpu_read_keys(layout),
+        make_relocator=make_relocator or (lambda caches: KVRelocator(caches, layout, plain_spec())), block_size=BS,
+    )
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_start_up_self_check_passes_on_a_real_cpu_cache_and_leaves_it_unchanged(ops, dtype):
-    from spanq_backend.vllm_integration.kv_layout import discover_cpu_k_layout, self_check
+    from spanq_backend.vllm_integration.kv_layout import discover_cpu_k_layout
 
     kv = torch.randn(6, 2, BS, 2 * HEAD_DIM).to(dtype)
     before = kv.clone()
     layout = discover_cpu_k_layout(SimpleNamespace(kv_caches=[kv]), BS, HEAD_DIM)
-    self_check([kv], layout, plain_spec())
+    cpu_check(kv, layout)
     assert torch.equal(kv, before), "the checked block is restored"
 
 
@@ -601,13 +611,13 @@ def test_the_self_check_refuses_a_misread_layout_and_a_wrong_relocator(ops):
     """What keeps a user on untested hardware safe: a layout that does not match what the backend's op writes,
     or a relocator that moves keys wrongly, fails the check (and the engine then turns spans off)."""
     from spanq_backend.kv.relocation import KLayout, KVRelocator
-    from spanq_backend.vllm_integration.kv_layout import discover_cpu_k_layout, self_check
+    from spanq_backend.vllm_integration.kv_layout import discover_cpu_k_layout
 
     kv = torch.zeros(6, 2, BS, 2 * HEAD_DIM)
     right = discover_cpu_k_layout(SimpleNamespace(kv_caches=[kv]), BS, HEAD_DIM)
     wrong = KLayout.row_major(BS, HEAD_DIM) if right.kind == "transposed" else KLayout.transposed(BS, HEAD_DIM)
     with pytest.raises(RelocationError, match="not where the K layout says"):
-        self_check([kv], wrong, plain_spec())
+        cpu_check(kv, wrong)
 
     class Unmoved(KVRelocator):
         def apply(self, moves):  # keys left where they were
@@ -619,5 +629,39 @@ def test_the_self_check_refuses_a_misread_layout_and_a_wrong_relocator(ops):
 
     for broken in (Unmoved, Backwards):
         with pytest.raises(RelocationError, match="differ from the reference rotation"):
-            self_check([kv], right, plain_spec(), make_relocator=broken)
+            cpu_check(kv, right, lambda caches, broken=broken: broken(caches, right, plain_spec()))
     assert not kv.any(), "restored after a failed check too"
+
+
+def logical_writer(kv, keys, block):
+    """What the GPU backends' cache-write ops do (FlashAttention's `reshape_and_cache_flash`): K of token t, dim d
+    at its logical place."""
+    kv[block, :, :, : keys.shape[-1]] = keys.transpose(0, 1).to(kv.dtype)
+
+
+@pytest.mark.vllm
+def test_the_gpu_path_self_check_passes_in_every_kv_cache_layout_and_refuses_the_cpu_order(ops):
+    """The GPU path's check (keys written by the backend, read at their logical place, moved by the strided
+    relocator) on CPU tensors in each KVCacheLayout; the CPU backend's own op, which keeps K in another order,
+    is refused by the same check."""
+    from spanq_backend.kv.strided import StridedKVRelocator
+    from spanq_backend.vllm_integration import kv_layout
+    from tests.backend.kv_layout_cases import HEAD_DIM as HD
+    from tests.backend.kv_layout_cases import LAYOUTS, caches, spec_of
+
+    spec = spec_of("neox")
+    for name in LAYOUTS:
+        kv = caches(name, torch.float32)
+        before = [k.clone() for k in kv]
+        kv_layout.self_check(
+            kv, spec, write_keys=logical_writer, read_keys=kv_layout.logical_read_keys(HD),
+            make_relocator=lambda c: StridedKVRelocator(c, spec), block_size=kv[0].shape[2],
+        )
+        assert all(torch.equal(a, b) for a, b in zip(kv, before)), name
+    cpu_cache = torch.zeros(6, 2, BS, 2 * HEAD_DIM)
+    with pytest.raises(RelocationError, match="not where the K layout says"):
+        kv_layout.self_check(
+            [cpu_cache], plain_spec(), write_keys=kv_layout.cpu_write_keys,
+            read_keys=kv_layout.logical_read_keys(HEAD_DIM),
+            make_relocator=lambda c: StridedKVRelocator(c, plain_spec()), block_size=BS,
+        )
