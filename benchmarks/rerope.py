@@ -64,8 +64,9 @@ def rope_spec(head_dim: int, max_positions: int = 8192, theta: float = 1e5) -> A
     return RopeSpec.from_cos_sin_cache(torch.cat([angles.cos(), angles.sin()], -1), head_dim, head_dim, True)
 
 
-def k_layout(kind: str, block_size: int, head_dim: int) -> Any:
-    """The K layout: "discovered" (what vLLM's CPU kernel writes here; row-major without vLLM), "row", "transposed"."""
+def k_layout(kind: str, block_size: int, head_dim: int, dtype: str = "float32") -> Any:
+    """The K layout: "discovered" (what vLLM's CPU kernel writes here for `dtype`: the instruction-set path, and so
+    the layout, depends on it; row-major without vLLM), "row", "transposed"."""
     import torch
 
     from spanq_backend.kv.relocation import KLayout
@@ -79,7 +80,8 @@ def k_layout(kind: str, block_size: int, head_dim: int) -> Any:
 
         from spanq_backend.vllm_integration.kv_layout import discover_cpu_k_layout
 
-        return discover_cpu_k_layout(SimpleNamespace(kv_caches=[torch.empty(0)]), block_size, head_dim)
+        cache = torch.empty(0, dtype=getattr(torch, dtype))
+        return discover_cpu_k_layout(SimpleNamespace(kv_caches=[cache]), block_size, head_dim)
     except ImportError:
         return KLayout.row_major(block_size, head_dim)
 
@@ -124,12 +126,23 @@ def time_relocation(
         sync()
         return time.perf_counter() - t
 
+    # The in-place baseline: read and write back the same scattered K blocks of every layer (gather, scatter),
+    # no arithmetic — what any in-place pass over those blocks costs at best.
+    ids = torch.tensor(sorted(blocks), dtype=torch.long, device=device)
+    regions = [kv.view(num_blocks, shape.kv_heads, 2 * bs * hd)[:, :, : bs * hd] for kv in caches]
+
+    def inplace() -> None:
+        for region in regions:
+            region.index_copy_(0, ids, region.index_select(0, ids))
+
     relocator.apply(moves)  # warm-up: the kernel build or load, scratch buffers, the rotary table on the device
     fallback.apply(moves)
     dst.copy_(src)
-    reloc, copy, torch_only = [], [], []
+    inplace()
+    reloc, copy, torch_only, in_place = [], [], [], []
     for _ in range(reps):
         copy.append(timed(lambda: dst.copy_(src)))
+        in_place.append(timed(inplace))
         reloc.append(timed(lambda: relocator.apply(moves)))
         torch_only.append(timed(lambda: fallback.apply(moves)))
     tokens = moved * bs
@@ -145,6 +158,10 @@ def time_relocation(
         "copy_gb_per_s": 2 * k_bytes / summarize(copy)["median"] / 1e9,
         "fraction_of_copy": percentile(ratios, 50),
         "fraction_of_copy_best": min(copy) / min(reloc),
+        "inplace_s": summarize(in_place),
+        "inplace_tokens_per_ms": tokens / (summarize(in_place)["median"] * 1e3),
+        "fraction_of_inplace": percentile([i / r for i, r in zip(in_place, reloc)], 50),
+        "cache_bytes": sum(kv.numel() * kv.element_size() for kv in caches),
         "torch_s": summarize(torch_only),
         "torch_tokens_per_ms": tokens / (summarize(torch_only)["median"] * 1e3),
         "torch_fraction_of_copy": percentile([c / t for c, t in zip(copy, torch_only)], 50),
@@ -237,10 +254,11 @@ def measure_decode_step(model: str, batch: int, tokens: int) -> dict[str, Any]:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = base_parser("rerope", __doc__.splitlines()[0], model="tiny", reps=15)
     parser.add_argument("--shapes", default="tiny,tiny-4h,smollm2", help="KV shapes: " + ",".join(KV_SHAPES))
-    parser.add_argument("--moved", type=int_list, default=[16, 64, 256], help="blocks moved per step (all layers)")
+    parser.add_argument("--moved", type=int_list, default=[16, 64, 256, 1024],
+                        help="blocks moved per step (all layers; 1024 moves more bytes than the last-level cache holds)")
     parser.add_argument("--patterns", default="scattered,runs", help="which blocks move: scattered, runs (of 8)")
     parser.add_argument("--layout", choices=["discovered", "row", "transposed"], default="discovered")
-    parser.add_argument("--num-blocks", type=int, default=1024, help="blocks per layer cache (default: 1024)")
+    parser.add_argument("--num-blocks", type=int, default=2048, help="blocks per layer cache (default: 2048)")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="KV cache dtype (default: float32, what spanq's CPU engine runs)")
@@ -262,13 +280,13 @@ def main(argv: Sequence[str] = ()) -> int:
     shapes = [KV_SHAPES[s] for s in args.shapes.split(",") if s]
     patterns = [p for p in args.patterns.split(",") if p]
     settings = [(s, m, p) for s in shapes for m in args.moved for p in patterns]
-    layout = k_layout(args.layout, args.block_size, 64)
+    layout = k_layout(args.layout, args.block_size, 64, args.dtype)
     error = check_relocation(layout)
     bar = progress(len(settings), "rerope", disable=args.no_progress)
     for shape, moved, pattern in settings:
         if moved > args.num_blocks // 2:
             continue
-        lay = layout if shape.head_dim == 64 else k_layout(args.layout, args.block_size, shape.head_dim)
+        lay = layout if shape.head_dim == 64 else k_layout(args.layout, args.block_size, shape.head_dim, args.dtype)
         report.rows.append(time_relocation(shape, lay, num_blocks=args.num_blocks, moved=moved, pattern=pattern,
                                            reps=args.reps, seed=args.seed, dtype=args.dtype))
         bar.update(1)
@@ -293,11 +311,11 @@ def render_tables(report: BenchReport, args: argparse.Namespace) -> str:
         [r["shape"], f"{r['layers']}x{r['kv_heads']}x{r['head_dim']}", r["pattern"], r["moved_blocks"], r["tokens"],
          r["relocate_s"]["median"] * 1e3, r["relocate_tokens_per_ms"], r["relocate_tokens_per_ms_best"],
          r["copy_tokens_per_ms"], r["copy_gb_per_s"], r["fraction_of_copy"], r["fraction_of_copy_best"],
-         r["torch_tokens_per_ms"], r["torch_fraction_of_copy"]]
+         r["inplace_tokens_per_ms"], r["fraction_of_inplace"], r["torch_tokens_per_ms"], r["torch_fraction_of_copy"]]
         for r in report.rows
     ]
     headers = ["shape", "LxHxD", "blocks", "moved", "tokens", "reloc ms", "tok/ms", "best tok/ms", "copy tok/ms",
-               "copy GB/s", "x copy", "x copy best", "torch tok/ms", "torch x copy"]
+               "copy GB/s", "x copy", "x copy best", "in-place tok/ms", "x in-place", "torch tok/ms", "torch x copy"]
     p = report.summary["planning"]
     plan_rows = [["CIDRA plan + admit", p["cidra_plan_us_per_step"]], ["position tracker", p["tracker_us_per_step"]],
                  ["total", p["total_us_per_step"]], ["duplicates planned", p["duplicates_per_step"]]]
@@ -309,7 +327,8 @@ def render_tables(report: BenchReport, args: argparse.Namespace) -> str:
         f"rerope: K relocation in place ({args.dtype}, layout {report.config['layout']}, "
         f"{'compiled op' if report.config['compiled'] else 'torch fallback: kernels unavailable'}; "
         f"torch = the plain torch fallback; {args.threads} torch thread(s), "
-        f"{args.reps} reps; x copy = median of per-rep copy/relocate time ratios; max error vs rerope_ "
+        f"{args.reps} reps; x copy = median of per-rep copy/relocate time ratios; in-place = gather and scatter "
+        "back of the same scattered K blocks, no arithmetic; max error vs rerope_ "
         f"{report.summary['max_abs_error_vs_rerope']:.1e})\n"
         + format_table(headers, rows)
         + f"\n\nCIDRA planning: {args.requests} requests x {args.spans} spans x {args.blocks_per_span} blocks "
