@@ -9,11 +9,11 @@ The workload is submitted in bulks of B queries (each bulk one `plus` of queries
 executor): B = 1 (one query at a time), the `--bulk` sizes, and 0 = the whole workload at once. Within a bulk
 the queries run in arrival order, or in the order of the optimizer's `bulk_order` rule (queries that share
 fragments next to each other). The KV cache is capped at `--kv-blocks` blocks so that fragments are evicted
-and the order matters. Every setting runs on a stock engine, on a stock engine fed what a careful user would
-build on it (each query's fragments sorted into one canonical order, by pool index — popular fragments first —
-so queries that share leading fragments share a prefix), and on the span-aware engine, each from an effectively
-empty cache (each run has its own system prompt, so nothing an earlier run cached can hit). Stock runs in its
-own process with the plugin off.
+and the order matters. Every setting runs from an empty prefix cache (reset before each run) on a stock engine,
+on a stock engine fed what a careful user would build on it (each query's fragments sorted into one canonical
+order, by pool index — popular fragments first — so queries that share leading fragments share a prefix), and on
+the span-aware engine; each run also has its own system prompt. Stock runs in its own process with the plugin
+off.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from benchmarks.common import (
     model_label,
     new_figure,
     progress,
+    reset_cache,
     summarize,
     ttft_of,
 )
@@ -134,6 +135,7 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
             for size, order in settings:
                 for mode, backend in (("stock", stock), ("stock_canonical", stock), ("spans", spans)):
                     session += 1
+                    reset_cache(backend)  # cold: a span read in an earlier setting would hit under any prefix
                     calls: list[Any] = []
                     t0 = time.perf_counter()
                     for batch in bulks(w, size, order, session, canonical=mode == "stock_canonical"):

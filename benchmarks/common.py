@@ -37,6 +37,7 @@ __all__ = [
     "new_figure",
     "percentile",
     "progress",
+    "reset_cache",
     "summarize",
     "ttft_of",
     "warm_up",
@@ -160,6 +161,18 @@ def close_backend(backend: Any) -> None:
         engine.close()
     else:
         backend.close()
+
+
+def reset_cache(backend: Any) -> None:
+    """Empty the prefix cache of a backend made by `make_backend` or `engine_pair`, so the next measurement starts
+    cold (spans anchored on the chat template are reused across system prompts, so a new system prompt is not
+    enough)."""
+    from spanq_integrations.runtime.sync import run_sync
+
+    engine = getattr(backend, "engine", None)
+    done = engine.reset_prefix_cache() if engine is not None else run_sync(backend.areset_prefix_cache)
+    if not done:
+        raise RuntimeError("the engine could not reset its prefix cache (requests still running)")
 
 
 def warm_up(backend: Any) -> None:

@@ -78,6 +78,9 @@ def _child(conn: Any, model: str, spans: bool, plugin: bool, options: dict[str, 
             msg = await inbox.get()
             if msg[0] == "stop":
                 break
+            if msg[0] == "reset":  # between measurements: forget every cached block
+                conn.send(("ok", msg[1], backend.engine.reset_prefix_cache()))
+                continue
             task = asyncio.ensure_future(one(*msg[1:]))
             running.add(task)
             task.add_done_callback(running.discard)
@@ -137,15 +140,22 @@ class ProcessBackend(Backend):
                 break
             loop, fut = self._pending.pop(rid, (None, None))
             if loop is not None:
-                loop.call_soon_threadsafe(_settle, fut, kind, payload)
+                _deliver(loop, fut, kind, payload)
         gone = BackendUnavailableError("the engine process is gone")
         for loop, fut in list(self._pending.values()):
-            loop.call_soon_threadsafe(_settle, fut, "error", gone)
+            _deliver(loop, fut, "error", gone)
         self._pending.clear()
 
     async def generate(
         self, call: Generate, *, path: str = "$", on_token: TokenCallback | None = None, **_: Any
     ) -> Completion:
+        return await self._request(("generate", call, path))
+
+    async def areset_prefix_cache(self) -> bool:
+        """Forget every block the engine has cached (False while requests run there)."""
+        return bool(await self._request(("reset",)))
+
+    async def _request(self, msg: tuple) -> Any:
         if self._closed or not self._proc.is_alive():
             raise BackendUnavailableError("the engine process is closed")
         loop = asyncio.get_running_loop()
@@ -153,7 +163,7 @@ class ProcessBackend(Backend):
         rid = next(self._ids)
         self._pending[rid] = (loop, fut)
         with self._send_lock:
-            self._conn.send(("generate", rid, call, path))
+            self._conn.send((msg[0], rid, *msg[1:]))
         return await fut
 
     def close(self) -> None:
@@ -173,6 +183,14 @@ class ProcessBackend(Backend):
 
     async def aclose(self) -> None:
         self.close()
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, kind: str, payload: Any) -> None:
+    """Settle `fut` on its loop; a loop that is gone (its caller gave up) is skipped, not fatal to the reader."""
+    try:
+        loop.call_soon_threadsafe(_settle, fut, kind, payload)
+    except RuntimeError:
+        pass
 
 
 def _settle(fut: asyncio.Future, kind: str, payload: Any) -> None:

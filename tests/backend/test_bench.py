@@ -345,13 +345,19 @@ def test_the_baseline_is_stock_vllm_in_its_own_process(engines):
     stock, spans = engines
     assert isinstance(stock, ProcessBackend) and stock.plugin is False and stock._proc.pid != os.getpid()
     assert not stock.capabilities.span_aware
-    plain = generate(cross(system("Be brief."), user("Name a colour.")), max_tokens=8, temperature=0.0)
+    plain = generate(cross(system("Be brief. " * 20), user("Name a colour.")), max_tokens=8, temperature=0.0)
     result = execute(plain, stock)
     assert result.answer == execute(plain, spans).answer
     assert result.calls[0].ttft_s is not None and result.calls[0].prompt_tokens > 0
     with pytest.raises(ContextLengthError):
         execute(generate(user("word " * 5000), max_tokens=4), stock)
-    assert execute(plain, stock).answer == result.answer, "an error does not take the engine down"
+    again = execute(plain, stock)
+    assert again.answer == result.answer, "an error does not take the engine down"
+    assert again.calls[0].cached_tokens > 0
+    from benchmarks.common import reset_cache
+
+    reset_cache(stock)
+    assert execute(plain, stock).calls[0].cached_tokens == 0, "the reset emptied the prefix cache"
 
     other = ProcessBackend.__new__(ProcessBackend)  # a closed one, without starting an engine
     other._closed, other._proc, other.capabilities = True, stock._proc, stock.capabilities
@@ -419,6 +425,10 @@ def test_bulk_bench(engines, tmp_path):
         assert entry["speedup_mean_ttft"] > 0 and entry["speedup_vs_canonical"] > 0
     assert all(r["calls"] == 6 for r in report["rows"])
     assert {r["mode"] for r in report["rows"]} == {"stock", "stock_canonical", "spans"}
+    # Every run starts cold: the span engine prepares each distinct fragment it reads at least once, in every
+    # setting (a span read in an earlier setting would otherwise hit under the template anchor).
+    distinct = report["config"]["unique_fragments"]
+    assert all(r["prepared_spans"] >= distinct for r in report["rows"] if r["mode"] == "spans")
 
 
 @pytest.mark.slow
