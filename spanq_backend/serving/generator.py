@@ -283,7 +283,8 @@ class SpanGenerator:
     async def seal(self, lowered: LoweredPrompt, runs: list[TokenRun]) -> tuple[int, int]:
         """Make each run's output a span a judge reads on this prompt: remember its ids, and compute its last
         block (the generation never computed its final token's KV; the separator and padding follow it) as
-        soon as it is done. Returns how many outputs were sealed and the tokens that took."""
+        soon as it is done. Returns how many outputs were sealed, how many of them computed anything (the
+        others were cached already: prepared spans count only those) and the tokens that took."""
         sealed: list[Any] = []
         for run in runs:
             out = self._output_ids(run)
@@ -293,7 +294,7 @@ class SpanGenerator:
             span = generated_span_ids(self.tokenizer, out, self.block_size, self.pad_token_id)
             sealed.append(self.compute(lowered.token_ids + span))
         computed = await asyncio.gather(*sealed)
-        return len(computed), sum(computed)
+        return len(computed), sum(1 for c in computed if c > 0), sum(computed)
 
     async def generate(
         self,
@@ -321,9 +322,9 @@ class SpanGenerator:
                 for k in range(call.n)
             )
         )
-        sealed, seal_tokens = (0, 0)
+        sealed, sealed_new, seal_tokens = (0, 0, 0)
         if span_output and self.spans and not lowered.has_spans:
-            sealed, seal_tokens = await self.seal(lowered, runs)
+            sealed, sealed_new, seal_tokens = await self.seal(lowered, runs)
         first = runs[0].first_text_at
         metrics = CallMetrics(
             path=path,
@@ -337,7 +338,7 @@ class SpanGenerator:
             cached_tokens=max(0, runs[0].cached_tokens - prepare_tokens),
             generated_tokens=sum(r.generated_tokens for r in runs),
             padded_tokens=lowered.padded_tokens,
-            prepared_spans=prepared + sealed,
+            prepared_spans=prepared + sealed_new,
             prepared_tokens=prepare_tokens + seal_tokens,
             fallback=self.fallback if flattened else None,
             extra={

@@ -20,6 +20,7 @@ from spanq_integrations import (
     Generate,
     GenerationError,
     Plus,
+    Repeat,
     aexecute,
     cross,
     execute,
@@ -195,3 +196,33 @@ def test_sync_execute_on_a_server_url(stock_vllm_server):
     result = execute(judge_query(max_tokens=4), f"{stock_vllm_server}/v1", optimize=False)
     assert result.answer and len(result.calls) == 4
     assert {c.model for c in result.calls} == {"tiny"}
+
+
+class SpanOutputBackend(ScriptedBackend):
+    """Records, per call path, whether the executor said its output would be read as a span."""
+
+    def __init__(self, span_outputs: bool):
+        super().__init__()
+        self.capabilities = BackendCapabilities(name="spans", span_aware=True, span_outputs=span_outputs)
+        self.span_output: dict[str, bool] = {}
+
+    async def generate(self, call, *, path="$", on_token=None, **kwargs):
+        self.span_output[path] = kwargs.get("span_output", False)
+        return await super().generate(call, path=path, on_token=on_token)
+
+
+def test_only_generates_an_outer_generate_reads_through_a_plus_are_told_their_output_is_a_span():
+    judge = generate(cross(user("pick"), plus(generate(user("a")), generate(user("b"))), user("which?")))
+    batch = plus(generate(user("c")), judge, Repeat(n=2, query=generate(user("d"))))
+    backend = SpanOutputBackend(span_outputs=True)
+    execute(batch, backend)
+    told = {p for p, flag in backend.span_output.items() if flag}
+    assert told == {"$.plus[1].g.input.cross[1].plus[0]", "$.plus[1].g.input.cross[1].plus[1]"}, backend.span_output
+    assert not backend.span_output["$.plus[1]"] and not backend.span_output["$.plus[0]"], "top-level calls are not"
+
+
+def test_a_backend_without_span_outputs_is_never_passed_the_flag():
+    judge = generate(cross(user("pick"), plus(generate(user("a")), generate(user("b"))), user("which?")))
+    backend = SpanOutputBackend(span_outputs=False)
+    execute(judge, backend)
+    assert backend.span_output and not any(backend.span_output.values())
