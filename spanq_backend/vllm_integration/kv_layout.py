@@ -19,9 +19,12 @@ from spanq_backend.kv.rerope import RelocationError, RopeSpec
 __all__ = [
     "RELOCATABLE_ROPE_TYPES",
     "attention_layer_of",
+    "backend_relocator",
     "backend_write_keys",
     "check_relocatable",
+    "checked_relocator",
     "cpu_read_keys",
+    "cpu_relocator",
     "cpu_write_keys",
     "discover_cpu_k_layout",
     "logical_read_keys",
@@ -234,3 +237,38 @@ def self_check(
             )
     finally:
         kv[block].copy_(saved)
+
+
+def checked_relocator(runner: Any, kv_caches: list[torch.Tensor], spec: RopeSpec, block_size: int) -> Any:
+    """The relocator for this runner's caches, after the start-up self-check passed on them (raises
+    `RelocationError` otherwise): `cpu_relocator` for vLLM's CPU attention, `backend_relocator` elsewhere."""
+    if kv_caches[0].device.type == "cpu":
+        return cpu_relocator(runner, kv_caches, spec, block_size)
+    return backend_relocator(runner, kv_caches, spec, block_size)
+
+
+def cpu_relocator(runner: Any, kv_caches: list[torch.Tensor], spec: RopeSpec, block_size: int) -> Any:
+    """vLLM's CPU attention keeps K in an instruction-set-specific order inside each block: found by writing coded
+    keys through its op, moved by spanq's compiled CPU op (or torch)."""
+    from spanq_backend.kv.relocation import KVRelocator
+
+    layout = discover_cpu_k_layout(runner, block_size, spec.head_dim)
+    self_check(
+        kv_caches, spec, write_keys=cpu_write_keys, read_keys=cpu_read_keys(layout),
+        make_relocator=lambda caches: KVRelocator(caches, layout, spec), block_size=block_size,
+    )
+    return KVRelocator(kv_caches, layout, spec)
+
+
+def backend_relocator(runner: Any, kv_caches: list[torch.Tensor], spec: RopeSpec, block_size: int) -> Any:
+    """The GPU backends store K at its logical place in any KVCacheLayout; the self-check confirms that through
+    the backend's own cache-write op (`do_kv_cache_update` of the layer owning the first cache) before the strided
+    relocator (Triton on CUDA) is trusted."""
+    from spanq_backend.kv.strided import StridedKVRelocator
+
+    layer = attention_layer_of(runner, kv_caches[0])
+    self_check(
+        kv_caches, spec, write_keys=backend_write_keys(layer), read_keys=logical_read_keys(spec.head_dim),
+        make_relocator=lambda caches: StridedKVRelocator(caches, spec), block_size=block_size,
+    )
+    return StridedKVRelocator(kv_caches, spec)

@@ -39,8 +39,7 @@ class SpanRuntime:
     """Per model runner: the block position tracker and the relocator over its KV caches."""
 
     def __init__(self, runner: Any):
-        from spanq_backend.kv.relocation import BlockPositionTracker, KVRelocator
-        from spanq_backend.kv.strided import StridedKVRelocator
+        from spanq_backend.kv.relocation import BlockPositionTracker
         from spanq_backend.vllm_integration import kv_layout
 
         cfg = runner.cache_config
@@ -50,25 +49,7 @@ class SpanRuntime:
         spec = kv_layout.rope_spec_of_model(runner.get_model())
         # Keys written by the backend's own op, moved and read back on this cache: any disagreement (a layout
         # misread, a relocator that is wrong for this cache) refuses spans here instead of serving wrong keys.
-        if kv_caches[0].device.type == "cpu":
-            # vLLM's CPU attention keeps K in an instruction-set-specific order inside each block: found by
-            # writing coded keys through its op, moved by spanq's compiled CPU op (or torch).
-            layout = kv_layout.discover_cpu_k_layout(runner, self.block_size, spec.head_dim)
-            kv_layout.self_check(
-                kv_caches, spec, write_keys=kv_layout.cpu_write_keys, read_keys=kv_layout.cpu_read_keys(layout),
-                make_relocator=lambda caches: KVRelocator(caches, layout, spec), block_size=self.block_size,
-            )
-            self.relocator: Any = KVRelocator(kv_caches, layout, spec)
-        else:
-            # GPU backends store K at its logical place in any KVCacheLayout; the self-check confirms that
-            # through the backend's own cache-write op before the strided relocator (Triton) is trusted.
-            layer = kv_layout.attention_layer_of(runner, kv_caches[0])
-            kv_layout.self_check(
-                kv_caches, spec, write_keys=kv_layout.backend_write_keys(layer),
-                read_keys=kv_layout.logical_read_keys(spec.head_dim),
-                make_relocator=lambda caches: StridedKVRelocator(caches, spec), block_size=self.block_size,
-            )
-            self.relocator = StridedKVRelocator(kv_caches, spec)
+        self.relocator: Any = kv_layout.checked_relocator(runner, kv_caches, spec, self.block_size)
         # Build or load the compiled op now, at start-up, not in the middle of the first step that moves keys.
         log.info("spanq: keys move with %s", "a compiled op" if self.relocator.uses_compiled_kernel else "torch")
         self.pending: list[Any] = []

@@ -665,3 +665,62 @@ def test_the_gpu_path_self_check_passes_in_every_kv_cache_layout_and_refuses_the
             read_keys=kv_layout.logical_read_keys(HEAD_DIM),
             make_relocator=lambda c: StridedKVRelocator(c, plain_spec()), block_size=BS,
         )
+
+
+class LogicalWriter:
+    """A GPU backend's `do_kv_cache_update`, in torch (what FlashAttention's `reshape_and_cache_flash` does): key
+    and value of each slot at their logical place. `scale` stands for a quantized cache (K stored divided by its
+    scale), `shuffle` for a backend that keeps K in another order inside a block."""
+
+    def __init__(self, scale: float = 1.0, shuffle: bool = False):
+        self.scale, self.shuffle = scale, shuffle
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        bs, hd = kv_cache.shape[2], key.shape[-1]
+        for i, slot in enumerate(slot_mapping.tolist()):
+            b, t = divmod(slot, bs)
+            t = bs - 1 - t if self.shuffle else t
+            kv_cache[b, :, t, :hd] = key[i] / self.scale
+            kv_cache[b, :, t, hd:] = value[i]
+
+
+def gpu_like_runner(kv_caches, impl):
+    layer = SimpleNamespace(impl=impl, kv_cache=[kv_caches[0]])
+    other = SimpleNamespace(impl=impl, kv_cache=[kv_caches[-1]])
+    context = {"model.layers.1.self_attn.attn": other, "model.layers.0.self_attn.attn": layer, "lm_head": object()}
+    return SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=context))
+
+
+@pytest.mark.vllm
+def test_the_gpu_runtime_path_checks_the_backends_own_write_op_then_moves_keys_in_every_layout():
+    """The runtime's GPU path (`backend_relocator`), driven on CPU tensors through a backend write op that puts K
+    at its logical place: accepted in every KVCacheLayout, and its relocator moves keys exactly; a backend that
+    stores K in another order, or scaled (a quantized cache), is refused before any span is honoured."""
+    from spanq_backend.kv.strided import StridedKVRelocator
+    from spanq_backend.vllm_integration import kv_layout
+    from tests.backend.kv_layout_cases import LAYOUTS, MOVES, caches, reference, spec_of
+
+    spec = spec_of("gptj")
+    for name in LAYOUTS:
+        kv = caches(name, torch.float32)
+        relocator = kv_layout.backend_relocator(gpu_like_runner(kv, LogicalWriter()), kv, spec, kv[0].shape[2])
+        assert isinstance(relocator, StridedKVRelocator)
+        want = reference(kv, spec)
+        relocator.apply(MOVES)
+        assert max(float((a - b).abs().max()) for a, b in zip(kv, want)) <= 1e-5, name
+    for broken, why in ((LogicalWriter(shuffle=True), "not where the K layout says"), (LogicalWriter(scale=2.0), "not where")):
+        kv = caches("LBNHC", torch.float32)
+        with pytest.raises(RelocationError, match=why):
+            kv_layout.backend_relocator(gpu_like_runner(kv, broken), kv, spec, kv[0].shape[2])
+
+
+def test_caches_off_the_cpu_take_the_backend_path(monkeypatch):
+    from spanq_backend.vllm_integration import kv_layout
+
+    taken = []
+    monkeypatch.setattr(kv_layout, "backend_relocator", lambda *a: taken.append("backend") or "backend")
+    monkeypatch.setattr(kv_layout, "cpu_relocator", lambda *a: taken.append("cpu") or "cpu")
+    meta = [torch.empty(4, 2, BS, 2 * HEAD_DIM, device="meta")]
+    cpu = [torch.empty(4, 2, BS, 2 * HEAD_DIM)]
+    assert kv_layout.checked_relocator(None, meta, plain_spec(), BS) == "backend"
+    assert kv_layout.checked_relocator(None, cpu, plain_spec(), BS) == "cpu"
