@@ -25,6 +25,7 @@ from spanq_backend.serving.lowering import (
     GeneratedSpan,
     LoweredPrompt,
     Tokenizer,
+    check_fits,
     generated_span_ids,
     lower,
     render_chat,
@@ -191,12 +192,7 @@ class SpanGenerator:
 
             text = render_chat(self.tokenizer, to_chat_messages(call.input), add_generation_prompt=True)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-            max_new = call.max_tokens or 1
-            if self.max_model_len is not None and len(ids) + max_new > self.max_model_len:
-                raise ContextLengthError(
-                    f"the prompt has {len(ids)} tokens and asks for {max_new} more; the model's context window "
-                    f"is {self.max_model_len} tokens"
-                )
+            check_fits(ids, 0, self.max_model_len, call.max_tokens or 1)
             return LoweredPrompt(token_ids=ids, table=SpanTable(self.block_size, ())), True
         lowered = lower(
             call.input,

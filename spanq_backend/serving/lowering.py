@@ -54,6 +54,7 @@ __all__ = [
     "GeneratedSpan",
     "LoweredPrompt",
     "Tokenizer",
+    "check_fits",
     "generated_span_ids",
     "lower",
     "render_chat",
@@ -358,7 +359,7 @@ def lower(
             )
     if slots:  # without spans, texts[0] was the whole prompt
         ids.extend(enc(_after_separator(texts[-1])))
-    _check_fits(ids, padded, max_model_len, max_new_tokens)
+    check_fits(ids, padded, max_model_len, max_new_tokens)
     table = SpanTable(block_size, tuple(spans), tuple(anchors) if any(a != anchor_len for a in anchors) else None)
     table.validate(len(ids))
     return LoweredPrompt(
@@ -371,10 +372,12 @@ def lower(
     )
 
 
-def _check_fits(ids: list[int], padded: int, max_model_len: int | None, max_new_tokens: int) -> None:
+def check_fits(ids: list[int], padded: int, max_model_len: int | None, max_new_tokens: int) -> None:
+    """Refuse a prompt that, with the tokens it asks for, does not fit the model's context window."""
     if max_model_len is not None and len(ids) + max(max_new_tokens, 1) > max_model_len:
+        of_padding = f" ({padded} of them padding)" if padded else ""
         raise ContextLengthError(
-            f"the prompt has {len(ids)} tokens ({padded} of them padding) and asks for {max_new_tokens} more; "
+            f"the prompt has {len(ids)} tokens{of_padding} and asks for {max_new_tokens} more; "
             f"the model's context window is {max_model_len} tokens"
         )
 
@@ -397,5 +400,5 @@ def _aligned(
     tail = list(tokenizer.encode(after, add_special_tokens=False)) if after else []
     n = (-(len(head) + len(tail))) % block_size
     ids = head + [pad_token_id] * n + tail
-    _check_fits(ids, n, max_model_len, max_new_tokens)
+    check_fits(ids, n, max_model_len, max_new_tokens)
     return LoweredPrompt(token_ids=ids, table=SpanTable(block_size, ()), padded_tokens=n)
