@@ -50,14 +50,6 @@ def question_first(d: dict[str, str], question: str, order: str, anchor=None):
     )
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    from spanq_backend.serving.engine import SpanEngine
-
-    eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=4)
-    yield eng
-    eng.close()
-
 
 def run(engine, first, second):
     """Run `first` (it prepares the documents), then `second` with logprobs, as the generator does."""

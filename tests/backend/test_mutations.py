@@ -40,14 +40,6 @@ def query(d: dict[str, str], order: str):
     )
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    from spanq_backend.serving.engine import SpanEngine
-
-    eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=4)
-    yield eng
-    eng.close()
-
 
 def reordered_run(engine, tag: str):
     """Prepare ABCD, then run DBCA with logprobs: every span is read at a new position."""

@@ -27,14 +27,6 @@ DOCS = {
 TOL = 2e-4
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    from spanq_backend.serving.engine import SpanEngine
-
-    eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=8)
-    yield eng
-    eng.close()
-
 
 def rag_query(order: str, question: str = "Which door is open?", max_tokens: int = 6):
     return generate(

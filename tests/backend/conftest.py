@@ -1,0 +1,16 @@
+"""Fixtures shared by the backend tests."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    """A span-aware embedded engine on the tiny model, one per test module (a module's monkeypatches and cached
+    spans stay with it)."""
+    from spanq_backend.serving.engine import SpanEngine
+
+    eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=8)
+    yield eng
+    eng.close()
