@@ -10,6 +10,14 @@ run in `rows`, one entry per point in `summary`) and a PNG plot are written into
     spanq bench haystack --runs 100 --hay 50,100,200,400 --k 2,4            # the full run (see docs/haystack.md)
     spanq bench haystack --runs 10 --hay 50,200 --model default             # a quick look
     spanq bench haystack --backend http://127.0.0.1:8000/v1 --model NAME    # any OpenAI-compatible server
+    spanq bench haystack --task select --docs 8                             # one needle: which text has it?
+
+Every tree runs twice by default (`--combine model,code`): with model calls at every level, and with the
+model at the leaves only and the answers combined in code (`extract`: the union; `select`: the highest score).
+
+`--task select`: one of the inner generations hides a name, the others are hay; the judge must say which one
+(`select`): accuracy is the fraction of runs that name it (reported as P and R), and leaf R the fraction whose
+leaf judge reading it ranked it first among its inputs.
 
 The inner generations are, by default, `Assistant` nodes with the synthetic text (`--inner synthetic`): what
 a generation returns, without paying for it, so the cost measured is the judge's. `--inner generate` makes
@@ -39,13 +47,15 @@ from benchmarks.common import (
     progress,
 )
 from spanq_integrations.backends.protocol import Backend
+from spanq_integrations.query.errors import ReducerParseError
 from spanq_integrations.query.ir import Assistant, Node, cross, generate, system, user
 from spanq_integrations.runtime.judge import JudgeResult, ajudge
-from spanq_integrations.runtime.reducers import ExtractReducer
+from spanq_integrations.runtime.reducers import ExtractReducer, Selection
 
 __all__ = ["Haystack", "RunRecord", "main", "make_haystack", "score", "summarize"]
 
 INSTRUCTION = "Tell me the names of the cats mentioned."
+SELECT_INSTRUCTION = "Which candidate mentions a cat?"
 NEEDLE = "I am a cat, and my name is {name}."
 NAME_PATTERN = r"\b[A-Z][a-z]+ [A-Z][a-z]+\b"
 """What counts as a name the judge reports: two capitalised words (the extract reducer's `item_pattern`)."""
@@ -87,6 +97,7 @@ class Haystack:
 
     documents: tuple[str, ...]
     names: tuple[str, ...]
+    needle: int | None = None  # --task select: the index of the one text that hides a name
 
 
 def _filler_sentences(rng: random.Random, words: int) -> list[str]:
@@ -113,6 +124,20 @@ def make_haystack(seed: str, documents: int, names_per_document: int, hay_words:
             sentences.insert(rng.randint(0, len(sentences)), NEEDLE.format(name=name))
         texts.append(" ".join(sentences))
     return Haystack(documents=tuple(texts), names=tuple(names))
+
+
+def make_select_haystack(seed: str, documents: int, hay_words: int) -> Haystack:
+    """`documents` texts of filler, one of them (at a random index) hiding one name: the one to select."""
+    rng = random.Random(seed)
+    needle = rng.randrange(documents)
+    name = f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
+    texts = []
+    for d in range(documents):
+        sentences = _filler_sentences(rng, hay_words)
+        if d == needle:
+            sentences.insert(rng.randint(0, len(sentences)), NEEDLE.format(name=name))
+        texts.append(" ".join(sentences))
+    return Haystack(documents=tuple(texts), names=(name,), needle=needle)
 
 
 def inner_generations(haystack: Haystack, inner: str, model: str) -> list[Node]:
@@ -150,7 +175,7 @@ def score(expected: Sequence[str], found: Sequence[str]) -> tuple[float, float]:
 @dataclass
 class RunRecord:
     hay: int
-    method: str  # "flat" or "k=2", …
+    method: str  # "flat", "k=2 model", "k=2 code", …
     run: int
     precision: float
     recall: float
@@ -253,36 +278,71 @@ def max_tokens_for(names: int) -> int:
     return 8 * names + 16
 
 
+SELECT_MAX_TOKENS = 48
+"""`--task select`: a label, or a label and a score per candidate for k <= 4 (a tournament's intermediate
+judges are asked to copy the winner's text too; their label, which the parser reads first, comes first)."""
+
+
 async def judge_one(
-    backend: Backend, haystack: Haystack, k: int | None, inner: str, model: str
-) -> tuple[JudgeResult | None, str | None]:
+    backend: Backend, haystack: Haystack, k: int | None, inner: str, model: str, combine: str = "model",
+    task: str = "extract",
+) -> tuple[JudgeResult | None, str | None]:  # fmt: skip
     try:
+        if task == "select":
+            instruction, reducer, max_tokens = SELECT_INSTRUCTION, "select", SELECT_MAX_TOKENS
+        else:
+            instruction = INSTRUCTION
+            reducer, max_tokens = ExtractReducer(item_pattern=NAME_PATTERN), max_tokens_for(len(haystack.names))
         result = await ajudge(
             inner_generations(haystack, inner, model),
-            INSTRUCTION,
+            instruction,
             k,
-            ExtractReducer(item_pattern=NAME_PATTERN),
+            reducer,
             backend=backend,
             model=model,
-            max_tokens=max_tokens_for(len(haystack.names)),
+            max_tokens=max_tokens,
             temperature=0.0,
+            combine=combine,  # type: ignore[arg-type]
         )
         return result, None
+    except ReducerParseError as e:  # the root's answer names no candidate: a wrong answer, not a failed run
+        return e.result, None  # type: ignore[attr-defined]
     except Exception as e:  # noqa: BLE001 — a failed run is recorded (and counted), the benchmark goes on
         return None, f"{type(e).__name__}: {e}"
+
+
+def _leaf_picks(result: JudgeResult) -> list[int]:
+    """The candidate each leaf judge (one reading candidates only) ranks first: a tournament leaf's selection,
+    a scoring leaf's highest score (ties: the lower label)."""
+    picks = []
+    for call in result.judge_calls:
+        if call.kind != "model" or not all(i.kind == "candidate" for i in call.inputs):
+            continue
+        if isinstance(call.parsed, Selection):
+            picks.append(call.parsed.index)
+        elif isinstance(call.parsed, dict) and call.parsed:
+            picks.append(min(call.parsed, key=lambda label: (-call.parsed[label], label)))
+    return picks
 
 
 def _record(hay: int, method: str, run: int, haystack: Haystack, result: JudgeResult | None,
             error: str | None, wall_s: float) -> RunRecord:  # fmt: skip
     if result is None:
         return RunRecord(hay, method, run, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0, wall_s, error=error)
-    precision, recall = score(haystack.names, result.verdict)
-    leaves = [c for c in result.judge_calls if all(i.kind == "candidate" for i in c.inputs)]
-    _, leaf_recall = score(haystack.names, [item for c in leaves for item in (c.parsed or [])])
+    if haystack.needle is not None:  # select: accuracy, as P and R
+        correct = float(isinstance(result.verdict, Selection) and result.verdict.index == haystack.needle)
+        precision = recall = correct
+        leaf_recall = float(haystack.needle in _leaf_picks(result))
+        found = [str(result.verdict.index)] if isinstance(result.verdict, Selection) else []
+    else:
+        precision, recall = score(haystack.names, result.verdict)
+        leaves = [c for c in result.judge_calls if c.kind == "model" and all(i.kind == "candidate" for i in c.inputs)]
+        _, leaf_recall = score(haystack.names, [item for c in leaves for item in (c.parsed or [])])
+        found = list(result.verdict)
     m = result.metrics
     return RunRecord(
         hay, method, run, precision, recall, leaf_recall, m.calls, m.judge_calls, m.levels, m.prompt_tokens,
-        m.generated_tokens, m.wall_s, found=list(result.verdict), answer=result.answer[:300],
+        m.generated_tokens, m.wall_s, found=found, answer=result.answer[:300],
     )  # fmt: skip
 
 
@@ -303,19 +363,24 @@ def open_backend(args: argparse.Namespace) -> tuple[Backend, str, str]:
 async def run_all(args: argparse.Namespace, backend: Backend, model: str) -> list[RunRecord]:
     """Every (hay, run): one haystack, judged by every method in a random order (so no method always finds the
     prefix cache warmed by another one on the same haystack). `--concurrency` haystacks are in flight at once."""
-    methods: list[tuple[str, int | None]] = [("flat", None)] + [(f"k={k}", k) for k in args.k]
+    methods: list[tuple[str, int | None, str]] = [("flat", None, "model")] + [
+        (f"k={k} {combine}", k, combine) for k in args.k for combine in args.combine
+    ]
     bar, tick = _progress(len(args.hay) * args.runs * len(methods), quiet=args.no_progress)
     gate = asyncio.Semaphore(args.concurrency)
 
     async def one(hay: int, run: int) -> list[RunRecord]:
         seed = f"{args.seed}:{hay}:{run}"
-        haystack = make_haystack(seed, args.docs, args.names, hay)
+        if args.task == "select":
+            haystack = make_select_haystack(seed, args.docs, hay)
+        else:
+            haystack = make_haystack(seed, args.docs, args.names, hay)
         order = random.Random(seed).sample(methods, len(methods))
         out = []
         async with gate:
-            for method, k in order:
+            for method, k, combine in order:
                 started = time.perf_counter()
-                result, error = await judge_one(backend, haystack, k, args.inner, model)
+                result, error = await judge_one(backend, haystack, k, args.inner, model, combine, args.task)
                 record = _record(hay, method, run, haystack, result, error, time.perf_counter() - started)
                 out.append(record)
                 tick(f"hay={hay} {method} run {run + 1}/{args.runs}: P={record.precision:.2f} "
@@ -326,7 +391,7 @@ async def run_all(args: argparse.Namespace, backend: Backend, model: str) -> lis
         batches = await asyncio.gather(*(one(hay, run) for hay in args.hay for run in range(args.runs)))
     finally:
         bar.close()
-    order = {m: i for i, (m, _) in enumerate(methods)}
+    order = {m: i for i, (m, _, _) in enumerate(methods)}
     return sorted((r for batch in batches for r in batch), key=lambda r: (r.hay, order[r.method], r.run))
 
 
@@ -361,6 +426,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hay", type=int_list, default=[50, 100, 200, 400],
                    help="filler words per inner generation, comma-separated (default 50,100,200,400)")  # fmt: skip
     p.add_argument("--k", type=int_list, default=[2, 4], help="tree fan-ins to compare with flat (default 2,4)")
+    p.add_argument("--combine", type=_combine_list, default=["model", "code"],
+                   help="how trees combine answers, comma-separated: model (calls at every level), code (calls "
+                        "at the leaves, combined in code); default model,code")  # fmt: skip
+    p.add_argument("--task", choices=["extract", "select"], default="extract",
+                   help="extract every hidden name (default), or select the one text that hides a name")
     p.add_argument("--docs", type=int, default=8, help="inner generations per run (default 8)")
     p.add_argument("--names", type=int, default=2, help="names hidden in each inner generation (default 2)")
     p.add_argument("--threshold", type=float, default=0.75, help="report runs with P (R) >= this (default 0.75)")
@@ -377,6 +447,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "decoding across runs, but each run's wall time then includes waiting for others)")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=8192, help="embedded: context window (default 8192)")
     return p
+
+
+def _combine_list(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in ("model", "code")]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"combine modes are model and code, got {text!r}")
+    return list(dict.fromkeys(modes))
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -403,15 +481,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
 
     rows = summarize(records, args.threshold)
+    what = "1 hides a name (select)" if args.task == "select" else f"x {args.names} names"
     title = (
-        f"haystack: {args.docs} inner generations x {args.names} names, {args.runs} runs/point, "
+        f"haystack: {args.docs} inner generations {what}, {args.runs} runs/point, "
         f"{described}" + (f", {args.concurrency} runs at once" if args.concurrency > 1 else "")
     )
     print(f"\n{title}\n")
     print(table(rows, args.threshold))
     print(f"\n{len(records)} judge runs in {elapsed:.0f} s")
 
-    report.config.update({"backend_description": described, "instruction": INSTRUCTION, "elapsed_s": elapsed})
+    instruction = SELECT_INSTRUCTION if args.task == "select" else INSTRUCTION
+    report.config.update({"backend_description": described, "instruction": instruction, "elapsed_s": elapsed})
     report.rows = [asdict(r) for r in records]
     report.summary = rows
     try:

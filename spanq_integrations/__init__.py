@@ -30,6 +30,7 @@ from spanq_integrations.query.errors import (
 from spanq_integrations.query.ir import (
     Assistant,
     Chat,
+    Combine,
     Cross,
     Fragment,
     Generate,
@@ -44,6 +45,7 @@ from spanq_integrations.query.ir import (
     User,
     assistant,
     chat,
+    combine,
     cross,
     fragment,
     generate,
@@ -69,6 +71,7 @@ __all__ = [  # noqa: RUF022  (grouped by topic)
     "generate",
     "retrieve",
     "chat",
+    "combine",
     "render",
     # IR
     "Node",
@@ -83,6 +86,7 @@ __all__ = [  # noqa: RUF022  (grouped by topic)
     "Retrieve",
     "Repeat",
     "Map",
+    "Combine",
     "Monad",
     "Print",
     # judges (tree reduction on any server)

@@ -113,6 +113,22 @@ def metrics_table(calls: Sequence[CallMetrics], totals: dict[str, float]) -> str
 # --------------------------------------------------------------------------------------------- commands
 
 
+def _combine_arg(args: argparse.Namespace) -> str | None:
+    """`--combine REDUCER`, checked: it needs `--tree-k`, and a reducer whose combine step is exact in code."""
+    if args.combine is None:
+        return None
+    if args.tree_k is None:
+        raise CommandError("--combine needs --tree-k: it says how a tree of judges combines their answers")
+    from spanq_integrations.query.errors import QueryValidationError
+    from spanq_integrations.runtime.reducers import reducer_from_combine
+
+    try:
+        reducer_from_combine(args.combine, {}, "--combine")
+    except QueryValidationError as e:
+        raise CommandError(str(e)) from None
+    return args.combine
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from spanq_integrations.optimizer import optimize
 
@@ -120,7 +136,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     capabilities = BackendCapabilities(
         name="span" if args.span_aware else "openai", span_aware=args.span_aware
     )
-    plan = optimize(query, capabilities, tree_reduction_k=args.tree_k)
+    plan = optimize(
+        query, capabilities, tree_reduction_k=args.tree_k, tree_reduction_combine=_combine_arg(args)
+    )
     if args.json:
         from spanq_integrations.query.spnl_json import to_json
 
@@ -148,6 +166,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             query,
             args.backend,
             tree_reduction_k=args.tree_k,
+            tree_reduction_combine=_combine_arg(args),
             on_token=None if args.json else echo,
         )
     except ModuleNotFoundError as e:
@@ -222,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--tree-k", type=int, metavar="K", help="tree reduction: judges read at most K children"
     )
+    plan.add_argument("--combine", metavar="REDUCER", help="tree reduction: combine the leaf judges' answers in code with this reducer (extract: the "
+        "union of their items; count: the sum; vote: the majority; select: the highest score) instead of "
+        "model calls above the leaves")
     plan.add_argument("--json", action="store_true", help="print the plan as spnl JSON")
     plan.set_defaults(handler=cmd_plan)
 
@@ -235,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--model", metavar="NAME", help="run every call on this model (overrides the file's)")
     run.add_argument("--tree-k", type=int, metavar="K", help="tree reduction: judges read at most K children")
+    run.add_argument("--combine", metavar="REDUCER", help="tree reduction: combine the leaf judges' answers in code with this reducer (extract: the "
+        "union of their items; count: the sum; vote: the majority; select: the highest score) instead of "
+        "model calls above the leaves")
     run.add_argument("--json", action="store_true", help="print the result, calls and totals as JSON")
     run.set_defaults(handler=cmd_run)
 

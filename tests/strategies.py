@@ -11,6 +11,7 @@ from spanq_integrations.query.ir import (
     ANCHOR_POLICIES,
     Assistant,
     Chat,
+    Combine,
     Cross,
     Fragment,
     Generate,
@@ -90,6 +91,10 @@ def span_queries(
             seed=st.none() | st.integers(min_value=0, max_value=2**63 - 1),
             **settings,
         )
+        combines = st.builds(
+            Combine, input=children, reducer=st.sampled_from(["extract", "select", "count", "vote"]),
+            options=st.just({}) | st.just({"system_prompt": "Judge."}),
+        )  # fmt: skip
         branches = [
             st.builds(Plus, children=some, keyword=st.sampled_from(["plus", "par"]),
                       anchor=st.none() | st.sampled_from(ANCHOR_POLICIES)),
@@ -97,6 +102,8 @@ def span_queries(
             generates,
             st.builds(Monad, query=children),
             st.builds(Assistant, text=text, source=generates),
+            combines,
+            st.builds(Assistant, text=text, source=combines),
         ]
         if sugar:
             branches += [

@@ -171,8 +171,8 @@ class SpanGenerator:
             self._generated.popitem(last=False)
 
     def _remembered_ids(self, node: Assistant) -> GeneratedSpan | None:
-        if node.source is None or not self.spans:
-            return None
+        if not isinstance(node.source, Generate) or not self.spans:
+            return None  # not generated, or combined in code: read as text
         try:
             lowered = self._lower(node.source, align_output=True)[0]
         except SpanQueryError:

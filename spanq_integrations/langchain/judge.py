@@ -7,17 +7,18 @@
 It runs spanq's judge (`spanq_integrations.runtime.judge.ajudge`) with inner generations as its candidates: the judge is
 `G(cross(system, plus(G_1 … G_n), instruction))`, so the candidates run concurrently inside the same query and
 each judge reads the finished candidates as spans of its `plus`. `tree_reduction_k=k` makes it a k-ary tree of
-judges (attention locality); the reducer template (`select` by default, also `extract`, `merge`) says what an
-intermediate judge passes up. `documents` in the input go to every generator as one `plus` of spans, computed
+judges (attention locality); the reducer template (`select` by default, also `extract`, `count`, `vote`,
+`merge`) says what a judge answers, and `combine` how a tree combines answers: in code where the reducer's
+combine is exact (`auto`, the default: the leaves rate candidates and the highest score wins for `select`), or
+by model calls at every level (`combine="model"`: a tournament for `select`). `documents` in the input go to every generator as one `plus` of spans, computed
 once and shared. Given `candidates` in the input, only the judging runs (for example as the reduce step of a
 LangGraph map-reduce; see examples/judge/langchain_judge_graph.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage
@@ -37,7 +38,7 @@ from spanq_integrations.runtime.judge import (
     JudgeResult,
     ajudge,
 )
-from spanq_integrations.runtime.reducers import Reducer, Selection, resolve_reducer
+from spanq_integrations.runtime.reducers import Selection, resolve_reducer
 
 __all__ = ["DEFAULT_JUDGE_TASK", "JudgeEnsemble", "JudgeVerdict"]
 
@@ -71,31 +72,13 @@ class JudgeVerdict(BaseModel):
     """Every call of the query (generators and judges), in completion order."""
     metrics: JudgeMetrics = Field(default_factory=JudgeMetrics)
     tree_reduction_k: int | None = None
+    combine: str | None = None
+    """How the tree combined its judges' answers (`code` or `model`); None for one flat judge."""
 
     @property
     def selection(self) -> Selection | None:
         """The chosen candidate (`select`), or None."""
         return self.parsed if isinstance(self.parsed, Selection) else None
-
-
-_LENIENT: dict[type, type] = {}
-
-
-def _lenient(reducer: Reducer) -> Reducer:
-    """The same reducer, but an answer it cannot read gives the verdict None instead of an error."""
-    cls = type(reducer)
-    if cls not in _LENIENT:
-        strict_parse = cls.parse
-
-        def parse(self: Reducer, output: str, *, path: str, candidates: Sequence[str]) -> Any:
-            try:
-                return strict_parse(self, output, path=path, candidates=candidates)
-            except ReducerParseError:
-                return None
-
-        _LENIENT[cls] = type(f"Lenient{cls.__name__}", (cls,), {"parse": parse, "__module__": __name__})
-    fields = {f.name: getattr(reducer, f.name) for f in dataclasses.fields(reducer) if f.init}
-    return _LENIENT[cls](**fields)
 
 
 class JudgeEnsemble(RunnableSerializable[Any, JudgeVerdict]):
@@ -112,6 +95,7 @@ class JudgeEnsemble(RunnableSerializable[Any, JudgeVerdict]):
     n: int = Field(default=4, ge=1)
     tree_reduction_k: int | None = Field(default=None, ge=2)
     reducer: Any = "select"
+    combine: Literal["auto", "code", "model"] = "auto"
     task: str = DEFAULT_JUDGE_TASK
     strict: bool = False
     generator_instruction: str = GENERATOR_INSTRUCTION
@@ -176,18 +160,23 @@ class JudgeEnsemble(RunnableSerializable[Any, JudgeVerdict]):
     async def _ajudge(self, value: Any) -> JudgeVerdict:
         question, documents, given = self._read_input(value)
         candidates: list[Any] = given if given is not None else self.generators(question, documents)
-        reducer = resolve_reducer(self.reducer)
-        result = await ajudge(
-            candidates,
-            self._instruction(question),
-            k=self.tree_reduction_k,
-            reducer=reducer if self.strict else _lenient(reducer),
-            backend=await self.llm._aget_backend(),
-            model=self.llm.model or "",
-            max_tokens=self.judge_max_tokens or self.llm.max_tokens or DEFAULT_JUDGE_MAX_TOKENS,
-            temperature=0.0,
-            seed=self.seed,
-        )
+        try:
+            result = await ajudge(
+                candidates,
+                self._instruction(question),
+                k=self.tree_reduction_k,
+                reducer=resolve_reducer(self.reducer),
+                backend=await self.llm._aget_backend(),
+                model=self.llm.model or "",
+                max_tokens=self.judge_max_tokens or self.llm.max_tokens or DEFAULT_JUDGE_MAX_TOKENS,
+                temperature=0.0,
+                seed=self.seed,
+                combine=self.combine,
+            )
+        except ReducerParseError as e:
+            if self.strict or getattr(e, "result", None) is None:
+                raise
+            result = e.result  # type: ignore[attr-defined]  # the run, verdict None
         return self._verdict(question, result, generated=given is None)
 
     def _verdict(self, question: str, result: JudgeResult, *, generated: bool) -> JudgeVerdict:
@@ -195,6 +184,7 @@ class JudgeEnsemble(RunnableSerializable[Any, JudgeVerdict]):
         reused = [
             inp.text
             for call in result.judge_calls
+            if call.kind == "model"  # a combine in code reads answers as values, not as spans
             for inp in call.inputs
             if inp.kind == "call" or (generated and inp.kind == "candidate")
         ]
@@ -213,6 +203,7 @@ class JudgeEnsemble(RunnableSerializable[Any, JudgeVerdict]):
             calls=result.calls,
             metrics=result.metrics,
             tree_reduction_k=self.tree_reduction_k,
+            combine=result.combine,
         )
 
     def _judge(self, value: Any) -> JudgeVerdict:

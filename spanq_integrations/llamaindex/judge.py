@@ -14,7 +14,10 @@ answers mirrors the verdict by construction — what the second, swapped call ch
 backend a candidate that is judged again (in another pair, at another position) reuses its cached KV.
 
 More than `k` candidates (`aselect`): the optimizer's tree reduction judges k at a time, each inner judge
-copying its pick up to the next level, so every call reads at most k candidates.
+copying its pick up to the next level, so every call reads at most k candidates (`combine="model"`, the
+default). With `combine="code"` the candidates are shown with labels and each leaf judge rates the k it reads
+from 0 to 10; the highest score wins, chosen in code (spanq's `select` reducer scored), so no judge above the
+leaves can lose the winner.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import hashlib
 import re
 from collections.abc import Sequence
 from difflib import SequenceMatcher
-from typing import Any
+from typing import Any, Literal
 
 from llama_index.core.bridge.pydantic import Field
 from llama_index.core.evaluation.base import BaseEvaluator, EvaluationResult
@@ -116,8 +119,12 @@ class SpanQueryPairwiseEvaluator(BaseEvaluator):
         max_tokens: int = 64,
         k: int = 2,
         min_overlap: float = 0.5,
+        combine: Literal["model", "code"] = "model",
     ) -> None:
         check_fan_in(k, "k", "candidates")
+        if combine not in ("model", "code"):
+            raise QueryValidationError("combine", f"unknown combine mode {combine!r}: model or code")
+        self._combine = combine
         self._llm = span_query_llm(llm)
         self._system_prompt = system_prompt
         self._instruction = instruction
@@ -157,6 +164,8 @@ class SpanQueryPairwiseEvaluator(BaseEvaluator):
         self, query: str, candidates: Sequence[str], reference: str | None = None
     ) -> SpanJudgeResult:
         """The best of `candidates` for `query`: one call for up to k candidates, a tree of calls beyond."""
+        if self._combine == "code" and len(candidates) > self._k:
+            return await self._ascored(query, candidates, reference)
         judge = self.build_query(query, candidates, reference)
         tree_k = self._k if len(candidates) > self._k else None
         result = await self._llm.arun_query(judge, tree_reduction_k=tree_k)
@@ -174,6 +183,46 @@ class SpanQueryPairwiseEvaluator(BaseEvaluator):
             invalid_reason=None
             if choice is not None or tie
             else "the judge's output copies none of the candidates",
+        )
+
+    async def _ascored(self, query: str, candidates: Sequence[str], reference: str | None) -> SpanJudgeResult:
+        """Leaves rate k labelled candidates each; the highest score wins, in code."""
+        from spanq_integrations.backends.protocol import ExecutionResult
+        from spanq_integrations.query.errors import ReducerParseError
+        from spanq_integrations.runtime.background_loop import background_loop
+        from spanq_integrations.runtime.judge import ajudge
+        from spanq_integrations.runtime.reducers import SelectReducer
+
+        task = f"Question: {query}" + (f"\n\nReference:\n{reference}" if reference else "")
+        task += "\n\nWhich candidate answers the question best: correct, relevant and helpful?"
+        invalid_reason = None
+        try:
+            scored = ajudge(
+                list(candidates),
+                task,
+                self._k,
+                SelectReducer(),
+                backend=self._llm.get_backend(),
+                model=self._llm.model,
+                max_tokens=self._max_tokens,
+                temperature=0.0,
+                combine="code",
+            )
+            judged = await background_loop().arun(scored)
+        except ReducerParseError as e:
+            judged, invalid_reason = e.result, "no judge gave a score for any candidate"  # type: ignore[attr-defined]
+        choice = judged.verdict.index if judged.verdict is not None else None
+        run = ExecutionResult(tree=judged.tree, calls=judged.calls, wall_s=judged.metrics.wall_s, plan=judged.plan)
+        feedback = "\n".join(f"{c.path}: {c.output}" for c in judged.levels[0].calls) if judged.levels else ""
+        return SpanJudgeResult(
+            query=query,
+            response=judged.answer,
+            feedback=feedback,
+            choice=choice,
+            usage=usage_of(run),
+            pairwise_source=ORDER_FREE_SOURCE,
+            invalid_result=choice is None,
+            invalid_reason=invalid_reason,
         )
 
     async def aevaluate(

@@ -228,6 +228,8 @@ class SpanQueryLLM(LLM):
         on_token: Any = None,
         tree_reduction_k: int | None = None,
         tree_reduction_instruction: str | None = None,
+        tree_reduction_combine: str | None = None,
+        tree_reduction_combine_options: dict[str, Any] | None = None,
     ) -> ExecutionResult:
         backend = self.get_backend()
         plan = query
@@ -239,6 +241,8 @@ class SpanQueryLLM(LLM):
                 backend.capabilities,
                 tree_reduction_k=tree_reduction_k,
                 tree_reduction_instruction=tree_reduction_instruction,
+                tree_reduction_combine=tree_reduction_combine,
+                tree_reduction_combine_options=tree_reduction_combine_options,
             )
         return await aexecute(plan, backend, optimize=False, on_token=on_token)
 
@@ -246,7 +250,9 @@ class SpanQueryLLM(LLM):
         """Execute a span query on this LLM's backend and wait for it.
 
         `tree_reduction_k` (>= 2) rewrites wide judges into a k-ary tree first (the optimizer's rule 5), with
-        `tree_reduction_instruction` for the inner judges. Without it the query runs exactly as written."""
+        `tree_reduction_instruction` for the inner judges; `tree_reduction_combine` (a reducer name, with
+        `tree_reduction_combine_options`) combines the leaf judges' answers in code instead of by model calls.
+        Without `tree_reduction_k` the query runs exactly as written."""
         return background_loop().run(self._execute(query, **options))
 
     async def arun_query(self, query: Node, **options: Any) -> ExecutionResult:

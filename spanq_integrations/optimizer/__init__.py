@@ -8,6 +8,7 @@ never rewrite an `Assistant`'s `source`: it records a call that already ran.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from spanq_integrations.optimizer.bulk_order import bulk_order
 from spanq_integrations.optimizer.context import (
@@ -66,20 +67,26 @@ def optimize(
     retrievers: Mapping[str, Retriever] | None = None,
     tree_reduction_k: int | None = None,
     tree_reduction_instruction: str | None = None,
+    tree_reduction_combine: str | None = None,
+    tree_reduction_combine_options: Mapping[str, Any] | None = None,
     bulk_order: bool = False,
     max_passes: int = MAX_PASSES,
 ) -> Node:
     """The query rewritten for a backend with `capabilities` (default: an ordinary, span-unaware server).
 
     `retrievers` are the retrievers `Retrieve` nodes may name; `tree_reduction_k` (>= 2) turns tree reduction
-    on, `tree_reduction_instruction` gives its intermediate judges their own instruction; `bulk_order` reorders
-    a top-level batch for cache reuse. See `OptimizerContext`.
+    on, `tree_reduction_instruction` gives its intermediate judges their own instruction,
+    `tree_reduction_combine` (a reducer name, with `tree_reduction_combine_options`) combines the leaf judges'
+    answers in code instead of by model calls; `bulk_order` reorders a top-level batch for cache reuse. See
+    `OptimizerContext`.
     """
     ctx = OptimizerContext(
         capabilities=capabilities or DEFAULT_CAPABILITIES,
         retrievers=dict(retrievers or {}),
         tree_reduction_k=tree_reduction_k,
         tree_reduction_instruction=tree_reduction_instruction,
+        tree_reduction_combine=tree_reduction_combine,
+        tree_reduction_combine_options=dict(tree_reduction_combine_options or {}),
         bulk_order=bulk_order,
     )
     return apply_rules(query, ctx, DEFAULT_RULES if rules is None else rules, max_passes=max_passes)

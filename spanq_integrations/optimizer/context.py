@@ -44,6 +44,9 @@ class OptimizerContext:
     - `tree_reduction_k`: the fan-in of tree reduction (>= 2), or None to leave wide judges as they are.
     - `tree_reduction_instruction`: the user instruction of the intermediate judges of tree reduction; None
       gives them the query's own instruction (whatever follows the candidates).
+    - `tree_reduction_combine`: None, model calls at every level of the tree; or the name of a reducer whose
+      combine step is exact in code (`extract`, `select`, `count`, `vote`): the tree is then one level of leaf
+      judges under a `Combine` node, built with `tree_reduction_combine_options`.
     - `bulk_order`: reorder a top-level batch so queries that share fragments run close together.
     """
 
@@ -51,6 +54,8 @@ class OptimizerContext:
     retrievers: Mapping[str, Retriever] = field(default_factory=dict)
     tree_reduction_k: int | None = None
     tree_reduction_instruction: str | None = None
+    tree_reduction_combine: str | None = None
+    tree_reduction_combine_options: Mapping[str, Any] = field(default_factory=dict)
     bulk_order: bool = False
 
     def __post_init__(self) -> None:

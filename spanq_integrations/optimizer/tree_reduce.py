@@ -13,12 +13,19 @@ Monads and prints are effects, not candidates or context: in the candidate `plus
 judge, in the prefix and suffix they run once, in the root judge's input, not in every intermediate judge.
 With `tree_reduction_instruction` set, the intermediate judges read that user instruction instead of the
 suffix (for example "pick the best candidate and repeat it verbatim"), the root keeps the query's own.
+
+**Combining in code** (`tree_reduction_combine`, a reducer whose combine step is exact: a union, a sum, a vote,
+the highest score): there are no model calls above the leaves. The candidates are grouped k at a time, every
+group (a group of one too: extracting or rating is work on the text itself) is read by one leaf judge, and a
+`Combine` node over the `plus` of the leaves replaces the generate. N=8, k=2 gives 4 calls and one combine in
+code. The leaves read `tree_reduction_instruction` when it is set (the reducer's leaf instruction), else the
+query's own suffix; effects go into the combine's `plus` and run once.
 """
 
 from __future__ import annotations
 
 from spanq_integrations.optimizer.context import OptimizerContext
-from spanq_integrations.query.ir import Cross, Generate, Monad, Node, Plus, Print, User, transform
+from spanq_integrations.query.ir import Combine, Cross, Generate, Monad, Node, Plus, Print, User, transform
 
 __all__ = ["tree_reduce"]
 
@@ -29,7 +36,11 @@ def tree_reduce(node: Node, ctx: OptimizerContext) -> Node:
     if k is None:
         return node
     instruction = ctx.tree_reduction_instruction
-    return transform(node, lambda n: _reduce(n, k, instruction) if isinstance(n, Generate) else n)
+    combine = ctx.tree_reduction_combine
+    options = dict(ctx.tree_reduction_combine_options)
+    return transform(
+        node, lambda n: _reduce(n, k, instruction, combine, options) if isinstance(n, Generate) else n
+    )
 
 
 def _is_effect(node: Node) -> bool:
@@ -49,7 +60,9 @@ def _split(judge_input: Node) -> tuple[tuple[Node, ...], Plus, tuple[Node, ...]]
     return judge_input.children[:i], candidates, judge_input.children[i + 1 :]
 
 
-def _reduce(g: Generate, k: int, instruction: str | None) -> Generate:
+def _reduce(
+    g: Generate, k: int, instruction: str | None, combine: str | None, options: dict
+) -> Generate | Combine:
     split = _split(g.input)
     if split is None:
         return g
@@ -65,14 +78,19 @@ def _reduce(g: Generate, k: int, instruction: str | None) -> Generate:
         judge_suffix = (User(text=instruction),)
     keyword = g.input.keyword if isinstance(g.input, Cross) else "cross"
 
-    def judge(group: list[Node]) -> Node:
-        if len(group) == 1:
+    def judge(group: list[Node], lone_passes: bool = True) -> Node:
+        if len(group) == 1 and lone_passes:
             return group[0]
         group_plus = candidates_plus.model_copy(update={"children": tuple(group)})
         if not judge_prefix and not judge_suffix:
             return g.model_copy(update={"input": group_plus})
         judge_input = Cross(children=(*judge_prefix, group_plus, *judge_suffix), keyword=keyword)
         return g.model_copy(update={"input": judge_input})
+
+    if combine is not None:
+        every_effect = tuple(c for c in (*prefix, *candidates_plus.children, *suffix) if _is_effect(c))
+        leaves = [judge(candidates[start : start + k], lone_passes=False) for start in range(0, len(candidates), k)]
+        return Combine(input=Plus(children=(*every_effect, *leaves)), reducer=combine, options=options)
 
     level = candidates
     while len(level) > k:

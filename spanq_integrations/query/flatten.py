@@ -15,6 +15,7 @@ from __future__ import annotations
 from spanq_integrations.query.errors import QueryValidationError
 from spanq_integrations.query.ir import (
     Assistant,
+    Combine,
     Cross,
     Fragment,
     Generate,
@@ -40,8 +41,10 @@ def block_text(node: Node, path: str = "$") -> str:
         return BLOCK_SEPARATOR.join(p for p in parts if p)
     if isinstance(node, (Monad, Print)):
         return ""
-    if isinstance(node, Generate):
-        raise QueryValidationError(path, "a Generate must be executed before its output can be read")
+    if isinstance(node, (Generate, Combine)):
+        raise QueryValidationError(
+            path, f"a {type(node).__name__} must be executed before its output can be read"
+        )
     raise QueryValidationError(
         path, f"{type(node).__name__} must be lowered by the optimizer before execution"
     )

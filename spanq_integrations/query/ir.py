@@ -2,8 +2,10 @@
 
 A query is a side-effect-free expression tree. Leaves are messages (`System`, `User`, `Assistant`) and corpus
 pieces (`Fragment`); `Cross` joins children whose order matters, `Plus` joins order-free children, and
-`Generate` calls the model on its input. Executing a tree yields a tree: a finished `Generate` becomes an
-`Assistant` whose `source` remembers the `Generate` (and so the input) it came from.
+`Generate` calls the model on its input; `Combine` combines the answers of the generates under it in code (the
+exact combine step of a judge's reducer: a union, a count, a vote, the highest score). Executing a tree yields a
+tree: a finished `Generate` (or `Combine`) becomes an `Assistant` whose `source` remembers the node (and so the
+input) it came from.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ __all__ = [
     "AnchorPolicy",
     "Assistant",
     "Chat",
+    "Combine",
     "Cross",
     "Fragment",
     "Generate",
@@ -36,6 +39,7 @@ __all__ = [
     "assistant",
     "chat",
     "children_of",
+    "combine",
     "cross",
     "fragment",
     "generate",
@@ -75,11 +79,11 @@ class User(_Node):
 
 
 class Assistant(_Node):
-    """An assistant message; `source` is the `Generate` that produced it, when it was generated."""
+    """An assistant message; `source` is the `Generate` (or `Combine`) that produced it, when it was generated."""
 
     kind: Literal["assistant"] = "assistant"
     text: str
-    source: Generate | None = None
+    source: Generate | Combine | None = None
 
 
 class Fragment(_Node):
@@ -179,6 +183,20 @@ class Map(_Node):
         )
 
 
+class Combine(_Node):
+    """Combine, in code, the answers of the generates in `input` (a `plus` of judges): the exact combine step
+    of the reducer named `reducer` (`extract`: the union of the items, in order; `select`: the highest score;
+    `count`: the sum; `vote`: the most frequent answer). `options` are the reducer's settings (say its
+    `item_pattern`). No model call: executing it yields an `Assistant` whose text is the combined answer and whose
+    `source` is the closed `Combine`. The optimizer's tree-reduction rule plans one when asked to combine in code.
+    """
+
+    kind: Literal["combine"] = "combine"
+    input: Node
+    reducer: str = Field(min_length=1)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
 class Monad(_Node):
     """Run `query` for its effect (for example to warm the cache); it contributes nothing to the prompt."""
 
@@ -194,11 +212,24 @@ class Print(_Node):
 
 
 Node = Annotated[
-    System | User | Assistant | Fragment | Generate | Plus | Cross | Chat | Retrieve | Repeat | Map | Monad | Print,
+    System
+    | User
+    | Assistant
+    | Fragment
+    | Generate
+    | Plus
+    | Cross
+    | Chat
+    | Retrieve
+    | Repeat
+    | Map
+    | Combine
+    | Monad
+    | Print,
     Field(discriminator="kind"),
 ]
 
-for _cls in (Assistant, Generate, Plus, Cross, Chat, Repeat, Monad):
+for _cls in (Assistant, Generate, Plus, Cross, Chat, Repeat, Combine, Monad):
     _cls.model_rebuild()
 
 MESSAGE_TYPES = (System, User, Assistant)
@@ -281,6 +312,11 @@ def generate(
     )
 
 
+def combine(input: Any, reducer: str, **options: Any) -> Combine:
+    """Combine the answers of the generates in `input` in code with the reducer named `reducer`."""
+    return Combine(input=_as_node(input, "combine().input"), reducer=reducer, options=options)
+
+
 def retrieve(query: str, k: int = 4, retriever: str = "default") -> Retrieve:
     return Retrieve(query=query, k=k, retriever=retriever)
 
@@ -308,7 +344,7 @@ def children_of(node: Node) -> tuple[Node, ...]:
         return node.children
     if isinstance(node, Chat):
         return node.messages
-    if isinstance(node, Generate):
+    if isinstance(node, (Generate, Combine)):
         return (node.input,)
     if isinstance(node, Repeat):
         return (node.query,)
@@ -324,7 +360,7 @@ def with_children(node: Node, children: Iterable[Node]) -> Node:
         return node if kids == node.children else node.model_copy(update={"children": kids})
     if isinstance(node, Chat):
         return node if kids == node.messages else node.model_copy(update={"messages": kids})
-    if isinstance(node, Generate):
+    if isinstance(node, (Generate, Combine)):
         (inp,) = kids
         return node if inp is node.input else node.model_copy(update={"input": inp})
     if isinstance(node, (Repeat, Monad)):
@@ -355,6 +391,8 @@ def walk(node: Node, path: str = "$") -> Iterator[tuple[str, Node]]:
             yield from walk(c, f"{path}.chat.messages[{i}]")
     elif isinstance(node, Generate):
         yield from walk(node.input, f"{path}.g.input")
+    elif isinstance(node, Combine):
+        yield from walk(node.input, f"{path}.combine.input")
     elif isinstance(node, Repeat):
         yield from walk(node.query, f"{path}.repeat.query")
     elif isinstance(node, Monad):
@@ -398,6 +436,11 @@ def _label(node: Node) -> str:
         return f"repeat(n={node.n})"
     if isinstance(node, Map):
         return f"map({len(node.inputs)} inputs, model={node.model or '(default)'})"
+    if isinstance(node, Combine):
+        opts = "".join(
+            f", {k}={v!r}" for k, v in sorted(node.options.items()) if k != "system_prompt" and v is not None
+        )
+        return f"combine in code (reducer={node.reducer}{opts})"
     if isinstance(node, Monad):
         return "monad (run for effect)"
     if isinstance(node, Print):

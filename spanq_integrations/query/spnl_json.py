@@ -23,6 +23,7 @@ from spanq_integrations.query.ir import (
     DEFAULT_TEMPERATURE,
     Assistant,
     Chat,
+    Combine,
     Cross,
     Fragment,
     Generate,
@@ -113,6 +114,11 @@ def _write(node: Node, path: str) -> dict[str, Any]:
     if isinstance(node, Map):
         metadata = _write_settings(node.model, node.max_tokens, node.temperature)
         return {"map": {"metadata": metadata, "inputs": list(node.inputs)}}
+    if isinstance(node, Combine):
+        body = {"reducer": node.reducer, "input": _write(node.input, f"{path}.combine.input")}
+        if node.options:
+            body["options"] = dict(node.options)
+        return {"combine": body}
     if isinstance(node, Monad):
         return {"monad": _write(node.query, f"{path}.monad")}
     if isinstance(node, Print):
@@ -356,7 +362,29 @@ def _read_assistant(value: Any, path: str) -> Node:
         Assistant,
         path,
         text=_string(body["text"], f"{path}.text"),
-        source=None if source is None else _read_g_node(source, f"{path}.source"),
+        source=None if source is None else _read_source(source, f"{path}.source"),
+    )
+
+
+def _read_source(value: Any, path: str) -> Generate | Combine:
+    node = _read_node(value, path)
+    if not isinstance(node, (Generate, Combine)):
+        raise QueryParseError(path, f'expected a "g" or "combine" node, got "{next(iter(value))}"')
+    return node
+
+
+def _read_combine(value: Any, path: str) -> Node:
+    """`{"reducer": "extract", "input": {...}, "options": {...}}`: spanq's code-side combine of judges."""
+    body = _object(value, path, ("reducer", "input", "options"), required=("reducer", "input"))
+    options = body.get("options")
+    if options is not None and not isinstance(options, dict):
+        raise QueryParseError(f"{path}.options", f"expected an object, got {_describe(options)}")
+    return _build(
+        Combine,
+        path,
+        reducer=_string(body["reducer"], f"{path}.reducer"),
+        input=_read_node(body["input"], f"{path}.input"),
+        options=dict(options or {}),
     )
 
 
@@ -439,6 +467,7 @@ _READERS: dict[str, _Reader] = {
     "retrieve": _read_retrieve,
     "repeat": _read_repeat,
     "map": _read_map,
+    "combine": _read_combine,
     "monad": lambda value, path: Monad(query=_read_node(value, path)),
     "print": lambda value, path: Print(text=_string(value, path)),
 }

@@ -2,13 +2,15 @@
 
 Independent siblings (`Plus`/`par` children, the copies of a `Repeat`) run concurrently, bounded by a semaphore
 on backend calls; `Cross`/`seq` children run in order. A finished `Generate` becomes an `Assistant` whose
-`source` is the `Generate` it ran (with its input already closed). If any call fails, its running siblings
-are cancelled and awaited, and the error names the failing node's path.
+`source` is the `Generate` it ran (with its input already closed); a `Combine` runs the judges under it and
+combines their answers in code with its reducer, into an `Assistant` whose `source` is the closed `Combine`.
+If any call fails, its running siblings are cancelled and awaited, and the error names the failing node's path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -21,10 +23,17 @@ from spanq_integrations.backends.protocol import (
     answer_of,
 )
 from spanq_integrations.backends.resolve import resolve_backend
-from spanq_integrations.query.errors import GenerationError, QueryValidationError, SpanQueryError
+from spanq_integrations.query.errors import (
+    GenerationError,
+    QueryValidationError,
+    ReducerParseError,
+    SpanQueryError,
+)
+from spanq_integrations.query.flatten import block_text
 from spanq_integrations.query.ir import (
     Assistant,
     Chat,
+    Combine,
     Cross,
     Fragment,
     Generate,
@@ -38,14 +47,16 @@ from spanq_integrations.query.ir import (
     System,
     User,
 )
+from spanq_integrations.runtime.reducers import Reducer, reducer_from_combine
 from spanq_integrations.runtime.sync import run_sync
 
-__all__ = ["ExecutionResult", "aexecute", "answer_of", "execute"]  # the result model lives with the protocol
+__all__ = ["ExecutionResult", "aexecute", "answer_of", "combine_answers", "execute", "shown_texts"]  # the result model lives with the protocol
 
 
 def _answer_path(tree: Node, path: str = "$") -> str | None:
-    """The path of the `Generate` whose output is the answer (the one `on_token` streams)."""
-    if isinstance(tree, Generate):
+    """The path of the `Generate` whose output is the answer (the one `on_token` streams), or of the `Combine`
+    whose combined answer is (given to `on_token` in one piece)."""
+    if isinstance(tree, (Generate, Combine)):
         return path
     if isinstance(tree, Cross) and tree.children:
         i = len(tree.children) - 1
@@ -69,9 +80,49 @@ async def _all_or_cancel(aws: Sequence[Awaitable[Node]]) -> list[Node]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _answers(closed: Node) -> list[Node]:
+    """The answers a `Combine` combines: the children of its closed `plus` (a generate with n > 1 gives a
+    `plus` of its outputs, spliced in), or its one closed input."""
+    if isinstance(closed, Plus):
+        return [a for c in closed.children for a in _answers(c)]
+    return [] if isinstance(closed, (Monad, Print)) else [closed]
+
+
+def shown_texts(answer: Node) -> list[str]:
+    """The texts a judge read: the children of the `plus` in its input (none for an answer not generated)."""
+    if not (isinstance(answer, Assistant) and isinstance(answer.source, Generate)):
+        return []
+    inp = answer.source.input
+    if isinstance(inp, Cross):
+        group = next((c for c in inp.children if isinstance(c, Plus)), None)
+        if group is None:  # one candidate: the optimizer dropped its plus; it is what is not a message
+            return [block_text(c) for c in inp.children if not isinstance(c, (System, User, Monad, Print))]
+        inp = group
+    return [block_text(c) for c in inp.children] if isinstance(inp, Plus) else [block_text(inp)]
+
+
+def combine_answers(reducer: Reducer, answers: list[Node], path: str) -> Any:
+    """The reducer's combined result over judges' closed answers; an answer it cannot read adds nothing."""
+    partials = []
+    for i, answer in enumerate(answers):
+        try:
+            partials.append(reducer.read_leaf(block_text(answer), path=f"{path}[{i}]", shown=shown_texts(answer)))
+        except ReducerParseError:
+            partials.append(None)
+    return reducer.combine(partials)
+
+
 class _Run:
-    def __init__(self, backend: Backend, limit: int, on_token: TokenCallback | None, stream_path: str | None):
+    def __init__(
+        self,
+        backend: Backend,
+        limit: int,
+        on_token: TokenCallback | None,
+        stream_path: str | None,
+        reducers: Mapping[str, Reducer],
+    ):
         self.backend = backend
+        self.reducers = reducers
         self.semaphore = asyncio.Semaphore(limit)
         self.on_token = on_token
         self.stream_path = stream_path
@@ -108,6 +159,18 @@ class _Run:
             return Plus(children=tuple(await _all_or_cancel(calls)))
         if isinstance(node, Generate):
             return await self.call(node, path)
+        if isinstance(node, Combine):
+            reducer = self.reducers.get(node.reducer) or reducer_from_combine(node.reducer, node.options, path)
+            if not reducer.combines_in_code:
+                raise QueryValidationError(path, f"the {node.reducer} reducer cannot combine answers in code")
+            closed = await self.eval(node.input, f"{path}.combine.input")  # read by code, not by a generate
+            combined = combine_answers(reducer, _answers(closed), f"{path}.combine.input")
+            text = reducer.render(combined)
+            if path == self.stream_path and self.on_token is not None and text:
+                maybe = self.on_token(text)
+                if inspect.isawaitable(maybe):
+                    await maybe
+            return Assistant(text=text, source=node.model_copy(update={"input": closed}))
         if isinstance(node, (Chat, Retrieve)):
             raise QueryValidationError(
                 path, f"{node.kind!r} is sugar: run the optimizer first (optimize=True)"
@@ -144,13 +207,16 @@ async def aexecute(
     optimize: bool = True,
     retrievers: Mapping[str, Callable[..., Any]] | None = None,
     tree_reduction_k: int | None = None,
+    tree_reduction_combine: str | None = None,
     max_concurrency: int | None = None,
     on_token: TokenCallback | None = None,
+    reducers: Mapping[str, Reducer] | None = None,
 ) -> ExecutionResult:
     """Run `query` on `backend` (a `Backend`, a URL, or None for the embedded default).
 
     `optimize` applies the optimizer for this backend's capabilities first; `tree_reduction_k` turns on tree
-    reduction; `on_token` receives the answer's text as it streams.
+    reduction, `tree_reduction_combine` (a reducer name) combines its leaf judges' answers in code; `on_token` receives the answer's text as it streams; `reducers` are the reducer instances
+    `Combine` nodes may name (by default the built-in ones, built from the node's options).
     """
     be, owned = resolve_backend(backend)
     try:
@@ -159,10 +225,14 @@ async def aexecute(
             from spanq_integrations.optimizer import optimize as run_optimizer
 
             plan = run_optimizer(
-                query, be.capabilities, retrievers=retrievers, tree_reduction_k=tree_reduction_k
+                query,
+                be.capabilities,
+                retrievers=retrievers,
+                tree_reduction_k=tree_reduction_k,
+                tree_reduction_combine=tree_reduction_combine,
             )
         limit = max_concurrency or be.capabilities.max_concurrency
-        run = _Run(be, max(1, limit), on_token, _answer_path(plan))
+        run = _Run(be, max(1, limit), on_token, _answer_path(plan), dict(reducers or {}))
         t0 = time.perf_counter()
         tree = await run.eval(plan, "$")
         return ExecutionResult(tree=tree, calls=run.calls, wall_s=time.perf_counter() - t0, plan=plan)

@@ -15,8 +15,14 @@ Candidates are texts or query nodes; a `Generate` (or `Chat`) candidate is an in
 the same tree. Candidates are opaque to the rewrite: they are optimized on their own (without tree reduction)
 and put back in place, so a candidate's own `plus` is neither flattened into the judge's nor reduced.
 
+Where the reducer's combine step is exact in code (`extract`'s union, `select`'s highest score, `count`'s sum,
+`vote`'s majority) the tree asks the model only at its leaves (`combine="code"`, the default for those
+reducers): N=8, k=2 gives 4 leaf calls and one combine in code, which a small model cannot get wrong by
+dropping items while merging lists. `combine="model"` keeps model calls at every level (`merge` always does).
+
 The levels are read back from the executed tree's provenance: each judge's answer is an `Assistant` whose
-`source` is the closed call, whose input holds the answers (or candidates) it read.
+`source` is the closed call (a `Generate`, or the `Combine` of a code level), whose input holds the answers (or
+candidates) it read.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from spanq_integrations.query.flatten import block_text
 from spanq_integrations.query.ir import (
     Assistant,
     Chat,
+    Combine,
     Cross,
     Fragment,
     Generate,
@@ -48,7 +55,7 @@ from spanq_integrations.query.ir import (
     User,
     transform,
 )
-from spanq_integrations.runtime.executor import ExecutionResult, aexecute
+from spanq_integrations.runtime.executor import ExecutionResult, aexecute, shown_texts
 from spanq_integrations.runtime.reducers import Reducer, resolve_reducer
 from spanq_integrations.runtime.sync import run_sync
 
@@ -65,6 +72,8 @@ __all__ = [
 ]
 
 Candidate = str | Node
+CombineMode = Literal["auto", "code", "model"]
+COMBINE_MODES: tuple[str, ...] = ("auto", "code", "model")
 _NODE_TYPES = (System, User, Assistant, Fragment, Generate, Plus, Cross, Chat, Retrieve, Repeat, Map)
 _TEXT_TYPES = (System, User, Assistant, Fragment)
 DEFAULT_JUDGE_MAX_TOKENS = 256
@@ -89,7 +98,8 @@ class JudgeCall(BaseModel):
     level: int  # 1: reads only candidates; the root has the highest level
     inputs: list[JudgeInput]
     output: str
-    metrics: CallMetrics | None = None
+    kind: Literal["model", "code"] = "model"  # code: the answers below were combined in code, no model call
+    metrics: CallMetrics | None = None  # None for a combine in code
     parsed: Any = None  # the output read by the reducer (intermediate answers too)
     parse_error: str | None = None  # why an intermediate answer could not be read (the root's raises)
 
@@ -102,7 +112,8 @@ class JudgeLevel(BaseModel):
 class JudgeMetrics(BaseModel):
     """The cost of a judge run: judge calls, every call (inner generations too), tokens and wall time."""
 
-    judge_calls: int = 0
+    judge_calls: int = 0  # model calls of judges (a combine in code is not one)
+    code_combines: int = 0  # levels of the tree combined in code
     calls: int = 0
     levels: int = 0
     prompt_tokens: int = 0
@@ -119,6 +130,7 @@ class JudgeResult(BaseModel):
     verdict: Any
     reducer: str
     k: int | None
+    combine: Literal["code", "model"] | None = None  # how a tree's answers were combined; None: flat
     candidates: list[str]  # the candidates' texts (inner generations' outputs once they ran)
     levels: list[JudgeLevel] = Field(default_factory=list)  # level 1 first, the root's level last
     calls: list[CallMetrics] = Field(default_factory=list)  # every call, in completion order
@@ -141,6 +153,25 @@ class JudgeResult(BaseModel):
 
 def _check_k(k: int | None) -> None:
     check_fan_in(k, "k", "candidates", none="for one flat judge over all candidates")
+
+
+def combine_mode(reducer: Reducer, combine: str, k: int | None) -> Literal["code", "model"] | None:
+    """How a tree of judges with `reducer` combines answers (`auto`: in code where the reducer can); None
+    for a flat judge (`k=None`). A clear error for an unknown mode or `code` with a reducer that cannot."""
+    if combine not in COMBINE_MODES:
+        raise QueryValidationError(
+            "judge(combine)", f"unknown combine mode {combine!r}: one of {', '.join(COMBINE_MODES)}"
+        )
+    if combine == "code" and not reducer.combines_in_code:
+        raise QueryValidationError(
+            "judge(combine)",
+            f"the {reducer.name} reducer needs judgement to combine answers: use combine='model' or 'auto'",
+        )
+    if k is None:
+        return None
+    if combine == "auto":
+        return "code" if reducer.combines_in_code else "model"
+    return combine  # type: ignore[return-value]
 
 
 def _as_candidate(candidate: Candidate, index: int) -> Node:
@@ -215,8 +246,12 @@ def judge_plan(
     max_tokens: int = DEFAULT_JUDGE_MAX_TOKENS,
     temperature: float = 0.0,
     seed: int | None = None,
+    combine: CombineMode = "auto",
 ) -> Node:
     """The optimized query `judge` runs: the flat judge rewritten by the optimizer's tree-reduction rule.
+
+    `combine`: `code` (the default, `auto`, for reducers that can) plans leaf judges under a `Combine` node,
+    `model` a tree of model calls up to the root.
 
     The candidates stand in as placeholders while the optimizer runs, then are put back, each optimized on
     its own: the rule groups them without looking inside, and reduces nothing within them.
@@ -225,16 +260,27 @@ def judge_plan(
 
     _check_k(k)
     r = resolve_reducer(reducer)
+    mode = combine_mode(r, combine, k)
     nodes = _candidates(candidates)
     nonce = secrets.token_hex(6)
     placeholders = [Fragment(text=f"\u27e6spanq-judge-candidate:{i}:{nonce}\u27e7") for i in range(len(nodes))]
     flat = _judge_generate(r, placeholders, instruction, _settings(model, max_tokens, temperature, seed))
-    tree = optimize(
-        flat,
-        capabilities,
-        tree_reduction_k=k,
-        tree_reduction_instruction=r.intermediate_instruction(instruction),
-    )
+    if mode == "code":
+        tree = optimize(
+            flat,
+            capabilities,
+            tree_reduction_k=k,
+            tree_reduction_instruction=r.leaf_instruction(instruction),
+            tree_reduction_combine=r.name,
+            tree_reduction_combine_options=r.options(),
+        )
+    else:
+        tree = optimize(
+            flat,
+            capabilities,
+            tree_reduction_k=k,
+            tree_reduction_instruction=r.intermediate_instruction(instruction),
+        )
     presented = {
         p.text: r.present(i, optimize(c, capabilities)) for i, (p, c) in enumerate(zip(placeholders, nodes))
     }
@@ -257,9 +303,12 @@ class _Reader:
         self.reducer = reducer
         self.system = System(text=reducer.system_prompt)
         self.instructions = {reducer.instruction(instruction), reducer.intermediate_instruction(instruction)}
+        if reducer.combines_in_code:
+            self.instructions.add(reducer.leaf_instruction(instruction))
         self.metrics = {c.path: c for c in calls}
         self.texts: list[str] = [""] * n
         self.judges: list[JudgeCall] = []
+        self.leaves: dict[str, list[str]] = {}  # path of a judge whose answer is combined in code → what it read
         self._next_candidate = 0
 
     def is_judge(self, node: Node) -> bool:
@@ -277,6 +326,8 @@ class _Reader:
 
     def read(self, node: Node, path: str) -> tuple[int, JudgeInput]:
         """(height, input) of a `plus` child: a judge's answer (height >= 1) or a candidate (height 0)."""
+        if isinstance(node, Assistant) and isinstance(node.source, Combine):
+            return self.read_combine(node, path)
         if not self.is_judge(node):
             index = self._next_candidate  # tree reduction keeps the candidates' order: read them in order
             self._next_candidate += 1
@@ -304,6 +355,31 @@ class _Reader:
         )
         return level, JudgeInput(kind="call", path=path, text=node.text)  # type: ignore[union-attr]
 
+    def read_combine(self, node: Assistant, path: str) -> tuple[int, JudgeInput]:
+        """A combine in code over judges' answers: one level above the highest of them, no model call."""
+        combine: Combine = node.source  # type: ignore[assignment]
+        base = f"{path}.combine.input"
+        inp = combine.input
+        children = list(enumerate(inp.children)) if isinstance(inp, Plus) else [(None, inp)]
+        read = []
+        for j, child in children:
+            if isinstance(child, (Monad, Print)):
+                continue
+            child_path = base if j is None else f"{base}.{inp.keyword}[{j}]"  # type: ignore[union-attr]
+            read.append(self.read(child, child_path))
+            if read[-1][1].kind == "call":
+                self.leaves[child_path] = shown_texts(child)
+        level = 1 + max((height for height, _ in read), default=0)
+        self.judges.append(
+            JudgeCall(path=path, level=level, inputs=[i for _, i in read], output=node.text, kind="code")
+        )
+        return level, JudgeInput(kind="call", path=path, text=node.text)
+
+    def parsed_of(self, inp: JudgeInput) -> Any:
+        """The partial result a combine reads from one of its inputs (None for one that could not be read)."""
+        call = next((c for c in self.judges if c.path == inp.path), None) if inp.kind == "call" else None
+        return None if call is None or call.parse_error else call.parsed
+
     def levels(self) -> list[JudgeLevel]:
         by_level: dict[int, list[JudgeCall]] = {}
         for call in self.judges:
@@ -314,7 +390,8 @@ class _Reader:
 def _metrics(levels: list[JudgeLevel], run: ExecutionResult) -> JudgeMetrics:
     totals = run.totals()
     return JudgeMetrics(
-        judge_calls=sum(len(level.calls) for level in levels),
+        judge_calls=sum(c.kind == "model" for level in levels for c in level.calls),
+        code_combines=sum(c.kind == "code" for level in levels for c in level.calls),
         calls=int(totals["calls"]),
         levels=len(levels),
         prompt_tokens=int(totals["prompt_tokens"]),
@@ -357,9 +434,13 @@ async def ajudge(
     temperature: float = 0.0,
     seed: int | None = None,
     max_concurrency: int | None = None,
+    combine: CombineMode = "auto",
 ) -> JudgeResult:
     """Judge `candidates` by `instruction` with a reducer template; `k` (>= 2) makes it a k-ary tree of judges,
-    `k=None` one flat judge. `backend` is a `Backend`, a URL, or None for the embedded default.
+    `k=None` one flat judge. `backend` is a `Backend`, a URL, or None for the embedded default. `combine`:
+    how a tree combines its judges' answers, `code` (model calls at the leaves only; `auto`, the default, where
+    the reducer's combine is exact in code: extract, select by scores, count, vote) or `model` (model calls at
+    every level: the only way for `merge`).
 
     Errors: `QueryValidationError` for k < 2, no candidates or an unknown reducer (before any call);
     `ReducerParseError` when the root's answer cannot be parsed: it names the call's path, shows the output
@@ -368,6 +449,7 @@ async def ajudge(
     """
     _check_k(k)
     r = resolve_reducer(reducer)
+    mode = combine_mode(r, combine, k)
     nodes = _candidates(candidates)
     be, owned = resolve_backend(backend)
     try:
@@ -375,9 +457,11 @@ async def ajudge(
             return await _lone(r, nodes[0], k, be, max_concurrency)
         plan = judge_plan(
             nodes, instruction, k, r, be.capabilities,
-            model=model, max_tokens=max_tokens, temperature=temperature, seed=seed,
+            model=model, max_tokens=max_tokens, temperature=temperature, seed=seed, combine=mode or "model",
         )  # fmt: skip
-        run = await aexecute(plan, be, optimize=False, max_concurrency=max_concurrency)
+        run = await aexecute(
+            plan, be, optimize=False, max_concurrency=max_concurrency, reducers={r.name: r}
+        )
     finally:
         if owned:
             await be.aclose()
@@ -387,9 +471,18 @@ async def ajudge(
     levels = reader.levels()
     root = levels[-1].calls[0]
     root_error: ReducerParseError | None = None
-    for call in reader.judges:
+    for call in reader.judges:  # every call after the calls it read
         try:
-            call.parsed = r.parse(call.output, path=call.path, candidates=reader.texts)
+            if call.kind == "code":
+                partials = [reader.parsed_of(i) for i in call.inputs]
+                combined = r.combine(partials)
+                call.parsed = (
+                    r.verdict(combined, path=call.path, candidates=reader.texts) if call is root else combined
+                )
+            elif call.path in reader.leaves:
+                call.parsed = r.read_leaf(call.output, path=call.path, shown=reader.leaves[call.path])
+            else:
+                call.parsed = r.parse(call.output, path=call.path, candidates=reader.texts)
         except ReducerParseError as e:
             call.parse_error = str(e)
             if call is root:
@@ -398,6 +491,7 @@ async def ajudge(
         verdict=root.parsed,
         reducer=r.name,
         k=k,
+        combine=mode if len(levels) > 1 or root.kind == "code" else None,
         candidates=reader.texts,
         levels=levels,
         calls=run.calls,

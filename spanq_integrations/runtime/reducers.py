@@ -20,6 +20,20 @@ Parsing, and what happens when an answer does not follow the format:
 
 A lone candidate needs no call for `select` and `merge` (it is the winner, it is the merge); `extract` still
 reads it once, since extracting is work on the text itself.
+
+**Combining in code.** A small model asked to merge lists drops items; where the combine step is exact in code
+the tree does not ask it to. A reducer with `combines_in_code` gives its leaf judges `leaf_instruction`, reads
+each leaf's answer into a partial result (`read_leaf`), combines the partials (`combine`: deterministic and
+order-stable) and renders the result as the combined answer's text (`render`); `verdict` turns it into the
+verdict. The optimizer plans a `Combine` node over the leaf judges (`judge(..., combine="code")`):
+
+| template | a leaf answers                               | combined in code                                  |
+|----------|----------------------------------------------|---------------------------------------------------|
+| `extract`| its items, one per line                      | the union, in order of appearance, deduplicated   |
+| `select` | a score from 0 to 10 for each of its inputs  | the highest score; ties go to the lower label     |
+| `count`  | how many of its texts match                  | the sum                                           |
+| `vote`   | a short answer                               | the most frequent answer; ties by first appearance|
+| `merge`  | (a merged text: needs judgement, model only)  | —                                                 |
 """
 
 from __future__ import annotations
@@ -37,12 +51,16 @@ from spanq_integrations.query.ir import Assistant, Cross, Fragment, Node, System
 
 __all__ = [
     "REDUCERS",
+    "CountReducer",
     "ExtractReducer",
     "MergeReducer",
     "Reducer",
     "SelectReducer",
     "Selection",
+    "Vote",
+    "VoteReducer",
     "parse_error",
+    "reducer_from_combine",
     "resolve_reducer",
 ]
 
@@ -102,6 +120,41 @@ class Reducer:
     def parse(self, output: str, *, path: str, candidates: Sequence[str]) -> Any:
         """The verdict a judge's `output` stands for; raises `ReducerParseError` (see `parse_error`)."""
         raise NotImplementedError
+
+    # ----------------------------------------------------------------------------- combining in code
+
+    combines_in_code: ClassVar[bool] = False
+    """Whether the answers of several judges combine exactly in code (then a tree needs model calls only at
+    its leaves). A reducer that sets it implements `read_leaf`, `combine`, `render` and `verdict`."""
+
+    def leaf_instruction(self, task: str) -> str:
+        """The user instruction of the leaf judges when their answers are combined in code."""
+        return self.instruction(task)
+
+    def read_leaf(self, output: str, *, path: str, shown: Sequence[str]) -> Any:
+        """A leaf judge's partial result; `shown` are the texts it read, as presented. Raises
+        `ReducerParseError` when the answer cannot be read (the leaf then adds nothing to the combine)."""
+        raise NotImplementedError
+
+    def combine(self, partials: Sequence[Any]) -> Any:
+        """The partial results of the leaves (in the candidates' order) combined; None when none is usable."""
+        raise NotImplementedError
+
+    def render(self, combined: Any) -> str:
+        """The combined result as the text of the combined answer ("" for None)."""
+        raise NotImplementedError
+
+    def verdict(self, combined: Any, *, path: str, candidates: Sequence[str]) -> Any:
+        """The verdict of a combined result; raises `ReducerParseError` when there is none (`combined` None)."""
+        if combined is None:
+            raise parse_error(path, self.name, "", "no judge below gave an answer this reducer can read")
+        return combined
+
+    def options(self) -> dict[str, Any]:
+        """The settings that rebuild this reducer by name (`REDUCERS[name](**options)`): its dataclass fields."""
+        import dataclasses
+
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
 
 
 # --------------------------------------------------------------------------------------------- extract
@@ -197,6 +250,18 @@ class ExtractReducer(Reducer):
                 items.append(piece)
         return _dedupe(items)
 
+    combines_in_code: ClassVar[bool] = True
+
+    def read_leaf(self, output: str, *, path: str, shown: Sequence[str] = ()) -> list[str]:
+        return self.parse(output, path=path)
+
+    def combine(self, partials: Sequence[Any]) -> list[str]:
+        """The union of the leaves' items, in order of appearance, deduplicated as `parse` dedupes."""
+        return _dedupe([item for items in partials if items for item in items])
+
+    def render(self, combined: Any) -> str:
+        return "\n".join(combined or ())
+
 
 # --------------------------------------------------------------------------------------------- select
 
@@ -209,6 +274,8 @@ class Selection(BaseModel):
 
 
 _LABEL = re.compile(r"\[(\d+)\]")
+_SCORE_LINE = re.compile(r"^\s*[-*]?\s*\[\s*(\d+)\s*\]\s*(?:[:=\-–]|score\s*[:=]?)?\s*(\d+(?:\.\d+)?)", re.IGNORECASE)
+_MAX_SCORE = 10
 _QUOTED_OPENING_WORDS = 8  # an answer that quotes a candidate's first 8 words (cut short, say) names it
 _OPENING_NUMBER = re.compile(r"\s*[\[#]?\s*(\d+)\s*(?:\]|$|[\s.:)])")
 
@@ -287,6 +354,51 @@ class SelectReducer(Reducer):
         )
         raise parse_error(path, self.name, output, why)
 
+    # Scored mode (combined in code): each leaf rates the candidates it reads; the highest score wins.
+
+    combines_in_code: ClassVar[bool] = True
+
+    def leaf_instruction(self, task: str) -> str:
+        return (
+            f"{task}\nRate every candidate from 0 (bad) to 10 (best). Answer one line per candidate: its label "
+            "(its number in square brackets), then its score. Nothing else.\n["
+        )
+
+    def read_leaf(self, output: str, *, path: str, shown: Sequence[str]) -> dict[int, float]:
+        """`{label: score}` for the candidates this leaf read (a score for a label it did not read is
+        ignored; the first score given to a label counts). The instruction ends on `[`, so the answer may open
+        with a bare `3] 7`."""
+        labels = {int(m.group(1)) for text in shown for m in [_LABEL.match(text)] if m}
+        scores: dict[int, float] = {}
+        for line in ("[" + output).splitlines():
+            m = _SCORE_LINE.match(line)
+            if m is None:
+                continue
+            label, score = int(m.group(1)), float(m.group(2))
+            if label in labels and label not in scores and 0 <= score <= _MAX_SCORE:
+                scores[label] = score
+        if not scores:
+            raise parse_error(path, self.name, output, f"no score for any of the labels {sorted(labels)}")
+        return scores
+
+    def combine(self, partials: Sequence[Any]) -> int | None:
+        """The label with the highest score over every leaf; ties go to the lowest label (the first in order)."""
+        scores: dict[int, float] = {}
+        for partial in partials:
+            for label, score in (partial or {}).items():
+                scores.setdefault(int(label), float(score))
+        if not scores:
+            return None
+        return min(scores, key=lambda label: (-scores[label], label))
+
+    def render(self, combined: Any) -> str:
+        return "" if combined is None else _label(combined)
+
+    def verdict(self, combined: Any, *, path: str, candidates: Sequence[str]) -> Selection:
+        if combined is None or not 0 <= combined < len(candidates):
+            raise parse_error(path, self.name, "", "no judge below gave a score this reducer can read")
+        return Selection(index=combined, text=candidates[combined])
+
 
 # --------------------------------------------------------------------------------------------- merge
 
@@ -318,10 +430,111 @@ class MergeReducer(Reducer):
         return text
 
 
+# --------------------------------------------------------------------------------------------- count
+
+_NUMBER = re.compile(r"-?\d+")
+
+
+@dataclass(frozen=True)
+class CountReducer(Reducer):
+    """How many of the candidates match the task (mention a cat, answer yes…): each judge counts the texts it
+    reads; counts combine by addition. The verdict is an `int`."""
+
+    name: ClassVar[str] = "count"
+    carries: ClassVar[str] = "a count; combined in code it is the sum, by a model the next judge adds counts"
+
+    system_prompt: str = "You count texts."
+
+    def instruction(self, task: str) -> str:
+        return f"{task}\nAnswer with one number, how many of the texts match, and nothing else:\n"
+
+    def intermediate_instruction(self, task: str) -> str:
+        return f"{task}\nSome texts are counts from earlier readers: add them up. Answer with one number only:\n"
+
+    def parse(self, output: str, *, path: str, candidates: Sequence[str] = ()) -> int:
+        """The first whole number in the answer (negative counts are errors)."""
+        m = _NUMBER.search(output)
+        if m is None or int(m.group(0)) < 0:
+            raise parse_error(path, self.name, output, "no count (a whole number >= 0) in it")
+        return int(m.group(0))
+
+    combines_in_code: ClassVar[bool] = True
+
+    def read_leaf(self, output: str, *, path: str, shown: Sequence[str] = ()) -> int:
+        count = self.parse(output, path=path)
+        if count > len(shown) and shown:
+            raise parse_error(path, self.name, output, f"a count of {count} for {len(shown)} texts")
+        return count
+
+    def combine(self, partials: Sequence[Any]) -> int | None:
+        counts = [int(p) for p in partials if p is not None]
+        return sum(counts) if counts else None
+
+    def render(self, combined: Any) -> str:
+        return "" if combined is None else str(combined)
+
+
+# --------------------------------------------------------------------------------------------- vote
+
+
+class Vote(BaseModel):
+    """The verdict of `vote`: the most frequent answer and how many judges gave each answer."""
+
+    answer: str
+    counts: dict[str, int]
+
+
+def _vote_key(answer: str) -> str:
+    return " ".join(answer.split()).strip(_EDGE_JUNK).casefold()
+
+
+@dataclass(frozen=True)
+class VoteReducer(Reducer):
+    """A short answer (yes/no, a class, a name) decided by majority: each judge answers from the texts it reads
+    and the most frequent answer wins (ties: the answer given first). Answers are compared case-insensitively
+    without surrounding punctuation. The verdict is a `Vote`."""
+
+    name: ClassVar[str] = "vote"
+    carries: ClassVar[str] = "a short answer; combined in code, the votes are counted"
+
+    system_prompt: str = "You read texts and answer a question about them in a word or two."
+
+    def instruction(self, task: str) -> str:
+        return f"{task}\nAnswer in a word or two, nothing else:\n"
+
+    def parse(self, output: str, *, path: str, candidates: Sequence[str] = ()) -> Vote:
+        first = next((line for line in output.splitlines() if _vote_key(line)), "")
+        key = _vote_key(first)
+        if not key:
+            raise parse_error(path, self.name, output, "the answer is empty")
+        return Vote(answer=key, counts={key: 1})
+
+    combines_in_code: ClassVar[bool] = True
+
+    def read_leaf(self, output: str, *, path: str, shown: Sequence[str] = ()) -> str:
+        return self.parse(output, path=path).answer
+
+    def combine(self, partials: Sequence[Any]) -> Vote | None:
+        counts: dict[str, int] = {}
+        for answer in partials:
+            if answer:
+                counts[answer] = counts.get(answer, 0) + 1
+        if not counts:
+            return None
+        best = max(counts.values())
+        winner = next(a for a, c in counts.items() if c == best)  # dicts keep first appearance
+        return Vote(answer=winner, counts=counts)
+
+    def render(self, combined: Any) -> str:
+        return "" if combined is None else combined.answer
+
+
 REDUCERS: dict[str, type[Reducer]] = {
     ExtractReducer.name: ExtractReducer,
     SelectReducer.name: SelectReducer,
     MergeReducer.name: MergeReducer,
+    CountReducer.name: CountReducer,
+    VoteReducer.name: VoteReducer,
 }
 """The built-in templates by name."""
 
@@ -338,3 +551,23 @@ def resolve_reducer(reducer: Reducer | str) -> Reducer:
         "judge(reducer)",
         f"unknown reducer {reducer!r}: use one of {', '.join(sorted(REDUCERS))} or a Reducer instance",
     )
+
+
+def reducer_from_combine(name: str, options: dict[str, Any], path: str) -> Reducer:
+    """The reducer a `Combine` node names, built from its options; a clear error for an unknown name, a
+    reducer that cannot combine in code, or options it does not take."""
+    from spanq_integrations.query.errors import QueryValidationError
+
+    cls = REDUCERS.get(name)
+    if cls is None:
+        raise QueryValidationError(
+            f"{path}.combine.reducer", f"unknown reducer {name!r}: one of {', '.join(sorted(REDUCERS))}"
+        )
+    if not cls.combines_in_code:
+        raise QueryValidationError(
+            f"{path}.combine.reducer", f"the {name} reducer needs a model to combine answers, not code"
+        )
+    try:
+        return cls(**options)
+    except TypeError as e:
+        raise QueryValidationError(f"{path}.combine.options", f"not options of the {name} reducer: {e}") from None

@@ -226,3 +226,44 @@ def test_a_backend_without_span_outputs_is_never_passed_the_flag():
     backend = SpanOutputBackend(span_outputs=False)
     execute(judge, backend)
     assert backend.span_output and not any(backend.span_output.values())
+
+
+# ------------------------------------------------------------------------------------ combine in code
+
+
+def test_a_combine_runs_its_generates_and_combines_their_answers_in_code():
+    from spanq_integrations.query import spnl_json
+    from spanq_integrations.query.ir import Combine, combine
+
+    backend = ScriptedBackend()
+    leaves = plus(generate(user("Ada, Bo")), generate(user("Bo; Cy")), generate(user("NONE")))
+    query = combine(leaves, "extract", item_pattern="[A-Z][a-z]+")
+    query = spnl_json.loads(spnl_json.dumps(query))  # a combine travels in the JSON form too
+    pieces: list[str] = []
+    result = execute(query, backend, on_token=pieces.append)
+    assert len(backend.inputs) == 3  # the generates, no call for the combine
+    # the answers out(Ada, Bo), out(Bo; Cy), out(NONE) read with the item pattern: the union, in order
+    assert result.answer == "Ada\nBo\nCy"
+    assert isinstance(result.tree, Assistant) and isinstance(result.tree.source, Combine)
+    assert sorted(c.path for c in result.calls) == [f"$.combine.input.plus[{i}]" for i in range(3)]
+    assert "".join(pieces) == result.answer  # the combined answer is what streams
+
+
+@pytest.mark.parametrize(
+    "reducer, options, message",
+    [
+        ("poll", {}, "unknown reducer 'poll'"),
+        ("merge", {}, "the merge reducer needs a model to combine answers"),
+        ("extract", {"colour": "red"}, "not options of the extract reducer"),
+    ],
+)
+def test_a_combine_the_executor_cannot_run_is_refused_before_any_call(reducer, options, message):
+    from spanq_integrations import QueryValidationError
+    from spanq_integrations.query.ir import Combine
+
+    backend = ScriptedBackend()
+    query = Combine(input=plus(generate(user("a")), generate(user("b"))), reducer=reducer, options=options)
+    with pytest.raises(QueryValidationError, match=message) as caught:
+        execute(query, backend)
+    assert caught.value.path.startswith("$.combine")
+    assert backend.inputs == []

@@ -35,9 +35,15 @@ from spanq_integrations import (
 )
 from spanq_integrations.backends.openai import OpenAIBackend
 from spanq_integrations.query.flatten import to_chat_messages
-from spanq_integrations.query.ir import Cross, Plus, walk
+from spanq_integrations.query.ir import Combine, Cross, Plus, walk
 from spanq_integrations.runtime.judge import ajudge, judge, judge_plan, judge_query
-from spanq_integrations.runtime.reducers import ExtractReducer, MergeReducer, Selection, SelectReducer
+from spanq_integrations.runtime.reducers import (
+    ExtractReducer,
+    MergeReducer,
+    Selection,
+    SelectReducer,
+    Vote,
+)
 
 CANDIDATES = [f"Note {i}: the cat called Name{i} sleeps on the mat." for i in range(8)]
 INSTRUCTION = "Tell me the names of the cats mentioned."
@@ -79,16 +85,44 @@ def assert_seven_calls_in_three_levels(result) -> None:
     assert result.metrics.prompt_tokens == sum(c.prompt_tokens for c in result.calls)
 
 
+def assert_four_leaves_combined_in_code(result) -> None:
+    """8 candidates, k=2, extract combined in code: 4 leaf calls reading two candidates each, then one combine in
+    code (no call) whose verdict is the union of the leaves' items, in order."""
+    assert [len(level.calls) for level in result.levels] == [4, 1]
+    leaves, (root,) = (level.calls for level in result.levels)
+    assert result.metrics.judge_calls == 4 and result.metrics.calls == 4 and result.metrics.code_combines == 1
+    assert [c.kind for c in leaves] == ["model"] * 4 and root.kind == "code" and root.metrics is None
+    assert [[i.index for i in c.inputs] for c in leaves] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [i.path for i in root.inputs] == [c.path for c in leaves]
+    assert sorted(c.path for c in result.calls) == sorted(c.path for c in leaves)
+    union: list[str] = []
+    for leaf in leaves:
+        union += [item for item in ExtractReducer().parse(leaf.output, path=leaf.path) if item not in union]
+    assert result.verdict == root.parsed == union
+    assert result.combine == "code"
+    assert isinstance(result.tree, Assistant) and isinstance(result.tree.source, Combine)
+    assert result.tree.text == "\n".join(union) == result.answer
+
+
 # --------------------------------------------------------------------------------------------- real models
 
 
 @pytest.mark.vllm
 async def test_eight_candidates_take_seven_pairwise_calls_in_three_levels_on_stock_vllm(stock_vllm_server):
     async with OpenAIBackend(stock_vllm_server, model="tiny") as backend:
-        result = await ajudge(CANDIDATES, INSTRUCTION, k=2, reducer="extract", backend=backend, max_tokens=8)
+        result = await ajudge(
+            CANDIDATES, INSTRUCTION, k=2, reducer="extract", backend=backend, max_tokens=8, combine="model"
+        )
     assert_seven_calls_in_three_levels(result)
     assert {c.model for c in result.calls} == {"tiny"}
     assert isinstance(result.verdict, list)
+
+
+@pytest.mark.vllm
+async def test_eight_candidates_combined_in_code_take_four_leaf_calls_on_stock_vllm(stock_vllm_server):
+    async with OpenAIBackend(stock_vllm_server, model="tiny") as backend:
+        result = await ajudge(CANDIDATES, INSTRUCTION, k=2, reducer="extract", backend=backend, max_tokens=8)
+    assert_four_leaves_combined_in_code(result)
 
 
 @pytest.mark.vllm
@@ -143,22 +177,29 @@ def spanq_server(tiny_model, tmp_path_factory) -> Iterator[str]:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_eight_candidates_take_seven_calls_in_three_levels_on_spanq_serve(spanq_server):
-    result = judge(CANDIDATES, INSTRUCTION, k=2, backend=f"spanq+{spanq_server}", model="tiny", max_tokens=8)
+    result = judge(
+        CANDIDATES, INSTRUCTION, k=2, backend=f"spanq+{spanq_server}", model="tiny", max_tokens=8, combine="model"
+    )
     assert_seven_calls_in_three_levels(result)
     # the span-aware server laid the candidates out as spans (padded to KV blocks)
     assert all(c.padded_tokens > 0 for c in result.calls)
+    code = judge(CANDIDATES, INSTRUCTION, k=2, backend=f"spanq+{spanq_server}", model="tiny", max_tokens=8)
+    assert_four_leaves_combined_in_code(code)
+    assert all(c.padded_tokens > 0 for c in code.calls)
 
 
 @pytest.mark.vllm
 async def test_eight_candidates_take_seven_calls_in_three_levels_embedded(tiny_backend):
-    result = await ajudge(CANDIDATES, INSTRUCTION, k=2, reducer="extract", backend=tiny_backend, max_tokens=8)
+    result = await ajudge(
+        CANDIDATES, INSTRUCTION, k=2, reducer="extract", backend=tiny_backend, max_tokens=8, combine="model"
+    )
     assert_seven_calls_in_three_levels(result)
 
 
 @pytest.mark.vllm
 async def test_inner_generations_run_in_the_same_tree(tiny_backend):
     inner = [generate(user(f"Describe cat number {i}."), max_tokens=4, temperature=0) for i in range(4)]
-    result = await ajudge(inner, INSTRUCTION, k=2, backend=tiny_backend, max_tokens=4)
+    result = await ajudge(inner, INSTRUCTION, k=2, backend=tiny_backend, max_tokens=4, combine="model")
     assert result.metrics.calls == 4 + 3 and result.metrics.judge_calls == 3
     assert [len(level.calls) for level in result.levels] == [2, 1]
     # the candidates' texts are the inner generations' outputs, and the leaves read exactly those
@@ -200,6 +241,13 @@ class ScriptedJudge(Backend):
                 text = next(b for b in body.split("\n\n") if b.startswith(f"[{best[0]}] "))
             else:
                 text = f"[{best[0]}]"
+        elif "Rate every candidate" in instruction:  # a scoring leaf: the note's number is its score
+            rated = re.findall(r"\[(\d+)\] Note (\d+)", body)
+            text = "\n".join(f"[{label}] {number}" for label, number in rated)[1:]  # the prompt ends on "["
+        elif "how many of the texts match" in instruction:
+            text = str(body.count("sleeps"))
+        elif "in a word or two" in instruction:
+            text = "Yes." if "Note 1" in body or "Note 5" in body or "Note 7" in body else "no"
         elif "merged" in instruction:
             text = " + ".join(sorted(set(re.findall(r"Name\d+", body))))
         else:
@@ -217,7 +265,9 @@ async def test_one_level_runs_concurrently():
 async def test_select_carries_label_and_text_through_the_levels():
     backend = ScriptedJudge()
     shuffled = [CANDIDATES[i] for i in (3, 7, 0, 5, 1, 6, 2, 4)]
-    result = await ajudge(shuffled, "Which cat has the highest number?", k=2, reducer="select", backend=backend)
+    result = await ajudge(
+        shuffled, "Which cat has the highest number?", k=2, reducer="select", backend=backend, combine="model"
+    )
     assert result.verdict == Selection(index=1, text=CANDIDATES[7])
     assert [len(level.calls) for level in result.levels] == [4, 2, 1]
     level2 = result.levels[1].calls
@@ -229,7 +279,7 @@ async def test_select_carries_label_and_text_through_the_levels():
 
 async def test_select_over_inner_generations_labels_them_around_the_call():
     inner = [generate(user(c)) for c in CANDIDATES[:3]]
-    plan = judge_plan(inner, "best?", k=2, reducer="select")
+    plan = judge_plan(inner, "best?", k=2, reducer="select", combine="model")
     wrapped = [n for _, n in walk(plan) if isinstance(n, Cross) and n.children[0] == user("[2]")]
     assert len(wrapped) == 1 and isinstance(wrapped[0].children[1], Generate)
 
@@ -239,10 +289,69 @@ async def test_select_over_inner_generations_labels_them_around_the_call():
         best = max(int(label) for label in re.findall(r"\[(\d+)\]", body))
         return f"[{best}]" if path == "$" else f"[{best}] picked"
 
-    result = await ajudge(inner, "best?", k=2, reducer="select", backend=ScriptedJudge(answer))
+    result = await ajudge(inner, "best?", k=2, reducer="select", backend=ScriptedJudge(answer), combine="model")
     assert result.metrics.calls == 3 + 2
     assert result.verdict == Selection(index=2, text=f"out-{CANDIDATES[2]}")
     assert result.candidates == [f"out-{c}" for c in CANDIDATES[:3]]
+
+
+async def test_select_combined_in_code_picks_the_highest_score_from_four_leaves():
+    backend = ScriptedJudge()
+    shuffled = [CANDIDATES[i] for i in (3, 7, 0, 5, 1, 6, 2, 4)]
+    result = await ajudge(shuffled, "Which cat has the highest number?", k=2, reducer="select", backend=backend)
+    assert result.verdict == Selection(index=1, text=CANDIDATES[7])
+    assert result.combine == "code" and result.metrics.judge_calls == 4
+    assert [len(level.calls) for level in result.levels] == [4, 1]
+    assert result.levels[0].calls[0].parsed == {0: 3.0, 1: 7.0}  # label → score, as each leaf rated
+    assert result.answer == "[1]"
+    assert all("Rate every candidate" in prompt[-1]["content"] for prompt in backend.prompts)
+
+
+async def test_select_in_code_ties_go_to_the_lower_label_and_foreign_labels_are_ignored():
+    def answer(path, body, instruction):
+        labels = re.findall(r"\[(\d+)\]", body)
+        return "\n".join([f"[{label}] 8" for label in labels] + ["[0] 10"])[1:]  # [0] 10: said by every leaf
+
+    result = await ajudge(CANDIDATES[:6], "best?", k=2, reducer="select", backend=ScriptedJudge(answer))
+    assert result.verdict.index == 0  # all tie at 8; the leaf reading [0] gave it 8 first
+    def answer2(path, body, instruction):
+        return "2] 9\n[3] 9\n[0] 10" if "[2]" in body else "[0] 1"[1:]
+
+    result = await ajudge(CANDIDATES[:4], "best?", k=2, reducer="select", backend=ScriptedJudge(answer2))
+    assert result.verdict.index == 2  # [0] 10 from the leaf reading [2] and [3] does not count
+
+
+async def test_select_in_code_with_no_readable_score_names_the_root_and_keeps_the_run():
+    backend = ScriptedJudge(answer=lambda path, body, instruction: "they are all lovely")
+    with pytest.raises(ReducerParseError, match=r"^\$: the select reducer") as caught:
+        await ajudge(CANDIDATES, "Which is best?", k=2, reducer="select", backend=backend)
+    partial = caught.value.result
+    assert partial.verdict is None and [len(level.calls) for level in partial.levels] == [4, 1]
+    assert all(c.parse_error for c in partial.levels[0].calls)
+
+
+async def test_count_and_vote_combine_in_code():
+    count = await ajudge(CANDIDATES[:7], "How many cats sleep?", k=2, reducer="count", backend=ScriptedJudge())
+    assert count.verdict == 7 and count.metrics.judge_calls == 4 and count.answer == "7"
+    vote = await ajudge(CANDIDATES, "Is Name7 here?", k=2, reducer="vote", backend=ScriptedJudge())
+    # leaves over (0,1) (2,3) (4,5) (6,7): yes, no, yes, yes → yes, 3 to 1
+    assert vote.verdict == Vote(answer="yes", counts={"yes": 3, "no": 1})
+
+
+async def test_a_code_combine_is_deterministic_and_keeps_the_candidates_order():
+    first = await ajudge(CANDIDATES, INSTRUCTION, k=2, backend=ScriptedJudge())
+    again = await ajudge(CANDIDATES, INSTRUCTION, k=2, backend=ScriptedJudge())
+    assert first.verdict == again.verdict == [f"Name{i}" for i in range(8)]
+    reversed_ = await ajudge(CANDIDATES[::-1], INSTRUCTION, k=2, backend=ScriptedJudge())
+    # the union is in the order the leaves found the items (each scripted leaf lists its names sorted)
+    assert reversed_.verdict == ["Name6", "Name7", "Name4", "Name5", "Name2", "Name3", "Name0", "Name1"]
+
+
+def test_merge_cannot_combine_in_code_and_an_unknown_mode_is_refused():
+    with pytest.raises(QueryValidationError, match="merge reducer needs judgement"):
+        judge(CANDIDATES, "Merge.", k=2, reducer="merge", combine="code", backend=MustNotBeCalled())
+    with pytest.raises(QueryValidationError, match="unknown combine mode 'tree'"):
+        judge(CANDIDATES, INSTRUCTION, k=2, combine="tree", backend=MustNotBeCalled())
 
 
 async def test_merge_over_a_tree():
@@ -258,16 +367,30 @@ def test_plan_is_the_optimizer_rule_applied_to_the_flat_judge():
     expected = optimize(
         flat, tree_reduction_k=2, tree_reduction_instruction=reducer.intermediate_instruction(INSTRUCTION)
     )
-    assert judge_plan(CANDIDATES, INSTRUCTION, k=2) == expected
+    assert judge_plan(CANDIDATES, INSTRUCTION, k=2, combine="model") == expected
     assert sum(isinstance(n, Generate) for _, n in walk(expected)) == 7
+
+    in_code = optimize(
+        flat,
+        tree_reduction_k=2,
+        tree_reduction_instruction=reducer.leaf_instruction(INSTRUCTION),
+        tree_reduction_combine="extract",
+        tree_reduction_combine_options=reducer.options(),
+    )
+    assert judge_plan(CANDIDATES, INSTRUCTION, k=2) == in_code  # extract combines in code by default
+    assert isinstance(in_code, Combine) and in_code.reducer == "extract"
+    assert sum(isinstance(n, Generate) for _, n in walk(in_code)) == 4
 
 
 def test_candidates_are_opaque_to_the_rewrite():
     # a candidate's own plus is neither flattened into the judge's nor tree-reduced
     inner = generate(Cross(children=(Plus(children=tuple(user(c) for c in CANDIDATES)), user("sum up"))))
-    plan = judge_plan([inner, "a", "b"], INSTRUCTION, k=2)
+    plan = judge_plan([inner, "a", "b"], INSTRUCTION, k=2, combine="model")
     assert any(n == inner for _, n in walk(plan))
     assert sum(isinstance(n, Generate) for _, n in walk(plan)) == 1 + 2  # the inner one, and 2 judges
+    plan = judge_plan([inner, "a", "b"], INSTRUCTION, k=2)
+    assert any(n == inner for _, n in walk(plan))
+    assert sum(isinstance(n, Generate) for _, n in walk(plan)) == 1 + 2  # the inner one, and 2 leaves
 
 
 @pytest.mark.parametrize(
@@ -326,8 +449,8 @@ def test_a_single_string_is_not_a_list_of_candidates():
 
 
 def test_unknown_reducer_names_the_known_ones():
-    with pytest.raises(QueryValidationError, match="extract, merge, select"):
-        judge(CANDIDATES, INSTRUCTION, reducer="vote", backend=MustNotBeCalled())
+    with pytest.raises(QueryValidationError, match="count, extract, merge, select, vote"):
+        judge(CANDIDATES, INSTRUCTION, reducer="poll", backend=MustNotBeCalled())
 
 
 @pytest.mark.parametrize("reducer, verdict", [("select", Selection(index=0, text="only")), ("merge", "only")])
@@ -346,7 +469,7 @@ async def test_one_candidate_is_still_read_once_to_extract():
 async def test_unparseable_root_answer_names_the_path_and_shows_the_output():
     backend = ScriptedJudge(answer=lambda path, body, instruction: "they are all lovely")
     with pytest.raises(ReducerParseError) as caught:
-        await ajudge(CANDIDATES, "Which is best?", k=2, reducer="select", backend=backend)
+        await ajudge(CANDIDATES, "Which is best?", k=2, reducer="select", backend=backend, combine="model")
     assert caught.value.path == "$"
     assert caught.value.output == "they are all lovely"
     assert "$: the select reducer cannot parse" in str(caught.value) and "they are all lovely" in str(caught.value)
@@ -363,7 +486,9 @@ async def test_unparseable_intermediate_answer_is_recorded_and_the_root_decides(
             return "no idea"
         return next(block for block in body.split("\n\n") if block.startswith("["))  # the first labelled
 
-    result = await ajudge(CANDIDATES, "Which is best?", k=2, reducer="select", backend=ScriptedJudge(answer))
+    result = await ajudge(
+        CANDIDATES, "Which is best?", k=2, reducer="select", backend=ScriptedJudge(answer), combine="model"
+    )
     assert result.verdict.index == 6
     failed = [c for c in result.judge_calls if c.parse_error]
     assert [c.path for c in failed] == ["$.g.input.cross[1].plus[0].g.input.cross[1].plus[0]"]

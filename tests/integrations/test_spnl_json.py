@@ -234,7 +234,7 @@ def test_unknown_node_names_the_path_and_the_known_kinds() -> None:
     e = _error({"g": {"input": {"cross": [{"user": "a"}, {"user": "b"}, {"usr": "c"}]}}})
     assert e.path == "$.g.input.cross[2]"
     assert str(e).startswith(
-        '$.g.input.cross[2]: unknown node "usr" (expected one of: assistant, chat, cross,'
+        '$.g.input.cross[2]: unknown node "usr" (expected one of: assistant, chat, combine, cross,'
     )
 
 
@@ -293,7 +293,7 @@ def test_empty_join(key: str) -> None:
         ({"fragment": {"text": "t", "metadata": []}}, "$.fragment.metadata: expected an object, got array"),
         (
             {"assistant": {"text": "a", "source": {"user": "q"}}},
-            '$.assistant.source: expected a "g" node, got "user"',
+            '$.assistant.source: expected a "g" or "combine" node, got "user"',
         ),
     ],
 )

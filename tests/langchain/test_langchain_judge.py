@@ -40,11 +40,28 @@ def test_the_ensemble_returns_a_verdict_and_the_outputs_it_reused(llm):
 
 
 def test_tree_reduction_judges_k_candidates_at_a_time(llm):
-    verdict = JudgeEnsemble(llm=llm, n=4, tree_reduction_k=2).invoke(QUESTION)
-    assert len(verdict.candidates) == 4
+    verdict = JudgeEnsemble(llm=llm, n=4, tree_reduction_k=2, combine="model").invoke(QUESTION)
+    assert len(verdict.candidates) == 4 and verdict.combine == "model"
     assert len(verdict.calls) == 4 + 2 + 1  # generators, two intermediate judges, the root judge
     assert len(verdict.reused_outputs) == 4 + 2  # candidates read by the judges, the judges read by the root
     assert set(verdict.candidates) <= set(verdict.reused_outputs)
+
+
+def test_tree_reduction_combined_in_code_rates_candidates_at_the_leaves_only(llm):
+    verdict = JudgeEnsemble(llm=llm, n=4, tree_reduction_k=2, combine="code").invoke(QUESTION)
+    assert verdict.combine == "code"
+    assert len(verdict.calls) == 4 + 2  # generators and two scoring leaves: no call above them
+    assert sorted(verdict.reused_outputs) == sorted(verdict.candidates)  # only candidates are read as spans
+    leaves, (root,) = (level.calls for level in verdict.levels)
+    assert root.kind == "code" and [c.kind for c in leaves] == ["model", "model"]
+    scored = {label: score for leaf in leaves if leaf.parse_error is None for label, score in leaf.parsed.items()}
+    if scored:  # the tiny random model may write no score at all; then there is no verdict
+        best = max(scored.values())
+        assert verdict.selection is not None
+        assert verdict.selection.index == min(label for label, score in scored.items() if score == best)
+        assert verdict.selection.text == verdict.candidates[verdict.selection.index]
+    else:
+        assert verdict.parsed is None and verdict.parse_error
 
 
 async def test_judging_given_candidates_again_reads_them_from_the_span_cache(llm, tiny_backend):

@@ -69,3 +69,18 @@ async def test_best_of_many_is_a_tree_of_pairwise_judges(span_llm):
     assert result.usage["calls"] == 4  # 5 candidates, k=2
     assert all(c["extra"]["spans"] <= 2 for c in result.usage["per_call"])
     assert len(result.overlaps) == 5
+
+
+@pytest.mark.vllm
+async def test_best_of_many_combined_in_code_rates_candidates_at_the_leaves(span_llm):
+    judge = SpanQueryPairwiseEvaluator(llm=span_llm, max_tokens=16, combine="code")
+    candidates = [f"Answer number {i} says the capital is city {i}." for i in range(5)]
+    result = await judge.aselect("Capital of France?", candidates)
+    per_call = result.usage["per_call"]
+    assert result.usage["calls"] == len(per_call) == 3  # 5 candidates, k=2: three leaves, no call above them
+    assert all(c["extra"]["spans"] <= 2 for c in per_call)
+    assert result.invalid_result == (result.choice is None)
+    if result.choice is not None:  # the tiny random model may give no readable score
+        assert result.response == f"[{result.choice}]"
+    with pytest.raises(QueryValidationError, match="unknown combine mode"):
+        SpanQueryPairwiseEvaluator(llm=span_llm, combine="vote")

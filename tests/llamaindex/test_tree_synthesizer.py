@@ -75,3 +75,30 @@ def test_an_over_long_node_is_explained(span_llm):
     nodes[1] = NodeWithScore(node=TextNode(text="word " * 2500, id_="huge"), score=1.0)
     with pytest.raises(ContextLengthError, match="one call of the tree does not fit.*lower k"):
         SpanQueryTreeSynthesizer(llm=span_llm).synthesize("q?", nodes)
+
+
+def test_combined_in_code_the_tree_is_its_leaves_and_the_answer_their_union(span_llm):
+    from spanq_integrations.query.ir import Assistant, Combine
+    from spanq_integrations.runtime.reducers import ExtractReducer
+
+    synthesizer = SpanQueryTreeSynthesizer(llm=span_llm, k=2, combine="extract")
+    nodes = nodes_of(5)
+    response = synthesizer.synthesize("Which facts are mentioned?", nodes)
+    per_call = response.metadata["spanq"]["per_call"]
+    assert paths(response) == [f"$.combine.input.plus[{i}]" for i in range(3)]  # (0,1) (2,3) (4): no root call
+    assert all(c["extra"]["spans"] <= 2 for c in per_call)
+    # the same query run directly (greedy, so the same answers): the answer is the union of the leaves' items
+    query = synthesizer.build_query("Which facts are mentioned?", synthesizer.node_fragments(nodes))
+    run = span_llm.run_query(query, **synthesizer._run_options())
+    assert isinstance(run.tree, Assistant) and isinstance(run.tree.source, Combine)
+    leaves = [a.text for a in run.tree.source.input.children]
+    union: list[str] = []
+    for text in leaves:
+        union += [item for item in ExtractReducer().parse(text, path="$") if item.casefold() not in
+                  {u.casefold() for u in union}]  # fmt: skip
+    assert response.response == run.answer == "\n".join(union)
+
+
+def test_a_reducer_that_cannot_combine_in_code_is_refused(span_llm):
+    with pytest.raises(QueryValidationError, match="merge reducer needs a model"):
+        SpanQueryTreeSynthesizer(llm=span_llm, combine="merge")

@@ -7,6 +7,7 @@ import pytest
 from spanq_integrations.optimizer import OptimizerContext, tree_reduce
 from spanq_integrations.query.errors import QueryValidationError
 from spanq_integrations.query.ir import (
+    Combine,
     Cross,
     Fragment,
     Generate,
@@ -150,3 +151,52 @@ def test_off_by_default() -> None:
 def test_k_below_two_is_an_error(k: int) -> None:
     with pytest.raises(QueryValidationError, match="tree_reduction_k must be an integer >= 2"):
         OptimizerContext(tree_reduction_k=k)
+
+
+# ------------------------------------------------------------------------------------ combining in code
+
+
+def reduce_in_code(node: Node, k: int, instruction: str | None = None) -> Node:
+    ctx = OptimizerContext(
+        tree_reduction_k=k,
+        tree_reduction_instruction=instruction,
+        tree_reduction_combine="extract",
+        tree_reduction_combine_options={"item_pattern": "[A-Z]+"},
+    )
+    return tree_reduce(node, ctx)
+
+
+def test_combined_in_code_eight_candidates_take_four_leaves_and_no_call_above() -> None:
+    out = reduce_in_code(judge_over(*candidates(8)), k=2, instruction="list the items")
+    assert isinstance(out, Combine)
+    assert out.reducer == "extract" and out.options == {"item_pattern": "[A-Z]+"}
+    assert isinstance(out.input, Plus)
+    leaves = out.input.children
+    assert all(isinstance(g, Generate) for g in leaves)
+    assert sum(isinstance(n, Generate) for _, n in walk(out)) == 4
+    assert [[c.text for c in g.input.children[1].children] for g in leaves] == [
+        ["c0", "c1"], ["c2", "c3"], ["c4", "c5"], ["c6", "c7"]
+    ]  # fmt: skip
+    for g in leaves:  # same settings and prefix, the leaf instruction
+        assert (g.model, g.max_tokens, g.temperature) == ("m", 50, 0.2)
+        assert g.input.children[0] == S and g.input.children[2] == User(text="list the items")
+    assert reduce_in_code(out, k=2) == out  # a fixed point: the optimizer settles
+
+
+def test_combined_in_code_a_group_of_one_is_still_read() -> None:
+    out = reduce_in_code(judge_over(*candidates(5)), k=2)
+    leaves = out.input.children
+    assert len(leaves) == 3 and all(isinstance(g, Generate) for g in leaves)
+    assert [c.text for c in leaves[2].input.children[1].children] == ["c4"]
+    assert leaves[0].input.children[2] == U  # no leaf instruction: the query's own
+
+
+def test_combined_in_code_narrow_judges_stay_one_call_and_effects_run_once() -> None:
+    narrow = judge_over(*candidates(2))
+    assert reduce_in_code(narrow, k=2) == narrow
+    warm, note = Monad(query=Fragment(text="warm")), Print(text="judging")
+    wide = judge_over(*candidates(4), warm, prefix=(note, S))
+    out = reduce_in_code(wide, k=2)
+    effects = [c for c in out.input.children if not isinstance(c, Generate)]
+    assert effects == [note, warm]
+    assert all(n not in (note, warm) for g in out.input.children[2:] for _, n in walk(g))
