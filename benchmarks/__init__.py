@@ -6,7 +6,6 @@ here with `main(argv) -> int` that prints a table and writes JSON and a plot int
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 
@@ -40,8 +39,14 @@ def bench_main(argv: Sequence[str]) -> int:
     if name not in BENCHMARKS:
         print(f"spanq bench: unknown benchmark {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    # A command, not the library: keep vLLM's per-request log lines out of the tables (override by setting it).
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM's INFO lines stay out of the tables unless --verbose or SPANQ_LOG_LEVEL asks for them.
+    from spanq_backend.serving import logs
+
+    try:
+        logs.configure(verbose="--verbose" in rest)
+    except ValueError as e:
+        print(f"spanq bench: {e}", file=sys.stderr)
+        return 2
     module_name = BENCHMARKS[name][0]
     try:
         module = importlib.import_module(module_name)

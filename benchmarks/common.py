@@ -127,6 +127,7 @@ def base_parser(
         "directory)",
     )
     parser.add_argument("--tag", default="", help="suffix of the output file names, to keep several runs")
+    parser.add_argument("--verbose", action="store_true", help="show vLLM's INFO log lines too")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 

@@ -154,6 +154,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     query = read_query(args.file)
     if args.model:
         query = with_model(query, args.model)
+    if args.verbose:
+        os.environ["SPANQ_LOG_LEVEL"] = "INFO"  # read by the embedded engine when it starts
     streamed: list[str] = []
 
     def echo(piece: str) -> None:
@@ -261,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         "union of their items; count: the sum; vote: the majority; select: the highest score) instead of "
         "model calls above the leaves")
     run.add_argument("--json", action="store_true", help="print the result, calls and totals as JSON")
+    run.add_argument("--verbose", action="store_true", help="embedded: show vLLM's INFO log lines too")
     run.set_defaults(handler=cmd_run)
 
     for name, help_text in (("serve", "start the span-aware server"), ("bench", "run the benchmarks")):

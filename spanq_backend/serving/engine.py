@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,15 @@ class SpanEngine:
             except RelocationError as e:
                 raise BackendError(f"spans are refused for this model: {e}") from e
         _cpu_env_defaults(self.config.kv_cache_gib)
+        from spanq_backend.serving import logs
+
+        try:
+            logs.configure()
+        except ValueError as e:  # an unknown SPANQ_LOG_LEVEL
+            raise BackendError(str(e)) from None
+        kind = "span-aware" if self.config.spans else "stock"
+        log.info("starting a %s vLLM engine on %s …", kind, self.model_name)
+        started = time.perf_counter()
 
         self.tokenizer = load_chat_tokenizer(self.model_path)
         self._ids = itertools.count()
@@ -119,6 +129,7 @@ class SpanEngine:
             default_anchor=self.config.span_anchor,
         )
         self.pad_token_id = self.generator.pad_token_id
+        log.info("%s ready in %.1f s", self.model_name, time.perf_counter() - started)
 
     # ----------------------------------------------------------------------------------------- engine thread
 
@@ -290,7 +301,12 @@ class SpanEngine:
     ) -> Completion:
         """Run one closed `Generate`: lower, prepare spans, run; with TTFT and cache usage measured.
         `span_output`: an outer generate reads the output as a span (`SpanGenerator.generate`)."""
-        return await self.generator.generate(call, path=path, on_token=on_token, span_output=span_output)
+        completion = await self.generator.generate(call, path=path, on_token=on_token, span_output=span_output)
+        m = completion.metrics
+        if m.prepared_spans:
+            log.info("prepared %d span%s (%d tokens) for %s", m.prepared_spans, "" if m.prepared_spans == 1 else "s",
+                     m.prepared_tokens, path)  # fmt: skip
+        return completion
 
     def close(self) -> None:
         if not self._closed:

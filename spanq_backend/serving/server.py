@@ -504,6 +504,10 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         help="what a document's KV is computed after when its plus names no anchor: template (reused after any "
         "prefix, the default), system (after the query's system prompt), prefix (exact, after the same prefix)",
     )
+    parser.add_argument(
+        "--verbose", dest="spanq_verbose", action="store_true",
+        help="show vLLM's INFO log lines (by default its warnings and errors only; or set SPANQ_LOG_LEVEL)",
+    )  # fmt: skip
     parser.set_defaults(**SERVE_DEFAULTS, **(CPU_SERVE_DEFAULTS if current_platform.is_cpu() else {}))
     args = parser.parse_args(list(argv))
     if args.headless or args.grpc or (args.api_server_count or 1) != 1:
@@ -544,6 +548,9 @@ def serve_main(argv: list[str]) -> int:
         from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
 
         validate_parsed_serve_args(args)
+        from spanq_backend.serving.logs import level
+
+        level()  # an unknown SPANQ_LOG_LEVEL is an error before anything starts
         tokenizer = load_chat_tokenizer(args.tokenizer or args.model)
     except (ValueError, SpanQueryError) as e:
         print(f"spanq serve: error: {e}", file=sys.stderr)
@@ -554,6 +561,9 @@ def serve_main(argv: list[str]) -> int:
     from vllm.logger import configure_logging_from_args
 
     configure_logging_from_args(args)
+    from spanq_backend.serving import logs
+
+    logs.configure(verbose=args.spanq_verbose)
     from spanq_backend.vllm_integration.frontend import query_route_mounted
 
     limits = limits_of(args)

@@ -51,7 +51,7 @@ class SpanRuntime:
         # misread, a relocator that is wrong for this cache) refuses spans here instead of serving wrong keys.
         self.relocator: Any = kv_layout.checked_relocator(runner, kv_caches, spec, self.block_size)
         # Build or load the compiled op now, at start-up, not in the middle of the first step that moves keys.
-        log.info("spanq: keys move with %s", "a compiled op" if self.relocator.uses_compiled_kernel else "torch")
+        log.debug("keys move with %s", "a compiled op" if self.relocator.uses_compiled_kernel else "torch")
         self.pending: list[Any] = []
 
     def before_step(self, scheduler_output: Any) -> None:

@@ -1,0 +1,49 @@
+"""Quiet by default: the demo (an embedded engine) shows spanq's progress and vLLM's warnings only, and
+SPANQ_LOG_LEVEL brings vLLM's INFO lines back."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_INFO = re.compile(r"\bINFO\b .*\[[\w.]+\.py:\d+\]")  # vLLM's own format: "INFO 11-30 19:50:24 [core.py:402]"
+
+
+def run_demo(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items() if k not in ("SPANQ_LOG_LEVEL", "VLLM_LOGGING_LEVEL")}
+    return subprocess.run(
+        [sys.executable, str(REPO / "examples" / "rag" / "demo.py"), "--model", "tiny", "--max-tokens", "4", *args],
+        check=False, capture_output=True, text=True, timeout=600, cwd=REPO, env={**environment, **env},
+    )  # fmt: skip
+
+
+@pytest.mark.vllm
+def test_the_demo_fits_on_a_screen_and_shows_spanqs_progress():
+    done = run_demo()
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    lines = out.splitlines()
+    assert len(lines) <= 45, "\n".join(lines)  # was ~90, most of them vLLM INFO lines
+    assert not [line for line in lines if VLLM_INFO.search(line)]
+    assert "spanq: starting a span-aware vLLM engine on tiny" in out
+    assert re.search(r"spanq: tiny\S* ready in \d+\.\d s", out)
+    assert "spanq: prepared 8 spans" in out
+    assert "TTFT of Q2" in out  # the table is there
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_spanq_log_level_brings_vllms_info_lines_back_and_a_bad_one_is_named():
+    done = run_demo("--no-stock", SPANQ_LOG_LEVEL="INFO")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert [line for line in out.splitlines() if VLLM_INFO.search(line)]
+    bad = run_demo("--no-stock", SPANQ_LOG_LEVEL="LOUD")
+    assert bad.returncode != 0
+    assert "SPANQ_LOG_LEVEL='LOUD' is not a log level: use one of DEBUG, INFO, WARNING, ERROR" in bad.stderr
