@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from spanq_backend.kv.span_table import EXTRA_ARGS_KEY, SpanTable
+from spanq_backend.serving import metrics
 from spanq_backend.serving.lowering import (
     DEFAULT_ANCHOR,
     GeneratedSpan,
@@ -141,6 +142,7 @@ class SpanGenerator:
         # Whether a `[anchor][span]` prompt is wholly in the prefix cache (an in-process engine can tell): its
         # prepare request would compute nothing, so it is skipped.
         self.span_cached = span_cached
+        metrics.register()  # spanq's counters in vLLM's Prometheus registry (once per process)
         # Nested generation: the output ids of the aligned generations this generator ran itself (by prompt
         # and text), unless the host supplies its own lookup.
         self.generated_ids = generated_ids or self._remembered_ids
@@ -268,7 +270,10 @@ class SpanGenerator:
         """Put `prompt` (whole blocks) in the cache; the tokens it took (0: it was cached already)."""
         from vllm import SamplingParams
 
-        if not prompt or (self.span_cached is not None and self.span_cached(prompt)):
+        if not prompt:
+            return 0
+        if self.span_cached is not None and self.span_cached(prompt):
+            metrics.count_saved_prepare()
             return 0
         # One token past the span: vLLM always recomputes a prompt's last token, and this way that is all it
         # recomputes when the span is cached already (not the span's whole last block).
@@ -322,7 +327,13 @@ class SpanGenerator:
         if span_output and self.spans and not lowered.has_spans:
             sealed, sealed_new, seal_tokens = await self.seal(lowered, runs)
         first = runs[0].first_text_at
-        metrics = CallMetrics(
+        metrics.count_call(
+            spans=len(lowered.table.spans),
+            prepared=prepared + sealed_new,
+            prepared_tokens=prepare_tokens + seal_tokens,
+            padding_tokens=lowered.padded_tokens,
+        )
+        call_metrics = CallMetrics(
             path=path,
             model=self.model_name,
             ttft_s=(first - t0) if first is not None else None,
@@ -345,5 +356,5 @@ class SpanGenerator:
             },
         )
         return Completion(
-            texts=[r.text for r in runs], finish_reasons=[r.finish_reason for r in runs], metrics=metrics
+            texts=[r.text for r in runs], finish_reasons=[r.finish_reason for r in runs], metrics=call_metrics
         )

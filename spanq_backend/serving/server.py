@@ -272,6 +272,7 @@ class QueryRun:
     """One query running in the background for a streaming answer: its tokens on a queue, then its result."""
 
     def __init__(self, backend: EngineClientBackend, query: Node, model: str):
+        self.backend = backend
         self.model = model
         self.id = f"chatcmpl-spanq-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -385,6 +386,16 @@ def build_query_router(
             )
         return backend
 
+    async def refresh_engine_counters(backend: EngineClientBackend) -> None:
+        """Read the engine processes' span counters for /metrics (after each query; never fails a query)."""
+        from spanq_backend.serving import metrics
+        from spanq_backend.vllm_integration.support import WORKER_STATS_METHOD
+
+        try:
+            metrics.set_engine_stats(list(await backend.engine_client.collective_rpc(WORKER_STATS_METHOD)))
+        except Exception as e:  # noqa: BLE001  (counters are best effort; the answer is what matters)
+            log.debug("could not read the engine's span counters: %s", e)
+
     async def read_body(request: Request) -> bytes | None:
         """The body, read before the handler runs (`with_cancellation` then listens on the connection for a
         disconnect); None as soon as it is over `max_body_bytes` — declared or received — so an oversized body
@@ -418,6 +429,7 @@ def build_query_router(
                 await super().__call__(scope, receive, send)
             finally:
                 await self.run.cancel()
+                await refresh_engine_counters(self.run.backend)
 
     @router.post(EXECUTE_PATH)
     @with_cancellation
@@ -438,6 +450,8 @@ def build_query_router(
                 result = await aexecute(query, backend, optimize=True)
             except Exception as e:  # noqa: BLE001 - every failure becomes an error answer
                 return error_response(e)
+            finally:
+                await refresh_engine_counters(backend)
             return JSONResponse(
                 {
                     "result": to_json(result.tree),
@@ -564,6 +578,9 @@ def serve_main(argv: list[str]) -> int:
     from spanq_backend.serving import logs
 
     logs.configure(verbose=args.spanq_verbose)
+    from spanq_backend.serving import metrics
+
+    metrics.register()  # spanq's counters on /metrics from the first scrape
     from spanq_backend.vllm_integration.frontend import query_route_mounted
 
     limits = limits_of(args)

@@ -27,6 +27,7 @@ from typing import Any
 from spanq_backend.vllm_integration import engine_core, worker
 from spanq_backend.vllm_integration.support import (
     UNCHECKED,
+    WORKER_STATS_METHOD,
     WORKER_STATUS_METHOD,
     SpanSupport,
     aquery_span_support,
@@ -36,6 +37,7 @@ from spanq_backend.vllm_integration.support import (
 __all__ = [
     "PATCHES",
     "UNCHECKED",
+    "WORKER_STATS_METHOD",
     "WORKER_STATUS_METHOD",
     "Patch",
     "SpanSupport",
@@ -101,6 +103,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("worker", "vllm.v1.worker.worker_base", f"WorkerBase.{WORKER_STATUS_METHOD}",
           "the engine asks each worker, by name through collective_rpc, whether it moves keys",
           add=worker.worker_span_status),
+    Patch("worker", "vllm.v1.worker.worker_base", f"WorkerBase.{WORKER_STATS_METHOD}",
+          "`spanq serve` reads the span counters of the engine's processes (moves, relocation time, CIDRA "
+          "duplicates) through collective_rpc, for its /metrics", add=worker.worker_span_stats),
 )
 
 _registered = False
@@ -120,11 +125,14 @@ def register() -> None:
     log.debug("spanq vLLM plugin registered (%d patches)", len(PATCHES))
 
 
-def stats() -> dict[str, int]:
-    """Span-runtime counters of this process (in-process engines only): moves, duplicates, conflicts, and how
-    many runners move keys with spanq's compiled CPU op (`kv.kernels.relocate_keys_op`) rather than torch."""
+def stats() -> dict[str, Any]:
+    """Span-runtime counters of this process (in-process engines only): moves and the host time they took,
+    duplicates, conflicts, how many span runtimes run here, and how many runners move keys with spanq's compiled
+    CPU op (`kv.kernels.relocate_keys_op`) rather than torch."""
     runtimes = [s.runtime for s in worker.runner_spans.values() if s.runtime is not None]
     return {
+        "runtimes": len(runtimes),
+        "relocation_seconds": sum(rt.relocation_seconds for rt in runtimes),
         "moved_blocks": sum(rt.relocator.moved_blocks for rt in runtimes),
         "compiled_runners": sum(rt.relocator.uses_compiled_kernel for rt in runtimes),
         "conflicts": sum(rt.tracker.conflicts for rt in runtimes),

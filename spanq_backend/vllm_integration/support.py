@@ -13,10 +13,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["UNCHECKED", "WORKER_STATUS_METHOD", "SpanSupport", "aquery_span_support", "query_span_support"]
+__all__ = ["UNCHECKED", "WORKER_STATS_METHOD", "WORKER_STATUS_METHOD", "SpanSupport", "aquery_span_support", "query_span_support"]
 
 # The method the plugin adds to vLLM's workers (`worker.worker_span_status`).
 WORKER_STATUS_METHOD = "spanq_span_status"
+WORKER_STATS_METHOD = "spanq_span_stats"  # the span counters of a worker's process (`vllm_integration.stats`)
 
 
 @dataclass(frozen=True)

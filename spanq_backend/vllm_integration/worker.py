@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,7 @@ class SpanRuntime:
         # Build or load the compiled op now, at start-up, not in the middle of the first step that moves keys.
         log.debug("keys move with %s", "a compiled op" if self.relocator.uses_compiled_kernel else "torch")
         self.pending: list[Any] = []
+        self.relocation_seconds = 0.0  # host time in `relocator.apply` (spanq_relocation_seconds_total)
 
     def before_step(self, scheduler_output: Any) -> None:
         """Plan this step's moves; apply them now, or right after the step's block copies if it has any."""
@@ -83,7 +85,9 @@ class SpanRuntime:
         """Apply the planned moves (after this step's block copies, before its forward pass)."""
         moves, self.pending = self.pending, []
         if moves:
+            started = time.perf_counter()
             self.relocator.apply(moves)
+            self.relocation_seconds += time.perf_counter() - started
 
 
 @dataclass
@@ -132,6 +136,13 @@ def worker_span_status(worker: Any) -> tuple[bool, str]:
         return runner_span_status(getattr(worker, "model_runner", None))
     except Exception as e:  # noqa: BLE001  (any failure means: no spans here)
         return False, f"checking the model runner failed: {type(e).__name__}: {e}"
+
+
+def worker_span_stats(worker: Any) -> dict[str, Any]:
+    """Installed on vLLM's `WorkerBase` as `support.WORKER_STATS_METHOD`: the span counters of this process."""
+    from spanq_backend import vllm_integration
+
+    return vllm_integration.stats()
 
 
 # The runtime whose step is between its block copies and its forward pass, per thread (in-process engines

@@ -38,3 +38,27 @@ def test_a_cold_call_reads_nothing_from_the_cache_and_a_warm_one_reads_its_docum
     assert warm.cached_tokens >= span_tokens, "the warm call read every document from the cache"
     for m in (cold, warm):
         assert 0 <= m.cached_tokens <= m.prompt_tokens  # prompt = cached + computed
+
+
+def test_span_counters_are_readable_in_process_and_agree_with_the_calls(tiny_backend):
+    from prometheus_client import REGISTRY
+
+    from spanq_backend.serving import metrics
+
+    engine = tiny_backend.engine
+    tag = uuid.uuid4().hex[:8]
+    before = metrics.snapshot()
+
+    async def scenario():
+        return await engine.generate(rag(tag, "ABCD")), await engine.generate(rag(tag, "DBCA"))
+
+    cold, warm = (c.metrics for c in asyncio.run(scenario()))
+    after = metrics.snapshot()
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert delta["span_calls"] == 2 and delta["spans_prepared"] == cold.prepared_spans == 4
+    assert delta["spans_hit"] == 4 and delta["prepared_tokens"] == cold.prepared_tokens
+    assert delta["padding_tokens"] == cold.padded_tokens + warm.padded_tokens
+    assert delta["blocks_relocated"] > 0 and delta["relocation_seconds"] > 0  # DBCA read moved keys
+    # the same numbers in the Prometheus registry vLLM serves
+    assert REGISTRY.get_sample_value("spanq_spans_prepared_total") == after["spans_prepared"]
+    assert REGISTRY.get_sample_value("spanq_blocks_relocated_total") == after["blocks_relocated"]

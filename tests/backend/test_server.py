@@ -175,6 +175,53 @@ def test_cached_fragments_send_no_prepare_requests(server: Server):
     assert second.metrics.cached_tokens >= 4 * 32
 
 
+SPAN_COUNTERS = ("span_calls", "spans_prepared", "spans_hit", "prepared_tokens", "padding_tokens",
+                 "prepare_requests_saved", "blocks_relocated", "span_duplicates", "relocation_seconds")
+
+
+def _spanq_counters(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {}
+    for name in SPAN_COUNTERS:
+        assert re.search(rf"^# TYPE spanq_{name}(_total)? counter$", text, re.MULTILINE), f"no counter spanq_{name}"
+        out[name] = float(re.search(rf"^spanq_{name}_total (\S+)$", text, re.MULTILINE).group(1))
+    return out
+
+
+def test_span_counters_are_on_metrics_and_move_when_spans_are_reused(server: Server):
+    fresh = {c: f"Invoice {c}: " + " ".join(f"line {i} of {c} costs {i * 7 % 11}." for i in range(30)) for c in "ABCD"}
+
+    def query(order: str):
+        return generate(
+            cross(system("Answer from the invoices."), plus(*[fragment(fresh[c]) for c in order]), user("Total?")),
+            max_tokens=2, temperature=0.0,
+        )  # fmt: skip
+
+    async def scenario():
+        async with SpanBackend(server.url) as backend:
+            first = await backend.generate(query("ABCD"))
+            await asyncio.sleep(0.5)  # the cache probe follows KV events, published after each engine step
+            return first, await backend.generate(query("DBCA"))
+
+    async def any_query():  # the engine's counters are on /metrics once a query has run
+        async with SpanBackend(server.url) as backend:
+            await backend.generate(generate(cross(plus(fragment("warm")), user("Hi")), max_tokens=1))
+
+    asyncio.run(any_query())
+    before = _spanq_counters(server.url)
+    first, second = asyncio.run(scenario())
+    delta = {k: v - before[k] for k, v in _spanq_counters(server.url).items()}
+    assert delta["span_calls"] == 2
+    assert delta["spans_prepared"] == first.metrics.prepared_spans == 4
+    assert delta["spans_hit"] == 4  # the second call found all four
+    assert delta["prepared_tokens"] == first.metrics.prepared_tokens > 0
+    assert delta["padding_tokens"] == first.metrics.padded_tokens + second.metrics.padded_tokens
+    # the second call sent none of its four span prepares (a prefix prepare either call skipped counts too)
+    assert 4 <= delta["prepare_requests_saved"] <= 6
+    assert delta["blocks_relocated"] > 0 and delta["relocation_seconds"] > 0  # DBCA moved cached keys
+    assert delta["span_duplicates"] == 0  # one reader at a time: no private copies
+
+
 def test_execute_without_streaming_returns_the_closed_tree_and_usage(server: Server):
     query = rag_query("BADC")
     answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(query), timeout=120)

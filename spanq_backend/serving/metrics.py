@@ -1,0 +1,136 @@
+"""spanq's span counters in vLLM's Prometheus registry: served on `spanq serve`'s `/metrics` beside vLLM's own,
+and readable in process (`snapshot()`).
+
+| metric (all counters)                    | what it counts                                                        |
+|------------------------------------------|-----------------------------------------------------------------------|
+| `spanq_span_calls_total`                 | calls laid out with a span table                                      |
+| `spanq_spans_prepared_total`             | spans whose KV a call had to compute (sealed generated outputs too)   |
+| `spanq_spans_hit_total`                  | spans a call found in the cache                                       |
+| `spanq_prepared_tokens_total`            | tokens computed to prepare spans                                      |
+| `spanq_padding_tokens_total`             | padding tokens laid out so spans start on a KV block                  |
+| `spanq_prepare_requests_saved_total`     | prepare requests skipped because the cache probe saw the span cached  |
+| `spanq_blocks_relocated_total`           | KV blocks whose keys were moved to a new position (ReRoPE)            |
+| `spanq_span_duplicates_total`            | private block copies planned for concurrent readers (CIDRA)           |
+| `spanq_relocation_seconds_total`         | host time spent moving keys (on a GPU: launching the moves)           |
+
+The first six are counted where prompts are laid out (the process of `spanq serve`'s API server, or of an
+embedded engine). The last three are counted by the engine core and its workers: read directly when they run
+in this process (an embedded engine), and through vLLM's `collective_rpc` after each query otherwise (`spanq
+serve`, whose engine core runs in a process of its own): a scrape shows them as of the last finished query.
+Before any engine has reported them they are absent, rather than a wrong zero.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["LayoutCounters", "count_call", "count_saved_prepare", "register", "set_engine_stats", "snapshot"]
+
+
+@dataclass
+class LayoutCounters:
+    span_calls: int = 0
+    spans_prepared: int = 0
+    spans_hit: int = 0
+    prepared_tokens: int = 0
+    padding_tokens: int = 0
+    prepare_requests_saved: int = 0
+
+
+_counters = LayoutCounters()
+_lock = threading.Lock()  # the counters
+_register_lock = threading.Lock()  # registration (the registry reads the collector while registering it)
+_registered = False
+
+_HELP = {
+    "span_calls": "Calls laid out with a span table.",
+    "spans_prepared": "Spans whose KV a call had to compute (sealed generated outputs included).",
+    "spans_hit": "Spans a call found in the KV cache.",
+    "prepared_tokens": "Tokens computed to prepare spans.",
+    "padding_tokens": "Padding tokens laid out so that spans start on a KV block.",
+    "prepare_requests_saved": "Prepare requests skipped because the cache probe saw the span cached.",
+}
+_WORKER_HELP = {
+    "blocks_relocated": ("moved_blocks", "KV blocks whose keys were moved to a new position (ReRoPE)."),
+    "span_duplicates": ("duplicates", "Private block copies planned for concurrent readers (CIDRA)."),
+    "relocation_seconds": ("relocation_seconds", "Host time spent moving keys (on a GPU: launching the moves)."),
+}
+
+
+def count_call(*, spans: int, prepared: int, prepared_tokens: int, padding_tokens: int) -> None:
+    """Count one call: `spans` in its table, `prepared` of them computed by it (the rest were hits)."""
+    with _lock:
+        if spans:
+            _counters.span_calls += 1
+            _counters.spans_hit += max(0, spans - prepared)
+        _counters.spans_prepared += prepared
+        _counters.prepared_tokens += prepared_tokens
+        _counters.padding_tokens += padding_tokens
+
+
+def count_saved_prepare() -> None:
+    with _lock:
+        _counters.prepare_requests_saved += 1
+
+
+_engine_stats: dict[str, float] | None = None  # the last counters read from an engine in other processes
+
+
+def set_engine_stats(per_worker: list[dict[str, Any]]) -> None:
+    """Counters read from the workers of an engine that runs in other processes (`spanq serve` reads them
+    through `collective_rpc` after each query): summed over the workers."""
+    global _engine_stats
+    keys = ("runtimes", "moved_blocks", "duplicates", "relocation_seconds")
+    with _lock:
+        _engine_stats = {k: sum(float(w.get(k, 0)) for w in per_worker) for k in keys}
+
+
+def _worker_stats() -> dict[str, float] | None:
+    """The engine-side counters: of this process when a span runtime runs here, else the last ones read from
+    the engine's processes, else None."""
+    from spanq_backend import vllm_integration
+
+    stats = vllm_integration.stats()
+    if stats.get("runtimes", 0):
+        return stats
+    with _lock:
+        return _engine_stats if _engine_stats and _engine_stats["runtimes"] else None
+
+
+def snapshot() -> dict[str, Any]:
+    """Every counter of this process by name (the engine-side ones when the engine runs here)."""
+    with _lock:
+        out: dict[str, Any] = asdict(_counters)
+    worker = _worker_stats()
+    if worker is not None:
+        out.update({name: worker[key] for name, (key, _) in _WORKER_HELP.items()})
+    return out
+
+
+class _SpanCollector:
+    """A Prometheus collector read at scrape time (one per process, in vLLM's default registry)."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        values = snapshot()
+        for name, text in _HELP.items():
+            yield CounterMetricFamily(f"spanq_{name}", text, value=values[name])
+        for name, (_, text) in _WORKER_HELP.items():
+            if name in values:
+                yield CounterMetricFamily(f"spanq_{name}", text, value=values[name])
+
+
+def register() -> None:
+    """Add spanq's collector to vLLM's registry (prometheus_client's default one), once per process."""
+    global _registered
+    with _register_lock:
+        if _registered:
+            return
+        from prometheus_client import REGISTRY
+
+        REGISTRY.register(_SpanCollector())  # type: ignore[arg-type]
+        _registered = True
