@@ -376,16 +376,20 @@ def _read_source(value: Any, path: str) -> Generate | Combine:
 def _read_combine(value: Any, path: str) -> Node:
     """`{"reducer": "extract", "input": {...}, "options": {...}}`: spanq's code-side combine of judges."""
     body = _object(value, path, ("reducer", "input", "options"), required=("reducer", "input"))
-    options = body.get("options")
-    if options is not None and not isinstance(options, dict):
-        raise QueryParseError(f"{path}.options", f"expected an object, got {_describe(options)}")
     return _build(
         Combine,
         path,
         reducer=_string(body["reducer"], f"{path}.reducer"),
         input=_read_node(body["input"], f"{path}.input"),
-        options=dict(options or {}),
+        options=_optional_object(body.get("options"), f"{path}.options"),
     )
+
+
+def _optional_object(value: Any, path: str) -> dict[str, Any]:
+    """A free-form JSON object (metadata, options); absent is empty."""
+    if value is not None and not isinstance(value, dict):
+        raise QueryParseError(path, f"expected an object, got {_json_type(value)}")
+    return dict(value or {})
 
 
 def _read_fragment(value: Any, path: str) -> Node:
@@ -395,15 +399,13 @@ def _read_fragment(value: Any, path: str) -> Node:
         expected = 'a string or an object {"text", "id", "metadata"}'
         raise QueryParseError(path, f"expected {expected}, got {_describe(value)}")
     body = _object(value, path, ("text", "id", "metadata"), required=("text",))
-    ident, metadata = body.get("id"), body.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise QueryParseError(f"{path}.metadata", f"expected an object, got {_json_type(metadata)}")
+    ident = body.get("id")
     return _build(
         Fragment,
         path,
         text=_string(body["text"], f"{path}.text"),
         id=None if ident is None else _string(ident, f"{path}.id"),
-        metadata=metadata or {},
+        metadata=_optional_object(body.get("metadata"), f"{path}.metadata"),
     )
 
 
