@@ -259,6 +259,13 @@ class PerfectJudge(Backend):
             if m.split()[0] in FIRST_NAMES and m.split()[1] in LAST_NAMES
         )
         text = "\n".join(names)
+        labelled = dict(re.findall(r"^\[(\d+)\] (.*)$", body, re.MULTILINE))  # select: "[i] text" blocks
+        hiding = [label for label, t in labelled.items() if any(name in t for name in names)]
+        if "Rate every candidate" in body:  # a scoring leaf: 10 for the text hiding a name, 0 for the others
+            text = "\n".join(f"[{label}] {10 if label in hiding else 0}" for label in labelled)[1:]
+        elif "label of the best candidate" in body:  # a tournament judge: the hiding one's label (and text)
+            best = hiding[0] if hiding else next(iter(labelled), "0")
+            text = f"{best}]" if path == "$" else f"[{best}] {labelled.get(best, '')}"
         metrics = CallMetrics(path=path, model="perfect", prompt_tokens=len(body.split()),
                               generated_tokens=len(text.split()), wall_s=0.001)
         return Completion(texts=[text], metrics=metrics)
@@ -276,22 +283,24 @@ def test_haystack_bench_writes_through_the_shared_report(tmp_path, monkeypatch, 
     monkeypatch.setattr(haystack, "open_backend", lambda args: (judge, "", "a perfect scripted judge"))
     argv = ["--runs", "2", "--hay", "20,40", "--k", "2", "--docs", "4", "--names", "1", "--no-progress"]
     assert haystack.main([*argv, "--out", str(tmp_path / "out")]) == 0
-    assert judge.closed and judge.calls == 2 * 2 * (1 + 3)
+    assert judge.closed and judge.calls == 2 * 2 * (1 + 3 + 2)  # flat, the model tree, the leaves in code
     printed = capsys.readouterr().out
-    assert "a perfect scripted judge" in printed and "8 judge runs" in printed
+    assert "a perfect scripted judge" in printed and "12 judge runs" in printed
     table = printed.split("\n\n")[1].splitlines()
     assert table[0].split()[:2] == ["hay", "method"] and table[2].startswith("20   flat ")
     report = read_report(tmp_path / "out", "haystack", printed)
     assert report["benchmark"] == "haystack"
     assert report["config"]["backend_description"] == "a perfect scripted judge"
     assert report["config"]["instruction"] == haystack.INSTRUCTION and report["config"]["runs"] == 2
-    assert len(report["rows"]) == 2 * 2 * 2
-    assert {(r["hay"], r["method"]) for r in report["rows"]} == {(h, m) for h in (20, 40) for m in ("flat", "k=2")}
+    methods = ("flat", "k=2 model", "k=2 code")
+    assert len(report["rows"]) == 2 * 2 * 3
+    assert {(r["hay"], r["method"]) for r in report["rows"]} == {(h, m) for h in (20, 40) for m in methods}
     assert all(r["error"] is None and r["recall"] == r["precision"] == 1.0 for r in report["rows"])
     assert [(p["hay"], p["method"], p["runs"]) for p in report["summary"]] == [
-        (20, "flat", 2), (20, "k=2", 2), (40, "flat", 2), (40, "k=2", 2)
+        (h, m, 2) for h in (20, 40) for m in methods
     ]
-    assert {p["calls"] for p in report["summary"] if p["method"] == "k=2"} == {3.0}
+    assert {p["calls"] for p in report["summary"] if p["method"] == "k=2 model"} == {3.0}
+    assert {p["calls"] for p in report["summary"] if p["method"] == "k=2 code"} == {2.0}
 
     monkeypatch.chdir(tmp_path)
     assert haystack.main([*argv, "--tag", "again"]) == 0
@@ -304,6 +313,14 @@ def test_haystack_bench_writes_through_the_shared_report(tmp_path, monkeypatch, 
     assert found(again["rows"]) == found(report["rows"]), "seeded haystacks: the same runs"
     assert haystack.main(["--k", "1", "--out", str(tmp_path / "bad")]) == 2
     assert not (tmp_path / "bad").exists()
+
+    # --task select: one of 4 texts hides a name; a perfect judge names it flat, in a tournament, by scores
+    capsys.readouterr()
+    select = ["--task", "select", "--runs", "3", "--hay", "20", "--k", "2", "--docs", "4", "--no-progress"]
+    assert haystack.main([*select, "--out", str(tmp_path / "select")]) == 0
+    rows = read_report(tmp_path / "select", "haystack", capsys.readouterr().out)["rows"]
+    assert {r["method"] for r in rows} == set(methods) and len(rows) == 9
+    assert all(r["error"] is None and r["recall"] == r["leaf_recall"] == 1.0 for r in rows), rows
 
 
 # --------------------------------------------------------------------------------------------- engine benches
