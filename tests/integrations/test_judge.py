@@ -314,11 +314,11 @@ async def test_select_in_code_ties_go_to_the_lower_label_and_foreign_labels_are_
 
     result = await ajudge(CANDIDATES[:6], "best?", k=2, reducer="select", backend=ScriptedJudge(answer))
     assert result.verdict.index == 0  # all tie at 8; the leaf reading [0] gave it 8 first
-    def answer2(path, body, instruction):
-        return "2] 9\n[3] 9\n[0] 10" if "[2]" in body else "[0] 1"[1:]
+    def answer2(path, body, instruction):  # the first leaf also "rates" [3], which it did not read
+        return "2] 9\n[3] 2" if "[2]" in body else "0] 1\n[1] 1\n[3] 10"
 
     result = await ajudge(CANDIDATES[:4], "best?", k=2, reducer="select", backend=ScriptedJudge(answer2))
-    assert result.verdict.index == 2  # [0] 10 from the leaf reading [2] and [3] does not count
+    assert result.verdict.index == 2  # [3] 10 from the leaf reading [0] and [1] does not count
 
 
 async def test_select_in_code_with_no_readable_score_names_the_root_and_keeps_the_run():
