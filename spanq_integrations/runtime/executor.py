@@ -160,9 +160,7 @@ class _Run:
         if isinstance(node, Generate):
             return await self.call(node, path)
         if isinstance(node, Combine):
-            reducer = self.reducers.get(node.reducer) or reducer_from_combine(node.reducer, node.options, path)
-            if not reducer.combines_in_code:
-                raise QueryValidationError(path, f"the {node.reducer} reducer cannot combine answers in code")
+            reducer = reducer_from_combine(node.reducer, node.options, path, self.reducers)
             closed = await self.eval(node.input, f"{path}.combine.input")  # read by code, not by a generate
             combined = combine_answers(reducer, _answers(closed), f"{path}.combine.input")
             text = reducer.render(combined)

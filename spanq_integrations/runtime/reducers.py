@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -553,21 +553,26 @@ def resolve_reducer(reducer: Reducer | str) -> Reducer:
     )
 
 
-def reducer_from_combine(name: str, options: dict[str, Any], path: str) -> Reducer:
-    """The reducer a `Combine` node names, built from its options; a clear error for an unknown name, a
-    reducer that cannot combine in code, or options it does not take."""
+def reducer_from_combine(
+    name: str, options: dict[str, Any], path: str, known: Mapping[str, Reducer] | None = None
+) -> Reducer:
+    """The reducer a `Combine` node names: the instance `known` gives for that name, else the built-in one
+    built from `options`; a clear error for an unknown name, a reducer that cannot combine in code, or options
+    it does not take."""
     from spanq_integrations.query.errors import QueryValidationError
 
-    cls = REDUCERS.get(name)
-    if cls is None:
+    reducer: Reducer | type[Reducer] | None = (known or {}).get(name) or REDUCERS.get(name)
+    if reducer is None:
         raise QueryValidationError(
             f"{path}.combine.reducer", f"unknown reducer {name!r}: one of {', '.join(sorted(REDUCERS))}"
         )
-    if not cls.combines_in_code:
+    if not reducer.combines_in_code:
         raise QueryValidationError(
             f"{path}.combine.reducer", f"the {name} reducer needs a model to combine answers, not code"
         )
+    if isinstance(reducer, Reducer):
+        return reducer
     try:
-        return cls(**options)
+        return reducer(**options)
     except TypeError as e:
         raise QueryValidationError(f"{path}.combine.options", f"not options of the {name} reducer: {e}") from None
