@@ -2,8 +2,12 @@
 
 RoPE rotates each pair of key dimensions by `pos * theta_i`. Rotations compose, so keys computed at position p
 become the keys of position p + d after one more rotation by `d * theta_i` — exactly, whenever the rotary
-embedding is a pure rotation with position-independent frequencies (plain RoPE, linear and llama3 scaling).
-`RopeSpec.from_cos_sin_cache` checks that property on the model's own cos/sin table and refuses otherwise.
+embedding is a rotation with position-independent frequencies (plain RoPE; linear, llama3 and YaRN scaling; a
+LongRoPE table fixed for the engine's context). A table may also scale every key by one constant factor (YaRN's
+and LongRoPE's attention factor): keys then carry that factor from where they were computed, and the move is the
+table's pure rotation (the table divided by the factor). `RopeSpec.from_cos_sin_cache` checks both properties on
+the model's own cos/sin table and refuses otherwise (a factor or frequencies that change with the position, as
+with dynamic NTK).
 """
 
 from __future__ import annotations
@@ -53,13 +57,19 @@ class RopeSpec:
         # position, as fp32 rounding of `pos * theta` does; a scaled or non-linear table is off by far more.
         eps = torch.finfo(cos_sin_cache.dtype).eps if cos_sin_cache.is_floating_point() else 1e-7
         norm = cos * cos + sin * sin
-        mean_err = float((norm.mean() - 1.0).abs())
-        if mean_err > 4 * eps or float((norm - 1.0).abs().max()) > 64 * eps:
+        scale2 = norm.mean()  # the constant factor's square (1 for plain RoPE)
+        spread = float(((norm - scale2) / scale2).abs().max()) if float(scale2) > 0 else float("inf")
+        if spread > 64 * eps:
             raise RelocationError(
-                f"{what}: the rotary embedding scales as well as rotates (mean |cos|^2+|sin|^2 is off by "
-                f"{mean_err:.2e}, as with YaRN's attention factor); cached keys cannot be moved exactly, so "
-                "span reuse is refused"
+                f"{what}: the rotary embedding scales keys by a factor that changes with the position "
+                f"(|cos|^2+|sin|^2 varies by {spread:.2e}); cached keys cannot be moved exactly, so span reuse is "
+                "refused"
             )
+        if float((scale2 - 1.0).abs()) > 4 * eps:  # one factor for every position (YaRN, LongRoPE): divide it out
+            factor = scale2.sqrt()
+            cos, sin = cos / factor, sin / factor
+            cache = torch.cat([cos, sin], dim=-1)
+            cos_sin_cache = cache.to(cos_sin_cache.dtype if cos_sin_cache.is_floating_point() else torch.float32)
         n = cache.shape[0]
         angle = torch.atan2(sin, cos)  # [n, half]
         # Linear in the position: angle(0) = 0 and angle(p+1) - angle(p) = angle(1) for every p (mod 2 pi).

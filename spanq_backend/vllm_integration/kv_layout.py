@@ -27,41 +27,103 @@ __all__ = [
     "cpu_relocator",
     "cpu_write_keys",
     "discover_cpu_k_layout",
+    "has_sliding_window_layers",
+    "layer_names_of",
     "logical_read_keys",
     "read_keys",
     "rope_spec_of_model",
+    "rope_spec_of_rotary",
+    "rope_specs_of_layers",
     "self_check",
 ]
 
 
-def rope_spec_of_model(model: torch.nn.Module) -> RopeSpec:
-    """The model's rotary embedding as a `RopeSpec`; refuses models whose keys cannot be moved exactly."""
-    rotaries = [m for _, m in model.named_modules() if hasattr(m, "cos_sin_cache") and hasattr(m, "rotary_dim")]
+def _is_rotary(module: Any) -> bool:
+    return hasattr(module, "rotary_dim") and (
+        hasattr(module, "cos_sin_cache") or hasattr(module, "long_short_cos_sin_cache")
+    )
+
+
+def _rotary_table(rotary: Any) -> torch.Tensor:
+    """The cos/sin table `rotary` reads keys' positions from, in fp32 (vLLM keeps it in the model's dtype)."""
+    if hasattr(rotary, "long_short_cos_sin_cache"):
+        # LongRoPE as vLLM runs it: one factor set for the whole engine, chosen by max_model_len against the
+        # original context (short factors when it fits, long factors for every position otherwise).
+        orig = int(rotary.original_max_position_embeddings)
+        if getattr(rotary, "use_long_rope", False):
+            return rotary._compute_cos_sin_cache(
+                rotary.max_position_embeddings, rotary.long_factor, rotary.long_mscale
+            ).float()
+        return rotary._compute_cos_sin_cache(orig, rotary.short_factor, rotary.short_mscale).float()
+    if hasattr(rotary, "_compute_cos_sin_cache"):
+        try:
+            return rotary._compute_cos_sin_cache().float()
+        except TypeError:  # a variant whose table needs arguments: the buffer as the model holds it
+            pass
+    return rotary.cos_sin_cache.float()
+
+
+def rope_spec_of_rotary(rotary: Any, what: str) -> RopeSpec:
+    """One vLLM rotary embedding as a `RopeSpec`; refuses one whose keys cannot be moved exactly."""
+    if getattr(rotary, "mrope_section", None):
+        raise RelocationError(f"{what} uses multimodal RoPE; span relocation is not exact there")
+    return RopeSpec.from_cos_sin_cache(
+        _rotary_table(rotary),
+        int(rotary.rotary_dim),
+        int(rotary.head_size),
+        bool(getattr(rotary, "is_neox_style", True)),  # LongRoPE's class is NeoX-only and says so by omission
+        what=f"{type(rotary).__name__} of {what}",
+    )
+
+
+def _same_rotary(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    ta, tb = _rotary_table(a), _rotary_table(b)
+    return (
+        ta.shape == tb.shape and torch.equal(ta, tb) and a.rotary_dim == b.rotary_dim
+        and getattr(a, "is_neox_style", True) == getattr(b, "is_neox_style", True) and a.head_size == b.head_size
+    )
+
+
+def rope_specs_of_layers(model: torch.nn.Module, layer_names: list[str]) -> list[RopeSpec]:
+    """Each attention layer's RoPE (`layer_names`: vLLM's layer names, `model.layers.3.self_attn.attn`), for
+    models with one rotary embedding and for models whose layers use several (Gemma 3's local and global bases).
+
+    A layer's rotary embedding is the one inside the module that holds its attention (`...self_attn`). Refuses a
+    model without a rotary embedding spanq recognizes, one whose rotary embeddings cannot move keys exactly, and
+    one with several rotary embeddings where a layer's own cannot be told."""
+    named = dict(model.named_modules())
+    what = type(model).__name__
+    rotaries = [m for m in named.values() if _is_rotary(m)]
     if not rotaries:
         raise RelocationError(
-            f"{type(model).__name__} has no rotary position embedding that spanq recognizes; "
+            f"{what} has no rotary position embedding that spanq recognizes; "
             "cached spans cannot be moved to new positions"
         )
-    first = rotaries[0]
-    for other in rotaries[1:]:
-        if other.cos_sin_cache.shape != first.cos_sin_cache.shape or not torch.equal(
-            other.cos_sin_cache, first.cos_sin_cache
-        ):
+    distinct: list[Any] = []
+    for r in rotaries:
+        if not any(_same_rotary(r, d) for d in distinct):
+            distinct.append(r)
+    specs = {id(r): rope_spec_of_rotary(r, what) for r in distinct}
+    if len(distinct) == 1:
+        return [specs[id(distinct[0])]] * len(layer_names)
+    out = []
+    for name in layer_names:
+        holder = named.get(name.rsplit(".", 1)[0]) if "." in name else None
+        own = [m for m in holder.modules() if _is_rotary(m)] if holder is not None else []
+        if len(own) != 1:
             raise RelocationError(
-                f"{type(model).__name__} uses different rotary embeddings in different layers; "
-                "span relocation supports one shared RoPE"
+                f"{what} uses {len(distinct)} different rotary embeddings and spanq cannot tell which one "
+                f"attention layer {name!r} uses; cached spans cannot be moved to new positions"
             )
-    if getattr(first, "mrope_section", None):
-        raise RelocationError(f"{type(model).__name__} uses multimodal RoPE; span relocation is not exact there")
-    # The buffer is in the model's dtype; the same frequencies in fp32 make exact moves possible in bf16 too.
-    table = first._compute_cos_sin_cache() if hasattr(first, "_compute_cos_sin_cache") else first.cos_sin_cache
-    return RopeSpec.from_cos_sin_cache(
-        table.float(),
-        int(first.rotary_dim),
-        int(first.head_size),
-        bool(first.is_neox_style),
-        what=f"{type(first).__name__} of {type(model).__name__}",
-    )
+        out.append(next(specs[id(d)] for d in distinct if _same_rotary(own[0], d)))
+    return out
+
+
+def rope_spec_of_model(model: torch.nn.Module) -> RopeSpec:
+    """The RoPE of a model whose layers all share one; refuses a model whose layers use several."""
+    return rope_specs_of_layers(model, ["(any layer)"])[0]
 
 
 def discover_cpu_k_layout(runner: Any, block_size: int, head_dim: int) -> KLayout:
@@ -95,16 +157,18 @@ def discover_cpu_k_layout(runner: Any, block_size: int, head_dim: int) -> KLayou
     return KLayout(block_size, head_dim, index.view(block_size, head_dim))
 
 
-# RoPE variants whose cos/sin table is a pure rotation with position-independent frequencies.
-RELOCATABLE_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+# RoPE variants whose cos/sin table (as vLLM builds it) is a rotation with position-independent frequencies,
+# possibly times one constant factor: keys move exactly. LongRoPE is one of them as vLLM runs it (one factor set
+# for the whole engine); dynamic NTK changes its frequencies with the sequence's length and is refused.
+RELOCATABLE_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "longrope"})
+REFUSED_ROPE_TYPES = {
+    "dynamic": "dynamic NTK scaling changes the rotary frequencies with the sequence's length",
+    "su": "this early LongRoPE form switches frequencies with the sequence's length",
+    "mrope": "multimodal RoPE rotates by several position ids per token",
+}
 
 
-def check_relocatable(model_path: str | Path) -> None:
-    """Refuse, before vLLM starts, a model whose cached keys cannot be moved exactly to a new position.
-
-    Reads the model folder's config.json: the RoPE type must be one of `RELOCATABLE_ROPE_TYPES`, with no
-    multimodal sections. (The runner checks the loaded cos/sin table itself as well.)
-    """
+def _model_config(model_path: str | Path) -> dict[str, Any]:
     import json
 
     path = Path(model_path) / "config.json"
@@ -112,20 +176,52 @@ def check_relocatable(model_path: str | Path) -> None:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise RelocationError(f"cannot read {path}: {e}") from e
-    cfg = cfg.get("text_config", cfg)
+    return cfg.get("text_config", cfg)
+
+
+def _rope_parameter_sets(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """The config's RoPE parameters: one set, or one per layer type (Gemma 3's `full_attention` and
+    `sliding_attention`)."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        return list(rope.values())
+    return [rope]
+
+
+def has_sliding_window_layers(model_path: str | Path) -> bool:
+    """Whether the model has sliding-window attention layers (vLLM then splits its KV cache into groups unless
+    told not to, and spanq tells it not to: see `worker.single_kv_cache_group`)."""
+    cfg = _model_config(model_path)
+    if "sliding_attention" in (cfg.get("layer_types") or []):
+        return True
+    return cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True) is not False
+
+
+def check_relocatable(model_path: str | Path) -> None:
+    """Refuse, before vLLM starts, a model whose cached keys cannot be moved exactly to a new position.
+
+    Reads the model folder's config.json: every RoPE type must be one of `RELOCATABLE_ROPE_TYPES`, with no
+    multimodal sections. (The runner checks each loaded cos/sin table itself as well.)
+    """
+    cfg = _model_config(model_path)
     problems = []
-    if rope_type not in RELOCATABLE_ROPE_TYPES:
-        problems.append(f"RoPE type {rope_type!r} (relocatable: {', '.join(sorted(RELOCATABLE_ROPE_TYPES))})")
-    if rope.get("mrope_section") or rope.get("mrope_interleaved"):
-        problems.append("multimodal RoPE sections")
+    for rope in _rope_parameter_sets(cfg):
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type in REFUSED_ROPE_TYPES:
+            problems.append(f"RoPE type {rope_type!r} ({REFUSED_ROPE_TYPES[rope_type]})")
+        elif rope_type not in RELOCATABLE_ROPE_TYPES:
+            problems.append(
+                f"RoPE type {rope_type!r}, which spanq does not know (relocatable: "
+                f"{', '.join(sorted(RELOCATABLE_ROPE_TYPES))})"
+            )
+        if rope.get("mrope_section") or rope.get("mrope_interleaved"):
+            problems.append("multimodal RoPE sections")
     if cfg.get("position_embedding_type", "rope") not in ("rope", "rotary"):
         problems.append(f"position embedding {cfg['position_embedding_type']!r}")
     if problems:
         raise RelocationError(
-            f"{Path(model_path).name}: cached spans cannot be moved exactly with " + " and ".join(problems)
-            + "; use it without spans (a stock engine) instead"
+            f"{Path(model_path).name}: cached spans cannot be moved exactly with "
+            + " and ".join(dict.fromkeys(problems)) + "; use it without spans (a stock engine) instead"
         )
 
 
@@ -181,6 +277,20 @@ def backend_write_keys(layer: Any) -> WriteKeys:
         layer.impl.do_kv_cache_update(layer, k, torch.zeros_like(k), kv, slots)
 
     return write
+
+
+def layer_names_of(runner: Any, kv_caches: list[torch.Tensor]) -> list[str]:
+    """The name of the attention layer owning each cache (`""` where none is found). Refuses a cache listed
+    twice: it would be moved twice."""
+    if len({kv.data_ptr() for kv in kv_caches}) != len(kv_caches):
+        raise RelocationError("the model runner lists one KV cache tensor for several layers; it would be moved twice")
+    owner: dict[int, str] = {}
+    for name, layer in runner.compilation_config.static_forward_context.items():
+        caches = getattr(layer, "kv_cache", None)
+        for c in [caches] if isinstance(caches, torch.Tensor) else caches or []:
+            if isinstance(c, torch.Tensor):
+                owner.setdefault(c.data_ptr(), getattr(layer, "layer_name", name))
+    return [owner.get(kv.data_ptr(), "") for kv in kv_caches]
 
 
 def attention_layer_of(runner: Any, kv_cache: torch.Tensor) -> Any:

@@ -46,11 +46,21 @@ class SpanRuntime:
         cfg = runner.cache_config
         self.block_size = int(cfg.block_size)
         kv_caches = [t for t in runner.kv_caches if t is not None]
+        single_kv_cache_group(runner)
+        windows_cover_the_context(runner)
         self.tracker = BlockPositionTracker(self.block_size, int(kv_caches[0].shape[0]) if kv_caches else 0)
-        spec = kv_layout.rope_spec_of_model(runner.get_model())
-        # Keys written by the backend's own op, moved and read back on this cache: any disagreement (a layout
-        # misread, a relocator that is wrong for this cache) refuses spans here instead of serving wrong keys.
-        self.relocator: Any = kv_layout.checked_relocator(runner, kv_caches, spec, self.block_size)
+        names = kv_layout.layer_names_of(runner, kv_caches)
+        specs = kv_layout.rope_specs_of_layers(runner.get_model(), names)
+        # Layers that share a RoPE (all of them, except in models like Gemma 3 with local and global bases) are
+        # moved together. Keys written by the backend's own op, moved and read back on each group's cache: any
+        # disagreement (a layout misread, a relocator wrong for this cache) refuses spans here instead of
+        # serving wrong keys.
+        groups: dict[int, tuple[Any, list[Any]]] = {}
+        for kv, spec in zip(kv_caches, specs):
+            groups.setdefault(id(spec), (spec, []))[1].append(kv)
+        relocators = [kv_layout.checked_relocator(runner, caches, spec, self.block_size)
+                      for spec, caches in groups.values()]
+        self.relocator: Any = relocators[0] if len(relocators) == 1 else RelocatorGroup(relocators)
         # Build or load the compiled op now, at start-up, not in the middle of the first step that moves keys.
         log.debug("keys move with %s", "a compiled op" if self.relocator.uses_compiled_kernel else "torch")
         self.pending: list[Any] = []
@@ -88,6 +98,61 @@ class SpanRuntime:
             started = time.perf_counter()
             self.relocator.apply(moves)
             self.relocation_seconds += time.perf_counter() - started
+
+
+def single_kv_cache_group(runner: Any) -> None:
+    """Refuse a KV cache split into groups (vLLM's hybrid KV cache manager: sliding-window layers apart from full
+    ones). The scheduler then gives a request one block list per group, and layers of different groups share
+    memory, so moving "block b" would move keys of layers that never read it. spanq starts sliding-window models
+    with the hybrid manager off (one group); an engine started otherwise is refused here, not served wrong."""
+    from spanq_backend.kv.rerope import RelocationError
+
+    config = getattr(runner, "kv_cache_config", None)
+    groups = list(getattr(config, "kv_cache_groups", None) or [])
+    if len(groups) > 1:
+        kinds = ", ".join(sorted({type(g.kv_cache_spec).__name__ for g in groups}))
+        raise RelocationError(
+            f"the KV cache is split into {len(groups)} groups ({kinds}); spanq moves the keys of one group only: "
+            "start vLLM with --disable-hybrid-kv-cache-manager (spanq does for the models it starts)"
+        )
+
+
+def windows_cover_the_context(runner: Any) -> None:
+    """Refuse sliding-window layers whose window is shorter than the engine's context. Where every window covers
+    `max_model_len`, a sliding-window layer attends as a full one to every request the engine takes, and spans are
+    exact as on any other layer (checked against the HF reference on Gemma 2 and 3). Shorter windows would make a
+    span's keys depend on how far it sits from what reads it; spanq does not claim those exact."""
+    from spanq_backend.kv.rerope import RelocationError
+
+    limit = int(getattr(getattr(runner, "model_config", None), "max_model_len", 0) or 0)
+    context = getattr(getattr(runner, "compilation_config", None), "static_forward_context", None) or {}
+    windows = {int(w) for w in (getattr(layer, "sliding_window", None) for layer in context.values())
+               if isinstance(w, int) and w > 0}
+    if windows and limit and min(windows) < limit:
+        raise RelocationError(
+            f"sliding-window attention with a {min(windows)}-token window is shorter than the engine's context "
+            f"({limit} tokens); spans are exact only where every window covers the context: start the engine "
+            f"with max_model_len <= {min(windows)} for span reuse"
+        )
+
+
+class RelocatorGroup:
+    """Several relocators (one per RoPE, over the layers that use it) applied as one."""
+
+    def __init__(self, relocators: list[Any]):
+        self.relocators = relocators
+
+    @property
+    def uses_compiled_kernel(self) -> bool:
+        return any(r.uses_compiled_kernel for r in self.relocators)
+
+    @property
+    def moved_blocks(self) -> int:  # blocks, not blocks x relocators: every relocator moves the same blocks
+        return self.relocators[0].moved_blocks
+
+    def apply(self, moves: Any) -> None:
+        for r in self.relocators:
+            r.apply(moves)
 
 
 @dataclass

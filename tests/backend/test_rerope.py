@@ -331,23 +331,43 @@ def test_from_cos_sin_cache_accepts_a_half_precision_table(dtype):
 
 
 @pytest.mark.vllm
-def test_from_cos_sin_cache_refuses_vllm_yarn(vllm_rope):
-    rope = vllm_rope(
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
-    )
-    with pytest.raises(RelocationError) as raised:
-        RopeSpec.from_cos_sin_cache(
-            rope.cos_sin_cache, rope.rotary_dim, rope.head_size, True, what="YaRN model"
-        )
-    message = str(raised.value)
-    assert "YaRN model" in message
-    assert "scales" in message and "refused" in message
+@pytest.mark.parametrize("rope_parameters", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},  # Qwen3's YaRN form
+    {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+     "original_max_position_embeddings": 128},  # GPT-OSS's
+])
+def test_vllm_yarn_moves_keys_exactly_its_attention_factor_kept(vllm_rope, rope_parameters):
+    """YaRN's table is a rotation times one attention factor: keys carry the factor from where they were
+    computed, and moving them must rotate only — else every move would scale them once more."""
+    rope = vllm_rope(rope_parameters=rope_parameters)
+    table = rope.cos_sin_cache
+    factor2 = float((table[:, : HEAD_DIM // 2] ** 2 + table[:, HEAD_DIM // 2 :] ** 2).mean())
+    assert abs(factor2 - 1.0) > 1e-3, "this YaRN table scales keys (the case under test)"
+    spec = RopeSpec.from_cos_sin_cache(table, rope.rotary_dim, rope.head_size, True, what="YaRN model")
+    x = keys(tokens=1)
+    for at, delta in ((5, 300), (400, -350)):
+        want = neox_rope_by_table(x, at + delta, table)
+        moved = rerope_(neox_rope_by_table(x, at, table), delta, spec)
+        assert (moved - want).abs().max() < 1e-4, (at, delta)
+        # The table as it is (factor not divided out) is a wrong move: it scales the keys again.
+        wrong = rerope_(neox_rope_by_table(x, at, table), delta, RopeSpec(table, HEAD_DIM, HEAD_DIM, True))
+        assert (wrong - want).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("mscale", [1.1, 0.9])
-def test_from_cos_sin_cache_refuses_a_scaled_table(mscale):
-    with pytest.raises(RelocationError, match="scales as well as rotates"):
-        RopeSpec.from_cos_sin_cache(plain_table() * mscale, HEAD_DIM, HEAD_DIM, True)
+def test_from_cos_sin_cache_takes_a_constant_scale_and_moves_by_rotation_only(mscale):
+    table = plain_table() * mscale
+    spec = RopeSpec.from_cos_sin_cache(table, HEAD_DIM, HEAD_DIM, True)
+    x = keys(tokens=1)
+    moved = rerope_(neox_rope_by_table(x, 10, table), 90, spec)
+    assert (moved - neox_rope_by_table(x, 100, table)).abs().max() < 1e-4
+
+
+def test_from_cos_sin_cache_refuses_a_scale_that_changes_with_the_position():
+    n = plain_table().shape[0]
+    table = plain_table() * (1.0 + 0.1 * torch.arange(n)[:, None] / n)
+    with pytest.raises(RelocationError, match="changes with the position"):
+        RopeSpec.from_cos_sin_cache(table, HEAD_DIM, HEAD_DIM, True)
 
 
 def base_switch_table(
@@ -446,11 +466,48 @@ def test_rope_spec_of_model_refuses_what_cannot_move(vllm_rope):
     plain, other = vllm_rope(), vllm_rope(rope_parameters={"rope_theta": 20000.0})
     with pytest.raises(RelocationError, match="different rotary embeddings"):
         rope_spec_of_model(FakeModel(plain, other))
-    yarn = vllm_rope(
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
-    )
-    with pytest.raises(RelocationError, match="YaRN"):
-        rope_spec_of_model(FakeModel(yarn))
     mrope = vllm_rope(rope_parameters={"mrope_section": [16, 8, 8]})
     with pytest.raises(RelocationError, match="multimodal"):
         rope_spec_of_model(FakeModel(mrope))
+
+
+@pytest.mark.vllm
+def test_rope_specs_of_layers_gives_each_layer_its_own_rope(vllm_rope):
+    """Gemma 3's local and global layers rotate with different bases: each layer's keys move with its own."""
+    from spanq_backend.vllm_integration.kv_layout import rope_specs_of_layers
+
+    local, glob = vllm_rope(), vllm_rope(rope_parameters={"rope_theta": 1e6})
+    model = FakeModel(local, local, glob)
+    names = [f"layers.{i}.attn" for i in range(3)]
+    specs = rope_specs_of_layers(model, names)
+    assert torch.equal(specs[0].cos_sin_cache, local.cos_sin_cache)
+    assert specs[1] is specs[0]
+    assert torch.equal(specs[2].cos_sin_cache, glob.cos_sin_cache)
+    with pytest.raises(RelocationError, match="cannot tell which one"):
+        rope_specs_of_layers(model, ["elsewhere.attn"])
+    # one rope for every layer: no names needed
+    assert len(rope_specs_of_layers(FakeModel(local, local), ["a", "b"])) == 2
+
+
+@pytest.mark.vllm
+def test_a_longrope_table_is_the_one_vllm_reads_for_this_engine(vllm_rope):
+    """vLLM's LongRoPE reads its short-factor table when the engine's context fits the original one; spanq
+    moves keys with that table (not the long one)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from spanq_backend.vllm_integration.kv_layout import rope_spec_of_rotary
+
+    half = HEAD_DIM // 2
+    params = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 512,
+              "short_factor": [1.0 + 0.05 * i for i in range(half)], "long_factor": [2.0 + 0.1 * i for i in range(half)]}
+    config = VllmConfig()
+    config.model_config = type("M", (), {"max_model_len": 512})()
+    with set_current_vllm_config(config):
+        rope = get_rope(HEAD_DIM, MAX_POS, True, params, torch.float32)
+    assert not rope.use_long_rope
+    spec = rope_spec_of_rotary(rope, "phi3")
+    short = rope.long_short_cos_sin_cache[:512]
+    x = keys(tokens=1)
+    moved = rerope_(neox_rope_by_table(x, 20, short), 100, spec)
+    assert (moved - neox_rope_by_table(x, 120, short)).abs().max() < 1e-4

@@ -169,10 +169,10 @@ def test_a_model_the_runtime_refuses_turns_spans_off_with_the_reason(tiny_model,
     from spanq_backend.kv.rerope import RelocationError
     from spanq_backend.vllm_integration import kv_layout
 
-    def refuse(model):
+    def refuse(model, layer_names):
         raise RelocationError("this model's rotary embedding is refused (simulated)")
 
-    monkeypatch.setattr(kv_layout, "rope_spec_of_model", refuse)
+    monkeypatch.setattr(kv_layout, "rope_specs_of_layers", refuse)
     engine = _engine(tiny_model)
     try:
         assert not engine.span_support.enabled
