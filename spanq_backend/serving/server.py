@@ -529,9 +529,12 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
             "spanq serve runs one HTTP API server: --headless, --grpc and --api-server-count are not supported"
         )
     path = resolve_model(args.model_tag or args.model)
-    from spanq_backend.vllm_integration.kv_layout import check_relocatable
+    from spanq_backend.serving.families import check_spans
+    from spanq_backend.vllm_integration.kv_layout import has_sliding_window_layers
 
-    check_relocatable(path)  # a RelocationError (a ValueError) refuses the model before vLLM starts
+    check_spans(path)  # a RelocationError (a ValueError) refuses the model before vLLM starts
+    if has_sliding_window_layers(path) and args.disable_hybrid_kv_cache_manager is None:
+        args.disable_hybrid_kv_cache_manager = True  # one KV cache group: the one spans are moved in
     args.model, args.model_tag = str(path), None
     if not args.served_model_name:
         args.served_model_name = [path.name]
@@ -578,6 +581,9 @@ def serve_main(argv: list[str]) -> int:
     from spanq_backend.serving import logs
 
     logs.configure(verbose=args.spanq_verbose)
+    from spanq_backend.serving.families import family_line
+
+    log.info("%s", family_line(args.model))
     from spanq_backend.serving import metrics
 
     metrics.register()  # spanq's counters on /metrics from the first scrape

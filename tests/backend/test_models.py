@@ -21,12 +21,74 @@ def test_resolve_model_rejects_an_unknown_name_and_lists_the_accepted_ones():
         resolve_model("gpt-17-ultra")
     message = str(raised.value)
     assert "'gpt-17-ultra'" in message
-    for accepted in ("'default'", "'smollm2'", "'tiny'", "directory"):
+    for accepted in ("'default'", "'smollm2'", "'tiny'", "tiny-<family>", "qwen3", "model folder", "Hugging Face id"):
         assert accepted in message
 
 
-def test_resolve_model_accepts_an_existing_directory(tmp_path: Path):
+def test_resolve_model_accepts_a_model_folder(tmp_path: Path):
+    (tmp_path / "config.json").write_text("{}")
     assert resolve_model(str(tmp_path)) == tmp_path.resolve()
+
+
+def test_a_folder_without_config_json_is_refused_by_name(tmp_path: Path):
+    with pytest.raises(models.ModelNotFoundError, match="has no config.json") as raised:
+        resolve_model(str(tmp_path))
+    assert str(tmp_path) in str(raised.value)
+
+
+def fake_hub_cache(root: Path, repo_id: str, source: Path) -> Path:
+    """A Hugging Face cache holding `repo_id` at one revision, its files copied from `source`."""
+    import shutil
+
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(source, snapshot)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    return snapshot
+
+
+def test_a_hugging_face_id_resolves_through_the_local_cache(tmp_path: Path, tiny_model: Path, monkeypatch):
+    import huggingface_hub.constants
+
+    snapshot = fake_hub_cache(tmp_path, "spanq-tests/tiny-llama", tiny_model)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model("spanq-tests/tiny-llama") == snapshot
+
+
+def test_an_id_not_in_the_cache_offline_is_a_clear_error(tmp_path: Path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(models.ModelNotFoundError) as raised:
+        resolve_model("Qwen/Qwen3-0.6B")
+    message = str(raised.value)
+    assert "'Qwen/Qwen3-0.6B'" in message and "not in the local Hugging Face cache" in message
+    assert "HF_HUB_OFFLINE" in message
+
+
+def test_an_id_that_cannot_be_fetched_is_a_clear_error(tmp_path: Path, monkeypatch):
+    """Offline machine, HF_HUB_OFFLINE unset: the download fails and says so (online: the id does not exist)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    with pytest.raises(models.ModelNotFoundError, match="spanq-tests/no-such-model-4e1c"):
+        resolve_model("spanq-tests/no-such-model-4e1c")
+
+
+def test_tiny_family_names_resolve_to_their_own_folders():
+    from spanq_backend.serving.families import FAMILIES
+
+    path = resolve_model("tiny-qwen3")
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == [FAMILIES["qwen3"].model_class]
+    assert config["num_hidden_layers"] == 4
+    with pytest.raises(models.ModelNotFoundError, match="tiny-<family>"):
+        resolve_model("tiny-no-such-family")
 
 
 def test_resolve_model_maps_names_to_the_materialized_folders(tiny_model: Path, default_model: Path):
@@ -88,7 +150,7 @@ def test_concurrent_builds_build_once(tmp_path: Path):
 
     results = []
     threads = [
-        threading.Thread(target=lambda: results.append(models._materialize(target, build))) for _ in range(4)
+        threading.Thread(target=lambda: results.append(models.materialize(target, build))) for _ in range(4)
     ]
     for thread in threads:
         thread.start()
@@ -108,7 +170,7 @@ def test_a_failed_build_leaves_nothing_behind(tmp_path: Path):
         raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError, match="disk full"):
-        models._materialize(target, build)
+        models.materialize(target, build)
     assert not target.exists()
     assert [p.name for p in target.parent.iterdir() if ".tmp-" in p.name] == []
 
