@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
 from spanq_backend.serving.engine import EngineConfig, SpanEngine
+from spanq_backend.serving.models import (
+    DEFAULT_MODEL_NAMES,
+    TINY_FAMILY_PREFIX,
+    TINY_MODEL_NAMES,
+    resolve_model,
+)
 from spanq_integrations.backends.protocol import Backend, BackendCapabilities, Completion, TokenCallback
 from spanq_integrations.query.ir import Generate
 
 __all__ = ["EmbeddedBackend", "shared_embedded_backend"]
+
+log = logging.getLogger("spanq.embedded")
 
 
 class EmbeddedBackend(Backend):
@@ -17,6 +26,7 @@ class EmbeddedBackend(Backend):
 
     def __init__(self, model: str = "default", *, engine: SpanEngine | None = None, **engine_options: Any):
         self._owns_engine = engine is None
+        self._warned: set[str] = set()  # model names a call gave that this engine does not serve (said once)
         self.engine = engine or SpanEngine(EngineConfig(model=model, **engine_options))
         spans = self.engine.config.spans
         self.capabilities = BackendCapabilities(
@@ -31,6 +41,19 @@ class EmbeddedBackend(Backend):
     def model_name(self) -> str:
         return self.engine.model_name
 
+    def serves(self, model: str) -> bool:
+        """Whether `model` names this engine's model (as given, its folder, its served name, or a spanq name such
+        as "default" or "tiny" for the folder it stands for)."""
+        e = self.engine
+        if model in {"", e.config.model, e.model_name, str(e.model_path), e.model_path.name}:
+            return True
+        if model in DEFAULT_MODEL_NAMES or model in TINY_MODEL_NAMES or model.startswith(TINY_FAMILY_PREFIX):
+            try:
+                return resolve_model(model) == e.model_path
+            except ValueError:
+                return False
+        return False
+
     async def generate(
         self,
         call: Generate,
@@ -39,6 +62,13 @@ class EmbeddedBackend(Backend):
         on_token: TokenCallback | None = None,
         span_output: bool = False,
     ) -> Completion:
+        if call.model not in self._warned and not self.serves(call.model):
+            self._warned.add(call.model)
+            log.warning(
+                "the embedded engine runs %s; a call names model %r, which it does not serve: the call runs on %s "
+                "(start an engine on that model with EmbeddedBackend(model=...), ChatSpanQuery(model=...) or "
+                "SpanQueryLLM(model=...))", self.model_name, call.model, self.model_name,
+            )
         return await self.engine.generate(call, path=path, on_token=on_token, span_output=span_output)
 
     async def aclose(self) -> None:
@@ -50,7 +80,7 @@ class EmbeddedBackend(Backend):
 
 
 class _SharedEmbeddedBackend(EmbeddedBackend):
-    """The process-wide default: closing it through a query run does nothing; `shutdown()` stops it."""
+    """A process-wide engine: closing it through a query run does nothing; `shutdown()` stops it."""
 
     async def aclose(self) -> None:
         return None
@@ -59,17 +89,27 @@ class _SharedEmbeddedBackend(EmbeddedBackend):
         return None
 
     def shutdown(self) -> None:
+        """Stop the engine; the next caller naming its model starts a new one."""
+        with _shared_lock:
+            for key, backend in list(_shared.items()):
+                if backend is self:
+                    del _shared[key]
         self.engine.close()
 
 
-_shared: _SharedEmbeddedBackend | None = None
+_shared: dict[str, _SharedEmbeddedBackend] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_embedded_backend() -> EmbeddedBackend:
-    """The embedded backend on the default model, started on first use and shared by the whole process."""
-    global _shared
+def shared_embedded_backend(model: str | None = None) -> EmbeddedBackend:
+    """The embedded backend on `model` (None or "": the default model), started on first use and shared by the
+    whole process: one engine per model, whoever asks for it."""
     with _shared_lock:
-        if _shared is None:
-            _shared = _SharedEmbeddedBackend("default")
-        return _shared
+        for running in _shared.values():  # a running engine named by its served name or folder name
+            if model and running.serves(model):
+                return running
+    key = str(resolve_model(model or "default"))
+    with _shared_lock:
+        if key not in _shared:
+            _shared[key] = _SharedEmbeddedBackend(key)
+        return _shared[key]

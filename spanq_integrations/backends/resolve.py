@@ -20,21 +20,23 @@ def embedded(attr: str) -> Any:
     return getattr(importlib.import_module(EMBEDDED), attr)
 
 
-def default_backend() -> Backend:
-    """The process-wide embedded span-aware backend on the default model (started on first use)."""
-    return embedded("shared_embedded_backend")()
+def default_backend(model: str | None = None) -> Backend:
+    """The process-wide embedded span-aware backend on `model` (None: the default model; "tiny", "tiny-qwen3", a
+    model folder or a Hugging Face id otherwise), started on first use and shared by every caller naming it."""
+    return embedded("shared_embedded_backend")(model)
 
 
-def resolve_backend(spec: Backend | str | None) -> tuple[Backend, bool]:
+def resolve_backend(spec: Backend | str | None, model: str | None = None) -> tuple[Backend, bool]:
     """A backend for `spec`, and whether the caller owns it (must close it).
 
-    A `Backend`: itself (not owned). `None` or `"embedded"`: the shared embedded default (not owned).
+    A `Backend`: itself (not owned). `None` or `"embedded"`: the shared embedded engine on `model` (the default
+    model when None; not owned).
     `"spanq+http://host:port"`: a `spanq serve` server. Any other `http(s)://` URL: an OpenAI-compatible server.
     """
     if isinstance(spec, Backend):
         return spec, False
     if spec is None or spec == "embedded":
-        return default_backend(), False
+        return default_backend(model), False
     if isinstance(spec, str) and spec.startswith(("spanq+http://", "spanq+https://")):
         from spanq_integrations.backends.span import SpanBackend
 

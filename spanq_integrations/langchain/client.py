@@ -243,7 +243,8 @@ class SpanQueryClient(BaseModel):
             from spanq_integrations.backends.openai import OpenAIBackend
 
             return OpenAIBackend(spec, **options), True
-        return resolve_backend(spec)  # None/"embedded": the shared default; anything else: a clear error
+        # None/"embedded": the shared embedded engine on `model` (the default model if None); else a clear error
+        return resolve_backend(spec, self.model)
 
     def _get_backend(self) -> Backend:
         """The backend, created on first use (the embedded default starts its engine then)."""

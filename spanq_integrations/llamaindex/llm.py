@@ -159,7 +159,7 @@ class SpanQueryLLM(LLM):
             from spanq_integrations.backends.openai import OpenAIBackend
 
             return OpenAIBackend(spec, **options), True
-        return resolve_backend(spec)
+        return resolve_backend(spec, self.model or None)  # embedded: an engine on `model` (default if '')
 
     def close(self) -> None:
         """Close the HTTP client this LLM opened (the embedded default and passed-in backends stay open)."""

@@ -159,3 +159,35 @@ def test_a_document_inside_a_longer_one_does_not_count_twice():
 
 def test_nothing_to_look_for_is_not_a_fallback():
     assert split_at_documents(_prompt("Context:"), []) == (None, None)
+
+
+@pytest.mark.vllm
+def test_a_chat_model_naming_its_model_runs_on_that_model_embedded(tiny_model):
+    """`ChatSpanQuery(model="tiny")` on the embedded backend runs the tiny model, not the default one."""
+    from spanq_backend.serving.embedded import shared_embedded_backend
+    from spanq_integrations.langchain import ChatSpanQuery
+
+    try:
+        reply = ChatSpanQuery(model="tiny", max_tokens=2, temperature=0).invoke("hi")
+        assert reply.response_metadata["model_name"] == tiny_model.name
+        backend = shared_embedded_backend("tiny")
+        assert backend.engine.model_path == tiny_model
+        assert shared_embedded_backend(tiny_model.name) is backend  # its served name finds the same engine
+    finally:
+        shared_embedded_backend("tiny").shutdown()
+
+
+@pytest.mark.vllm
+def test_a_call_naming_a_model_the_embedded_engine_does_not_run_says_so(tiny_backend, monkeypatch):
+    import logging
+
+    from spanq_integrations.langchain import ChatSpanQuery
+
+    seen: list[str] = []
+    monkeypatch.setattr(logging.getLogger("spanq.embedded"), "warning", lambda msg, *a: seen.append(msg % a))
+    chat = ChatSpanQuery(backend=tiny_backend, max_tokens=2, temperature=0)
+    chat.invoke("hi", model="Qwen/Qwen3-8B")
+    chat.invoke("hi", model="Qwen/Qwen3-8B")
+    chat.invoke("hi", model=tiny_backend.model_name)
+    assert len(seen) == 1, "said once per model name, never for the engine's own"
+    assert "'Qwen/Qwen3-8B'" in seen[0] and tiny_backend.model_name in seen[0]
