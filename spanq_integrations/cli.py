@@ -163,10 +163,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
+    backend: Any = args.backend
+    if args.model and backend in (None, "embedded"):
+        # The embedded engine runs the model named: `--model tiny-qwen3`, a folder, a Hugging Face id.
+        from spanq_integrations.backends import resolve_backend
+
+        try:
+            backend, _ = resolve_backend(backend, args.model)
+        except ModuleNotFoundError as e:
+            raise CommandError(
+                f"the embedded backend needs the backend extra ({BACKEND_EXTRA_HINT}; missing module {e.name!r}), "
+                "or pass --backend URL of a running server"
+            ) from e
+        except ValueError as e:  # a model that cannot be found (named in the message)
+            raise CommandError(str(e)) from None
     try:
         result = execute(
             query,
-            args.backend,
+            backend,
             tree_reduction_k=args.tree_k,
             tree_reduction_combine=_combine_arg(args),
             on_token=None if args.json else echo,
@@ -257,7 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="an OpenAI-compatible server URL, spanq+http://host:port for `spanq serve`, "
         "or embedded (default)",
     )
-    run.add_argument("--model", metavar="NAME", help="run every call on this model (overrides the file's)")
+    run.add_argument("--model", metavar="NAME", help="run every call on this model (overrides the file's); on the "
+                     "embedded backend, the model its engine runs: default, tiny, tiny-<family>, a model folder or a "
+                     "Hugging Face id")
     run.add_argument("--tree-k", type=int, metavar="K", help="tree reduction: judges read at most K children")
     run.add_argument("--combine", metavar="REDUCER", help="tree reduction: combine the leaf judges' answers in code with this reducer (extract: the "
         "union of their items; count: the sum; vote: the majority; select: the highest score) instead of "

@@ -85,6 +85,12 @@ class SpanEngine:
 
         self.model_path: Path = resolve_model(self.config.model)
         self.model_name = self.config.served_model_name or self.model_path.name
+        from spanq_backend.serving.families import check_loadable
+
+        try:
+            check_loadable(self.model_path)
+        except ValueError as e:
+            raise BackendError(str(e)) from None
         if self.config.spans:
             from spanq_backend.kv.rerope import RelocationError
             from spanq_backend.serving.families import check_spans, family_line

@@ -18,7 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILIES", "Family", "check_spans", "family_line", "family_of_config", "tiny_family_path"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "UnsupportedModelError",
+    "check_loadable",
+    "check_spans",
+    "family_line",
+    "family_of_config",
+    "tiny_family_path",
+]
 
 # Chat templates of each family's shape (the roles' markers as the family writes them), over SmolLM2's vocabulary:
 # what matters to spans is where each message's text sits, which these reproduce.
@@ -192,3 +201,23 @@ def family_line(model_path: str | Path) -> str:
     if family is None:
         return f"{name}: not a family spanq checks with a tiny model; the start-up checks on the loaded model decide"
     return f"{name}: {family.name} family ({family.features}); spans {family.spans}"
+
+
+class UnsupportedModelError(ValueError):
+    """A model folder vLLM cannot run (an architecture it does not know)."""
+
+
+def check_loadable(model_path: str | Path) -> None:
+    """Refuse, before any engine state is built, a model whose architecture vLLM does not run."""
+    from vllm.model_executor.models import ModelRegistry
+
+    config = _config_of(model_path)
+    if not config:
+        raise UnsupportedModelError(f"{Path(model_path).name}: config.json is missing or is not JSON")
+    archs = list(config.get("architectures") or [])
+    supported = set(ModelRegistry.get_supported_archs())
+    if archs and not any(a in supported for a in archs):
+        raise UnsupportedModelError(
+            f"{Path(model_path).name}: vLLM does not run the architecture {', '.join(archs)} (its config.json's "
+            "`architectures`); spanq runs what vLLM runs"
+        )

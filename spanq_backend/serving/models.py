@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from spanq_backend.cache import cache_dir
+from spanq_integrations.query import errors
 
 __all__ = [
     "DEFAULT_MODEL_NAMES",
@@ -66,8 +67,9 @@ def tiny_model_path(seed: int = 0) -> Path:
     return materialize(target, lambda out: _build_tiny_model(out, seed))
 
 
-class ModelNotFoundError(ValueError):
-    """A model name, folder or Hugging Face id that does not lead to a loadable model folder."""
+class ModelNotFoundError(errors.ModelNotFoundError, ValueError):
+    """A model name, folder or Hugging Face id that does not lead to a model folder (spanq's
+    `ModelNotFoundError`, as a server answers for a model it does not serve; a `ValueError` too)."""
 
 
 TINY_FAMILY_PREFIX = "tiny-"  # tiny-<family>: a tiny random model of that family (`families.tiny_family_path`)
@@ -270,6 +272,28 @@ def _make_readable(folder: Path) -> None:
         path.chmod(0o755 if path.is_dir() else 0o644)
 
 
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' and huggingface_hub's progress bars off (they write to stderr) while a folder is built."""
+    try:
+        from huggingface_hub import utils as hub_utils
+        from transformers.utils import logging as tf_logging
+    except ImportError:  # the build itself will say what is missing
+        yield
+        return
+    hub_was_off = hub_utils.are_progress_bars_disabled()
+    tf_was_on = tf_logging.is_progress_bar_enabled()
+    hub_utils.disable_progress_bars()
+    tf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if not hub_was_off:
+            hub_utils.enable_progress_bars()
+        if tf_was_on:
+            tf_logging.enable_progress_bar()
+
+
 def materialize(target: Path, build: Callable[[Path], str]) -> Path:
     """Build `target` once: in a temporary sibling folder, marked complete, then renamed into place.
 
@@ -284,7 +308,8 @@ def materialize(target: Path, build: Callable[[Path], str]) -> Path:
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             started = time.perf_counter()
-            source = build(staging)
+            with _no_progress_bars():  # a model folder is built quietly: one line of spanq's own says so
+                source = build(staging)
             marker = {
                 "format": FORMAT_VERSION,
                 "source": source,

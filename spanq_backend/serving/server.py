@@ -529,9 +529,10 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
             "spanq serve runs one HTTP API server: --headless, --grpc and --api-server-count are not supported"
         )
     path = resolve_model(args.model_tag or args.model)
-    from spanq_backend.serving.families import check_spans
+    from spanq_backend.serving.families import check_loadable, check_spans
     from spanq_backend.vllm_integration.kv_layout import has_sliding_window_layers
 
+    check_loadable(path)  # an architecture vLLM does not run: refused here, in one line
     check_spans(path)  # a RelocationError (a ValueError) refuses the model before vLLM starts
     if has_sliding_window_layers(path) and args.disable_hybrid_kv_cache_manager is None:
         args.disable_hybrid_kv_cache_manager = True  # one KV cache group: the one spans are moved in

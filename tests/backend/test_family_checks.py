@@ -108,3 +108,18 @@ def test_sliding_windows_must_cover_the_context():
     with pytest.raises(RelocationError, match="128-token window") as raised:
         windows_cover_the_context(runner(windows=(128, None, 4096), max_model_len=2048))
     assert "max_model_len <= 128" in str(raised.value)
+
+
+@pytest.mark.vllm
+def test_an_architecture_vllm_does_not_run_is_refused_before_any_engine_state(tmp_path):
+    from spanq_backend.serving.engine import SpanEngine
+    from spanq_backend.serving.families import UnsupportedModelError, check_loadable
+    from spanq_integrations.query.errors import BackendError
+
+    path = folder(tmp_path, architectures=["FrobnicatorForCausalLM"])
+    with pytest.raises(UnsupportedModelError, match="FrobnicatorForCausalLM"):
+        check_loadable(path)
+    check_loadable(folder(tmp_path, architectures=["Qwen3ForCausalLM"]))
+    path = folder(tmp_path, architectures=["FrobnicatorForCausalLM"])
+    with pytest.raises(BackendError, match="vLLM does not run the architecture FrobnicatorForCausalLM"):
+        SpanEngine(model=str(path))

@@ -233,3 +233,33 @@ def test_run_as_a_subprocess(query_file, stock_vllm_server):
     )
     assert done.returncode == 0, done.stderr
     assert "TTFT ms" in done.stdout and "total (1 calls)" in done.stdout
+
+
+# --------------------------------------------------------------------------------------------- models
+
+
+@pytest.mark.parametrize(("model", "named"), [
+    ("Qwen/Qwen3-0.6B", "not in the local Hugging Face cache"),
+    ("no such model", "unknown model"),
+])
+def test_run_on_a_model_that_is_not_there_is_one_line_and_exit_2(query_file, capsys, monkeypatch, model, named):
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["run", str(query_file), "--model", model]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spanq: error:") and named in err and repr(model) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("model", "named"), [
+    ("tiny-olmo2", "Transformers backend"),
+    ("Qwen/Qwen3-0.6B", "HF_HUB_OFFLINE"),
+])
+def test_serve_refuses_before_vllm_starts(monkeypatch, capsys, model, named):
+    """A model spans are refused on, or one not on this machine: one line, exit 2, nothing started."""
+    pytest.importorskip("vllm")
+    from spanq_backend.serving.server import serve_main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert serve_main(["--model", model]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spanq serve: error:") and named in err and "Traceback" not in err

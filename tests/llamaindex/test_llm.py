@@ -200,3 +200,16 @@ def test_any_openai_compatible_server(stock_vllm_server):
         assert "".join(c.delta for c in streamed) == chat.message.content
     finally:
         llm.close()
+
+
+@pytest.mark.vllm
+def test_an_llm_naming_its_model_runs_on_that_model_embedded(tiny_model):
+    """`SpanQueryLLM(model="tiny")` on the embedded backend runs the tiny model, not the default one."""
+    from spanq_backend.serving.embedded import shared_embedded_backend
+    from spanq_integrations.llamaindex.usage import METADATA_KEY
+
+    try:
+        response = SpanQueryLLM(model="tiny", max_tokens=2).complete("hi")
+        assert response.raw[METADATA_KEY]["model"] == tiny_model.name
+    finally:
+        shared_embedded_backend("tiny").shutdown()
