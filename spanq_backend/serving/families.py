@@ -79,7 +79,8 @@ _WINDOW_RULE = "exact while max_model_len <= the sliding window; refused beyond 
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        Family("llama3", "LlamaConfig", "LlamaForCausalLM", "Llama 3.x: llama3 RoPE scaling",
+        Family("llama3", "LlamaConfig", "LlamaForCausalLM",
+               "Llama 2/3.x, SmolLM2: plain, linear or llama3-scaled RoPE",
                _rope("llama3", 5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                      original_max_position_embeddings=1024), _LLAMA3_TEMPLATE),
         Family("qwen2", "Qwen2Config", "Qwen2ForCausalLM", "Qwen2.5: QKV bias", _rope(theta=1e6)),
@@ -200,7 +201,7 @@ def family_line(model_path: str | Path) -> str:
     name = Path(model_path).name
     if family is None:
         return f"{name}: not a family spanq checks with a tiny model; the start-up checks on the loaded model decide"
-    return f"{name}: {family.name} family ({family.features}); spans {family.spans}"
+    return f"{name}: {family.features}; spans {family.spans} (checked on tiny-{family.name})"
 
 
 class UnsupportedModelError(ValueError):

@@ -68,7 +68,8 @@ def test_a_family_the_table_refuses_is_refused_with_its_reason(tmp_path, name):
 
 
 def test_the_family_line_names_the_family_or_says_the_checks_decide(tmp_path):
-    assert "qwen3 family" in family_line(folder(tmp_path, architectures=["Qwen3ForCausalLM"]))
+    line = family_line(folder(tmp_path, architectures=["Qwen3ForCausalLM"]))
+    assert "Qwen3: QK-norm before RoPE; spans exact (checked on tiny-qwen3)" in line
     assert "start-up checks on the loaded model decide" in family_line(folder(tmp_path, architectures=["XForCausalLM"]))
 
 

@@ -148,14 +148,13 @@ def test_concurrent_queries_over_the_same_new_spans_match_the_reference(small_en
 def test_a_model_whose_keys_cannot_move_is_refused_before_vllm_starts(tiny_model, tmp_path):
     from spanq_backend.serving.engine import SpanEngine
 
-    yarn = tmp_path / "tiny-yarn"
-    shutil.copytree(tiny_model, yarn)
-    cfg = json.loads((yarn / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 100000.0,
-                              "original_max_position_embeddings": 2048}
-    (yarn / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(BackendError, match="yarn"):
-        SpanEngine(model=str(yarn))
+    dynamic = tmp_path / "tiny-dynamic-ntk"
+    shutil.copytree(tiny_model, dynamic)
+    cfg = json.loads((dynamic / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 100000.0}
+    (dynamic / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(BackendError, match="dynamic NTK"):
+        SpanEngine(model=str(dynamic))
 
 
 def test_spans_found_in_the_cache_send_no_prepare_request_until_evicted(small_engine):
