@@ -72,6 +72,10 @@ def stock_vllm_server(tiny_model, tmp_path_factory) -> Iterator[str]:
         "--dtype", "float32", "--block-size", "32", "--enable-prefix-caching", "--enable-prompt-tokens-details",
         "--max-model-len", "4096",
         "--enforce-eager",  # no torch.compile warm-up: the server starts in seconds instead of a minute
+        # compact JSON under constrained decoding: the random tiny model would otherwise fill max_tokens with
+        # whitespace (a vLLM setting, as a user would pass it; nothing of spanq's)
+        "--structured-outputs-config",
+        '{"backend": "xgrammar", "disable_any_whitespace": true}',
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_PLUGINS": ""}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server keeps vLLM's default engine mode

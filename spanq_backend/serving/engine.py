@@ -37,6 +37,14 @@ __all__ = ["EngineConfig", "SpanEngine"]
 log = logging.getLogger("spanq.engine")
 
 
+# Constrained decoding for tool calls and structured output is vLLM's (xgrammar; objects closed to the properties
+# their schema names unless it says `additionalProperties`, as OpenAI's strict mode reads a schema), with whitespace
+# left to the model: SmolLM2 writes better JSON in the layout it learned (measured on the standard tests: 21 of 22
+# pass with free whitespace, its strings loop under llguidance's). `compact_json` forbids whitespace, for models
+# that pad JSON with it until max_tokens (random ones do).
+COMPACT_JSON: dict[str, Any] = {"backend": "xgrammar", "disable_any_whitespace": True}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the embedded engine is built. The defaults suit the CPU machines spanq is developed on."""
@@ -54,6 +62,7 @@ class EngineConfig:
     enforce_eager: bool = True  # no torch.compile warm-up: starts in seconds instead of about a minute here
     num_blocks: int | None = None  # KV blocks (vLLM's num_gpu_blocks_override); None: from kv_cache_gib
     span_anchor: AnchorPolicy = DEFAULT_ANCHOR  # the anchor policy of a `plus` that names none
+    compact_json: bool = False  # JSON answers without whitespace (for models that pad them with it)
 
 
 def _cpu_env_defaults(kv_cache_gib: float) -> None:
@@ -141,6 +150,7 @@ class SpanEngine:
     # ----------------------------------------------------------------------------------------- engine thread
 
     def _build(self) -> Any:
+        from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -160,6 +170,7 @@ class SpanEngine:
             num_gpu_blocks_override=c.num_blocks,
             # Sliding-window layers in the same KV cache group as the others: the group spans are moved in.
             disable_hybrid_kv_cache_manager=True if c.spans and has_sliding_window_layers(self.model_path) else None,
+            **({"structured_outputs_config": StructuredOutputsConfig(**COMPACT_JSON)} if c.compact_json else {}),
         )
         engine = self.llm_engine = LLMEngine.from_engine_args(args)  # stepped by the engine thread only
         self.max_model_len = engine.model_config.max_model_len

@@ -110,6 +110,17 @@ class TokenRun:
         return [t for o in self.outputs if o.outputs for t in o.outputs[0].token_ids]
 
 
+def structured_outputs(call: Generate) -> Any:
+    """vLLM's constrained decoding for a call whose answer is JSON (`Generate.json_schema`), else None."""
+    schema = call.schema
+    if schema is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    # Whitespace in the JSON is an engine setting (`EngineConfig.compact_json`), not a request's.
+    return StructuredOutputsParams(json_object=True) if schema == {} else StructuredOutputsParams(json=schema)
+
+
 class SpanGenerator:
     """Lowers closed `Generate`s, prepares their spans and runs them on the engine behind `stream`."""
 
@@ -221,6 +232,7 @@ class SpanGenerator:
                 stop=list(call.stop) or None,
                 seed=seed if seed is not None else call.seed,
                 output_kind=RequestOutputKind.DELTA,
+                structured_outputs=structured_outputs(call),
             )
         except (VLLMClientError, ValueError) as e:  # parameters vLLM refuses: the client's to fix
             raise engine_error(e) from e

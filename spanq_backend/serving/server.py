@@ -70,6 +70,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "max_model_len": 4096,
     "enable_prompt_tokens_details": True,  # stock routes report cached tokens too
 }
+
 CPU_SERVE_DEFAULTS: dict[str, Any] = {
     "dtype": "float32",
     "kv_cache_memory_bytes": 1 << 30,  # vLLM's CPU default claims most of the machine's memory

@@ -92,6 +92,11 @@ class OpenAIBackend(HTTPBackend):
             body["stop"] = list(call.stop)
         if call.seed is not None:
             body["seed"] = call.seed
+        schema = call.schema
+        if schema == {}:  # any JSON object
+            body["response_format"] = {"type": "json_object"}
+        elif schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
         return body
 
     async def generate(

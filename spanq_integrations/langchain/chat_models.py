@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from operator import itemgetter
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel
 
 from spanq_integrations.langchain.client import CallOutcome, SpanQueryClient
-from spanq_integrations.langchain.messages import prompt_from_messages
+from spanq_integrations.langchain.messages import prompt_from_messages, with_instruction
+from spanq_integrations.runtime.tools import ToolSpec, read_reply, tools_instruction
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 __all__ = ["ChatSpanQuery"]
 
@@ -37,7 +53,11 @@ class ChatSpanQuery(SpanQueryClient, BaseChatModel):
     prepared spans, spans and time to first token. Per-call keyword arguments: `model`, `temperature`,
     `max_tokens`, `seed`, `stop`, and `span_documents` (documents to find in the prompt and send as spans).
 
-    Text only: tool calling, structured output and images are not supported (`UnsupportedMessageError`).
+    Tool calling and structured output work on every backend, through constrained decoding
+    (`spanq_integrations.runtime.tools`): `bind_tools(tools, tool_choice=...)` ("auto", "any"/"required", a
+    tool's name, "none"; one call per answer unless `parallel_tool_calls=True`) and `with_structured_output(schema,
+    method="json_schema"|"function_calling"|"json_mode", include_raw=...)`. Images and audio are not supported
+    (`UnsupportedMessageError`).
     """
 
     @property
@@ -52,12 +72,106 @@ class ChatSpanQuery(SpanQueryClient, BaseChatModel):
         params = LangSmithParams(ls_model_type="chat", **self._spanq_ls_params(stop, kwargs))  # type: ignore[typeddict-item]
         return params
 
+    # ----------------------------------------------------------------------------------------- tools
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: str | bool | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Tools the model may call: LangChain tools, functions, pydantic models, TypedDicts or OpenAI tool dicts.
+
+        `tool_choice`: "auto" (default: a call or a text answer), "any"/"required"/True (a call), a tool's name
+        (that tool), "none" (no call). The answer's form is enforced by constrained decoding, so the call names a
+        bound tool and its arguments have the declared types."""
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        names = [ToolSpec.from_openai(t).name for t in formatted]
+        if isinstance(tool_choice, dict):
+            tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+        if tool_choice is True or tool_choice == "any":
+            tool_choice = "required"
+        if tool_choice not in (None, "auto", "required", "none") and tool_choice not in names:
+            raise ValueError(f"tool_choice {tool_choice!r} names no bound tool (tools: {', '.join(names)})")
+        return super().bind(
+            tools=formatted, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, **kwargs
+        )
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """Answers parsed into `schema` (a pydantic model, a TypedDict, a JSON schema or an OpenAI tool dict).
+
+        `method="json_schema"` (default): the answer is JSON constrained to the schema. `"function_calling"`:
+        the schema is bound as the one tool the model must call. `"json_mode"`: a JSON object (of `schema` when
+        one is given, else any: say in the prompt what it should hold). `include_raw=True` returns `{"raw", "parsed", "parsing_error"}`."""
+        if kwargs:
+            raise ValueError(f"unexpected arguments: {', '.join(kwargs)}")
+        is_model = is_basemodel_subclass(schema)  # pydantic 2, or pydantic.v1
+        parser: Runnable
+        if method == "json_mode":
+            # Any JSON object; given a schema, JSON of that schema (constrained: small models drop the keys the
+            # prompt asks for otherwise).
+            constraint: dict[str, Any] = {}
+            traced: dict[str, Any] = {}
+            if schema is not None:
+                tool = convert_to_openai_tool(schema)
+                v2 = isinstance(schema, type) and issubclass(schema, BaseModel)
+                constraint = schema.model_json_schema() if v2 else tool["function"]["parameters"]  # type: ignore[union-attr]
+                traced = {"ls_structured_output_format": {"kwargs": {"method": method}, "schema": tool}}
+            llm = self.bind(response_format=constraint, **traced)
+            parser = PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()  # type: ignore[arg-type]
+        elif schema is None:
+            raise ValueError(f"method={method!r} needs a schema")
+        elif method == "function_calling":
+            tool = convert_to_openai_tool(schema)
+            name = tool["function"]["name"]
+            llm = self.bind_tools([tool], tool_choice=name, ls_structured_output_format={
+                "kwargs": {"method": method}, "schema": tool})
+            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if is_model  # type: ignore[list-item]
+                      else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        elif method == "json_schema":
+            tool = convert_to_openai_tool(schema)
+            v2 = isinstance(schema, type) and issubclass(schema, BaseModel)
+            json_schema = schema.model_json_schema() if v2 else tool["function"]["parameters"]  # type: ignore[union-attr]
+            llm = self.bind(response_format=json_schema, ls_structured_output_format={
+                "kwargs": {"method": method}, "schema": tool})
+            parser = PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"unknown method {method!r}: use json_schema, function_calling or json_mode")
+        if not include_raw:
+            return llm | parser
+        parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        keep_raw = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parse.with_fallbacks([keep_raw], exception_key="parsing_error")
+
     # ----------------------------------------------------------------------------------------- results
 
     @staticmethod
-    def _result(outcome: CallOutcome) -> ChatResult:
+    def _message_fields(outcome: CallOutcome) -> dict[str, Any]:
+        """content, tool_calls and invalid_tool_calls of the answer (text, unless tools were bound)."""
+        tools = outcome.settings.tools
+        if not tools:
+            return {"content": outcome.text}
+        reply = read_reply(outcome.text, tools)
+        if reply.error is not None:
+            return {"content": "", "invalid_tool_calls": [
+                invalid_tool_call(name=None, args=outcome.text, id=_call_id(), error=reply.error)]}
+        calls = [tool_call(name=c.name, args=c.arguments, id=_call_id()) for c in reply.calls]
+        return {"content": reply.text, "tool_calls": calls}
+
+    @classmethod
+    def _result(cls, outcome: CallOutcome) -> ChatResult:
         message = AIMessage(
-            content=outcome.text,
+            **cls._message_fields(outcome),
             usage_metadata=outcome.usage_metadata(),  # type: ignore[arg-type]
             response_metadata=outcome.response_metadata(),
         )
@@ -68,10 +182,22 @@ class ChatSpanQuery(SpanQueryClient, BaseChatModel):
             llm_output={"model_name": outcome.model_name, "token_usage": outcome.token_usage()},
         )
 
-    @staticmethod
-    def _last_chunk(outcome: CallOutcome) -> ChatGenerationChunk:
+    @classmethod
+    def _last_chunk(cls, outcome: CallOutcome) -> ChatGenerationChunk:
+        """The closing chunk: usage, metadata, and (with tools) the whole answer, whose JSON was not streamed."""
+        fields: dict[str, Any] = {"content": ""}
+        if outcome.settings.tools:
+            whole = cls._message_fields(outcome)
+            fields["content"] = whole["content"]
+            fields["tool_call_chunks"] = [
+                tool_call_chunk(name=c["name"], args=json.dumps(c["args"]), id=c["id"], index=i)
+                for i, c in enumerate(whole.get("tool_calls", []))
+            ] + [
+                tool_call_chunk(name=c["name"], args=c["args"], id=c["id"], index=i)
+                for i, c in enumerate(whole.get("invalid_tool_calls", []))
+            ]
         message = AIMessageChunk(
-            content="",
+            **fields,
             usage_metadata=outcome.usage_metadata(),  # type: ignore[arg-type]
             response_metadata=outcome.response_metadata(),
             chunk_position="last",
@@ -81,9 +207,11 @@ class ChatSpanQuery(SpanQueryClient, BaseChatModel):
     def _begin(
         self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, kwargs: dict[str, Any]
     ):
-        return self._prepare(prompt_from_messages(messages), run_manager, kwargs), self._settings(
-            stop, kwargs
-        )
+        settings = self._settings(stop, kwargs)
+        prompt = prompt_from_messages(messages)
+        if settings.tools:
+            prompt = with_instruction(prompt, tools_instruction(settings.tools, settings.tool_choice))
+        return self._prepare(prompt, run_manager, kwargs), settings
 
     # ----------------------------------------------------------------------------------------- calls
 
@@ -119,6 +247,8 @@ class ChatSpanQuery(SpanQueryClient, BaseChatModel):
             if isinstance(item, CallOutcome):
                 yield self._last_chunk(item)
                 return
+            if settings.tools:
+                continue  # a tool call's JSON comes whole, in the last chunk
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=item))
             if run_manager is not None:
                 run_manager.on_llm_new_token(item, chunk=chunk)
@@ -136,6 +266,8 @@ class ChatSpanQuery(SpanQueryClient, BaseChatModel):
             if isinstance(item, CallOutcome):
                 yield self._last_chunk(item)
                 return
+            if settings.tools:
+                continue  # a tool call's JSON comes whole, in the last chunk
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=item))
             if run_manager is not None:
                 await run_manager.on_llm_new_token(item, chunk=chunk)

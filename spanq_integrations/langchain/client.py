@@ -9,6 +9,7 @@ order of preference.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import threading
@@ -34,6 +35,7 @@ from spanq_integrations.query.errors import BackendUnavailableError, ContextLeng
 from spanq_integrations.query.ir import DEFAULT_TEMPERATURE, generate
 from spanq_integrations.runtime.background_loop import background_loop
 from spanq_integrations.runtime.executor import aexecute
+from spanq_integrations.runtime.tools import ToolSpec, check_choice, reply_schema
 
 __all__ = ["CallOutcome", "CallSettings", "PreparedPrompt", "SpanQueryClient"]
 
@@ -69,6 +71,9 @@ class CallSettings:
     max_tokens: int
     stop: tuple[str, ...]
     seed: int | None
+    json_schema: str = ""  # the answer is JSON matching this schema ("{}": any JSON object)
+    tools: tuple[ToolSpec, ...] = ()  # bound tools: the answer is a tool call or text (`runtime.tools`)
+    tool_choice: str = "auto"
 
 
 @dataclass
@@ -271,12 +276,22 @@ class SpanQueryClient(BaseModel):
     def _settings(self, stop: list[str] | None, kwargs: dict[str, Any]) -> CallSettings:
         temperature = kwargs.get("temperature", self.temperature)
         max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        tools = tuple(ToolSpec.from_openai(t) for t in kwargs.get("tools") or ())
+        choice = check_choice(tools, kwargs.get("tool_choice")) if tools else "none"
+        schema = ""
+        if tools and choice != "none":
+            schema = json.dumps(reply_schema(tools, choice, parallel=bool(kwargs.get("parallel_tool_calls"))))
+        elif kwargs.get("response_format") is not None:
+            schema = json.dumps(kwargs["response_format"])
         return CallSettings(
             model=kwargs.get("model") or self.model or "",
             temperature=DEFAULT_TEMPERATURE if temperature is None else float(temperature),
             max_tokens=int(max_tokens or 0),
             stop=tuple(stop if stop is not None else (self.stop or ())),
             seed=kwargs.get("seed", self.seed),
+            json_schema=schema,
+            tools=tools if choice != "none" else (),
+            tool_choice=choice,
         )
 
     def _prepare(
@@ -314,6 +329,7 @@ class SpanQueryClient(BaseModel):
             temperature=settings.temperature,
             stop=settings.stop,
             seed=settings.seed,
+            json_schema=settings.json_schema or None,
         )
         run = aexecute(query, backend, on_token=on_token)
         try:

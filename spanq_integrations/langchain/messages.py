@@ -1,8 +1,10 @@
 """LangChain messages → a span query's input.
 
-`SystemMessage` → `System`, `HumanMessage` → `User`, `AIMessage` → `Assistant` (text only). A run of adjacent
-span blocks inside one message (see `spans`) becomes one `plus` of `Fragment`s. Everything else a text-only
-model cannot take (tool messages and tool calls, images, audio, files) raises `UnsupportedMessageError`.
+`SystemMessage` → `System`, `HumanMessage` → `User`, `AIMessage` → `Assistant`. A run of adjacent span blocks
+inside one message (see `spans`) becomes one `plus` of `Fragment`s. Tool calls in the history are written as the
+model writes them (`runtime.tools`: `{"tool_calls": [...]}`), and a `ToolMessage` is a user turn that says which
+call it answers. Everything else a text model cannot take (images, audio, files) raises
+`UnsupportedMessageError`.
 
 `split_at_documents` is the other way spans arise: it finds retrieved documents verbatim in an ordinary prompt
 and cuts the prompt around them, but only when that is safe (see its docstring); otherwise it says why not and
@@ -29,6 +31,7 @@ from langchain_core.messages import (
 from spanq_integrations.langchain.spans import DEFAULT_DOCUMENT_SEPARATOR, span_marker
 from spanq_integrations.query.errors import QueryValidationError
 from spanq_integrations.query.ir import AnchorPolicy, Assistant, Cross, Fragment, Node, Plus, System, User
+from spanq_integrations.runtime.tools import ToolCall, render_calls
 
 __all__ = [
     "PromptMessage",
@@ -40,6 +43,7 @@ __all__ = [
     "query_input",
     "span_count",
     "split_at_documents",
+    "with_instruction",
 ]
 
 Role = Literal["system", "user", "assistant"]
@@ -115,19 +119,13 @@ class SpanCandidate:
 def _role_of(message: BaseMessage, where: str) -> Role:
     if isinstance(message, SystemMessage):
         return "system"
-    if isinstance(message, HumanMessage):
+    if isinstance(message, (HumanMessage, ToolMessage)):
         return "user"
-    if isinstance(message, (ToolMessage, FunctionMessage)):
+    if isinstance(message, FunctionMessage):
         raise UnsupportedMessageError(
-            where,
-            f"{type(message).__name__} is not supported: spanq's models have no tool calling. Leave tool "
-            "results out, or pass them as text in a HumanMessage",
+            where, "FunctionMessage (OpenAI's legacy function calling) is not supported: use tools and ToolMessage"
         )
     if isinstance(message, AIMessage):
-        if message.tool_calls or message.invalid_tool_calls:
-            raise UnsupportedMessageError(
-                where, "an AIMessage with tool calls is not supported: spanq's models have no tool calling"
-            )
         return "assistant"
     if isinstance(message, ChatMessage):
         role = _CHAT_ROLES.get(message.role.lower())
@@ -138,8 +136,15 @@ def _role_of(message: BaseMessage, where: str) -> Role:
         return role
     raise UnsupportedMessageError(
         where,
-        f"{type(message).__name__} is not supported: use SystemMessage, HumanMessage or AIMessage",
+        f"{type(message).__name__} is not supported: use SystemMessage, HumanMessage, AIMessage or ToolMessage",
     )
+
+
+def _tool_call_text(message: AIMessage) -> str:
+    """An AIMessage's tool calls (valid or not), written as the model writes them."""
+    calls = [ToolCall(c["name"], dict(c.get("args") or {})) for c in message.tool_calls]
+    calls += [ToolCall(str(c.get("name") or ""), {"raw": c.get("args")}) for c in message.invalid_tool_calls]
+    return render_calls(calls) if calls else ""
 
 
 def _parts_of(message: BaseMessage, role: Role, where: str) -> list[str | SpanPiece]:
@@ -166,6 +171,8 @@ def _parts_of(message: BaseMessage, role: Role, where: str) -> list[str | SpanPi
                 text = str(block.get("text") or "")
             elif role == "assistant" and kind in _SKIPPED_AI_BLOCKS:
                 continue  # the model's own reasoning in the history: not part of the conversation text
+            elif kind in _TOOL_BLOCKS and role == "assistant":
+                continue  # the message's `tool_calls` say the same, and are written below
             elif kind in _TOOL_BLOCKS:
                 raise UnsupportedMessageError(
                     at, f"a {kind!r} block is not supported: spanq's models have no tool calling"
@@ -191,6 +198,7 @@ def prompt_from_messages(messages: Sequence[BaseMessage]) -> list[PromptMessage]
     if not messages:
         raise QueryValidationError("messages", "no messages: nothing to send to the model")
     prompt = []
+    names: dict[str, str] = {}  # tool call id -> tool name, from the calls seen so far
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, BaseMessage):
@@ -198,8 +206,26 @@ def prompt_from_messages(messages: Sequence[BaseMessage]) -> list[PromptMessage]
                 where, f"expected a LangChain message, got {type(message).__name__}"
             )
         role = _role_of(message, where)
-        prompt.append(PromptMessage(role, _parts_of(message, role, where)))
+        parts = _parts_of(message, role, where)
+        if isinstance(message, AIMessage) and (message.tool_calls or message.invalid_tool_calls):
+            parts = [*(p for p in parts if not isinstance(p, str) or p.strip()), _tool_call_text(message)]
+        elif isinstance(message, ToolMessage):
+            name = message.name or names.get(message.tool_call_id, "a tool")
+            status = " (it failed)" if message.status == "error" else ""
+            parts = [f"Result of {name}, call {message.tool_call_id}{status}:\n", *parts]
+        if isinstance(message, AIMessage):
+            names.update({c["id"]: c["name"] for c in message.tool_calls if c.get("id")})
+        prompt.append(PromptMessage(role, parts))
     return prompt
+
+
+def with_instruction(prompt: list[PromptMessage], text: str) -> list[PromptMessage]:
+    """`prompt` with `text` at the end of its first system message (one is added first where there is none:
+    many chat templates take one system message only, at the start)."""
+    if prompt and prompt[0].role == "system":
+        first = PromptMessage("system", [*prompt[0].parts, "\n\n" + text])
+        return [first, *prompt[1:]]
+    return [PromptMessage("system", [text]), *prompt]
 
 
 def prompt_from_text(text: str) -> list[PromptMessage]:

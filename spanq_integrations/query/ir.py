@@ -10,10 +10,11 @@ input) it came from.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Iterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from spanq_integrations.query.errors import QueryValidationError
 
@@ -106,6 +107,27 @@ class Generate(_Node):
     n: int = Field(default=1, ge=1)
     stop: tuple[str, ...] = ()
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)  # samplers take 64 bits; vLLM reads -1 as no seed
+    json_schema: str = ""
+    """The answer is JSON: "" free text (the default); "{}" any JSON object (JSON mode); otherwise a JSON schema,
+    as JSON text, that the answer matches (constrained decoding where the backend has it)."""
+
+    @field_validator("json_schema")
+    @classmethod
+    def _a_json_object(cls, value: str) -> str:
+        if not value:
+            return value
+        try:
+            parsed = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"json_schema is not JSON: {e}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"json_schema must be a JSON object (a schema), not {type(parsed).__name__}")  # noqa: TRY004  (pydantic reads ValueError)
+        return json.dumps(parsed, separators=(",", ":"))  # property order kept: it is the order written
+
+    @property
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON schema the answer matches ({} for any JSON object), or None for free text."""
+        return json.loads(self.json_schema) if self.json_schema else None
 
 
 AnchorPolicy = Literal["template", "system", "prefix"]
@@ -300,7 +322,10 @@ def generate(
     n: int = 1,
     stop: Iterable[str] | None = None,
     seed: int | None = None,
+    json_schema: dict[str, Any] | str | None = None,
 ) -> Generate:
+    """A model call on `input`. `json_schema`: the answer is JSON matching this schema (`{}`: any JSON object)."""
+    schema = json_schema if isinstance(json_schema, str) or json_schema is None else json.dumps(json_schema)
     return Generate(
         input=_as_node(input, "generate().input"),
         model=model,
@@ -309,6 +334,7 @@ def generate(
         n=n,
         stop=tuple(stop or ()),
         seed=seed,
+        json_schema=schema or "",
     )
 
 

@@ -65,6 +65,8 @@ def _write_generate_body(g: Generate, path: str) -> dict[str, Any]:
         body["stop"] = list(g.stop)
     if g.seed is not None:
         body["seed"] = g.seed
+    if g.json_schema:
+        body["json_schema"] = g.schema  # spanq's own key: spnl has no structured output
     body["input"] = _write(g.input, f"{path}.g.input")
     return body
 
@@ -304,7 +306,7 @@ def _children(value: Any, path: str, if_empty: str) -> tuple[Node, ...]:
     return tuple(_read_node(item, f"{path}[{i}]") for i, item in enumerate(items))
 
 
-_G_FIELDS = ("model", "max_tokens", "temperature", "n", "stop", "seed", "input")
+_G_FIELDS = ("model", "max_tokens", "temperature", "n", "stop", "seed", "json_schema", "input")
 
 
 def _read_generate_body(value: Any, path: str) -> Generate:
@@ -319,7 +321,16 @@ def _read_generate_body(value: Any, path: str) -> Generate:
         n=1 if n is None else _integer(n, f"{path}.n", 1),
         stop=tuple(_string(s, f"{path}.stop[{i}]") for i, s in enumerate(stop_items)),
         seed=None if seed is None else _integer(seed, f"{path}.seed", None),
+        json_schema=_json_schema(body.get("json_schema"), f"{path}.json_schema"),
     )
+
+
+def _json_schema(value: Any, path: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, dict):
+        raise QueryParseError(path, f"expected a JSON schema (an object), got {type(value).__name__}")
+    return json.dumps(value)
 
 
 def _read_g_node(value: Any, path: str) -> Generate:

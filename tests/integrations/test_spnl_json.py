@@ -304,7 +304,7 @@ def test_bad_field_names_its_exact_path(doc: Any, message: str) -> None:
 def test_unknown_field_lists_the_known_ones() -> None:
     e = _error({"g": {"input": {"user": "a"}, "max_token": 5}})
     assert str(e) == (
-        '$.g: unknown field "max_token" (expected: model, max_tokens, temperature, n, stop, seed, input)'
+        '$.g: unknown field "max_token" (expected: model, max_tokens, temperature, n, stop, seed, json_schema, input)'
     )
 
 
@@ -335,3 +335,13 @@ def test_validation_errors_never_escape() -> None:
     # every field is checked before the node is built; whatever slips through still names its path
     for doc in ({"g": {"input": {"user": "a"}, "seed": "x"}}, {"retrieve": {"query": 1}}, {"print": None}):
         assert isinstance(_error(doc), QueryParseError)
+
+
+def test_a_json_schema_round_trips_and_a_malformed_one_is_named():
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    g = generate(user("count"), json_schema=schema)
+    assert list(g.schema["properties"]) == ["b", "a"], "property order is what the model writes: kept"
+    assert from_json(to_json(g)) == g
+    assert to_json(g)["g"]["json_schema"] == schema
+    with pytest.raises(QueryParseError, match=r"\$\.g\.json_schema: expected a JSON schema"):
+        from_json({"g": {"input": {"user": "x"}, "json_schema": [1]}})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from langchain_core.documents import Document
-from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.messages import HumanMessage
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 
@@ -55,8 +55,9 @@ def test_a_document_longer_than_the_context_names_the_document(chat):
 
 def test_an_unsupported_message_type_is_refused_before_anything_is_sent():
     llm = ChatSpanQuery(backend="http://127.0.0.1:9")  # nothing listens there: the error comes first
-    with pytest.raises(UnsupportedMessageError, match="ToolMessage is not supported"):
-        llm.invoke([HumanMessage("hi"), ToolMessage("42", tool_call_id="call-1")])
+    image = HumanMessage([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])
+    with pytest.raises(UnsupportedMessageError, match="text only"):
+        llm.invoke([HumanMessage("hi"), image])
     with pytest.raises(ValueError, match="candidates"):
         JudgeEnsemble(llm=llm).invoke({"question": "q", "candidates": []})
 

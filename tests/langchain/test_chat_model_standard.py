@@ -1,5 +1,6 @@
-"""LangChain's standard test suites for `ChatSpanQuery`: the unit tests, and the integration tests on the tiny
-embedded backend (tool calling, structured output and multimodal input do not apply: the suite skips them)."""
+"""LangChain's standard test suites for `ChatSpanQuery`: the unit tests; the integration tests on the tiny
+embedded backend; and the tool-calling and structured-output tests on SmolLM2 (a random model writes schema-valid
+JSON, but not the arguments a test expects). Multimodal input does not apply: the suite skips it."""
 
 from __future__ import annotations
 
@@ -45,6 +46,14 @@ class TestChatSpanQueryIntegration(ChatModelIntegrationTests):
         return {"backend": self.backend, "max_tokens": 8, "temperature": 0}
 
     @property
+    def has_tool_calling(self) -> bool:
+        return False  # TestChatSpanQueryToolsOnSmolLM2
+
+    @property
+    def has_structured_output(self) -> bool:
+        return False  # TestChatSpanQueryToolsOnSmolLM2
+
+    @property
     def supported_usage_metadata_details(self) -> dict[str, list[str]]:
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
@@ -66,3 +75,34 @@ class TestChatSpanQueryIntegration(ChatModelIntegrationTests):
             full = chunk if full is None else full + chunk
         assert full is not None
         return full
+
+
+TOOL_TESTS = ("tool", "structured", "json_mode", "agent_loop")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+class TestChatSpanQueryToolsOnSmolLM2(ChatModelIntegrationTests):
+    """The standard tool-calling and structured-output tests, on the embedded default model (SmolLM2-135M)."""
+
+    backend: Any = None
+
+    @pytest.fixture(autouse=True)
+    def _tools_only_on_smollm2(self, request):
+        if not any(word in request.node.name for word in TOOL_TESTS):
+            pytest.skip("run on the tiny model by TestChatSpanQueryIntegration")
+        from spanq_backend.serving.embedded import shared_embedded_backend
+
+        type(self).backend = shared_embedded_backend()
+
+    @property
+    def chat_model_class(self) -> type[ChatSpanQuery]:
+        return ChatSpanQuery
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"backend": self.backend, "max_tokens": 200, "temperature": 0}
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
-from langchain_core.messages import AIMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import (
+    AIMessage,
+    ChatMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
 
 from spanq_integrations import Assistant, Cross, Fragment, Plus, System, User
 from spanq_integrations.langchain import UnsupportedMessageError, format_docs_as_spans, span_block
@@ -77,8 +86,7 @@ def test_the_shorthand_marker_is_read_too():
 @pytest.mark.parametrize(
     "message, words",
     [
-        (ToolMessage("42", tool_call_id="1"), "ToolMessage is not supported"),
-        (AIMessage("", tool_calls=[{"name": "f", "args": {}, "id": "1"}]), "tool calls"),
+        (FunctionMessage("42", name="f"), "FunctionMessage"),
         (HumanMessage([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]), "text only"),
         (ChatMessage(role="critic", content="meh"), "role 'critic'"),
     ],
@@ -87,6 +95,21 @@ def test_unsupported_messages_raise_a_clear_error(message, words):
     with pytest.raises(UnsupportedMessageError, match=words) as caught:
         prompt_from_messages([HumanMessage("hi"), message])
     assert caught.value.path.startswith("messages[1]")
+
+
+def test_tool_calls_and_results_in_the_history_are_written_as_the_model_writes_them():
+    """An agent's transcript: the model's call is JSON as it wrote it; the result is a user turn naming its call."""
+    history = [
+        HumanMessage("What is 3 plus 4?"),
+        AIMessage("", tool_calls=[{"name": "add", "args": {"a": 3, "b": 4}, "id": "c1"}]),
+        ToolMessage("7", tool_call_id="c1"),
+        ToolMessage("boom", tool_call_id="c2", name="other", status="error"),
+    ]
+    prompt = prompt_from_messages(history)
+    assert [m.role for m in prompt] == ["user", "assistant", "user", "user"]
+    assert json.loads(prompt[1].parts[-1]) == {"tool_calls": [{"name": "add", "arguments": {"a": 3, "b": 4}}]}
+    assert "".join(prompt[2].parts) == "Result of add, call c1:\n7"
+    assert "".join(prompt[3].parts).startswith("Result of other, call c2 (it failed):")
 
 
 # --------------------------------------------------------------------------------------------- documents
