@@ -9,7 +9,9 @@ fire as for any LLM. `run_query` and friends execute a whole span query on the s
 
 from __future__ import annotations
 
+import json
 import threading
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,14 +31,24 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.llm import LLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
 
 from spanq_integrations.backends import Backend, resolve_backend
 from spanq_integrations.llamaindex.usage import METADATA_KEY, usage_of
 from spanq_integrations.query.errors import QueryValidationError, SpanQueryError
-from spanq_integrations.query.ir import Generate, Node, assistant, cross, generate, system, user
+from spanq_integrations.query.ir import Generate, Node, System, assistant, cross, generate, system, user
 from spanq_integrations.runtime.background_loop import AsyncQueryStream, QueryStream, background_loop
 from spanq_integrations.runtime.executor import ExecutionResult, aexecute
+from spanq_integrations.runtime.tools import (
+    ToolCall,
+    ToolSpec,
+    check_choice,
+    read_reply,
+    render_calls,
+    reply_schema,
+    tools_instruction,
+)
 
 __all__ = ["DEFAULT_CONTEXT_WINDOW", "SpanQueryLLM", "messages_to_nodes"]
 
@@ -62,11 +74,25 @@ def _message_text(message: ChatMessage, where: str) -> str:
     return "\n".join(parts)
 
 
+def _calls_of(message: ChatMessage) -> list[dict[str, Any]]:
+    """The tool calls an assistant message made (`additional_kwargs["tool_calls"]`, OpenAI's shape)."""
+    calls = message.additional_kwargs.get("tool_calls") or []
+    out = []
+    for c in calls:
+        fn = c.get("function", c) if isinstance(c, dict) else {}
+        args = fn.get("arguments", {})
+        out.append({"id": c.get("id", ""), "name": fn.get("name", ""),
+                    "arguments": json.loads(args) if isinstance(args, str) and args else args or {}})
+    return out
+
+
 def messages_to_nodes(messages: Sequence[ChatMessage]) -> list[Node]:
-    """LlamaIndex chat messages as span-query messages: system (and developer), user, assistant."""
+    """LlamaIndex chat messages as span-query messages: system (and developer), user, assistant; an assistant's
+    tool calls written as the model writes them (`runtime.tools`), a tool's result as a user turn naming its call."""
     if not messages:
         raise QueryValidationError("messages", "a chat call needs at least one message")
     nodes: list[Node] = []
+    names: dict[str, str] = {}
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         role = MessageRole(message.role)
@@ -76,12 +102,19 @@ def messages_to_nodes(messages: Sequence[ChatMessage]) -> list[Node]:
         elif role == MessageRole.USER:
             nodes.append(user(text))
         elif role in _ASSISTANT_ROLES:
+            calls = _calls_of(message)
+            names.update({c["id"]: c["name"] for c in calls})
+            if calls:
+                text = "\n".join(t for t in (text.strip(), render_calls(
+                    [ToolCall(c["name"], c["arguments"]) for c in calls])) if t)
             nodes.append(assistant(text))
+        elif role in (MessageRole.TOOL, MessageRole.FUNCTION):
+            call_id = str(message.additional_kwargs.get("tool_call_id", ""))
+            name = message.additional_kwargs.get("name") or names.get(call_id, "a tool")
+            nodes.append(user(f"Result of {name}, call {call_id}:\n{text}"))
         else:
             raise QueryValidationError(
-                where,
-                f"role {role.value!r} is not supported: SpanQueryLLM does not call tools or functions "
-                "(is_function_calling_model is False); send system, user and assistant messages",
+                where, f"role {role.value!r} is not supported: send system, user, assistant and tool messages"
             )
     return nodes
 
@@ -97,7 +130,7 @@ def _check_backend_spec(spec: Any) -> None:
     )
 
 
-class SpanQueryLLM(LLM):
+class SpanQueryLLM(FunctionCallingLLM):
     """A LlamaIndex LLM on spanq.
 
     `backend`: None (or "embedded") runs the shared embedded span-aware engine on the default model, started on
@@ -175,7 +208,7 @@ class SpanQueryLLM(LLM):
             context_window=self._context_window(),
             num_output=self.max_tokens,
             is_chat_model=True,
-            is_function_calling_model=False,
+            is_function_calling_model=True,
             model_name=self._model_name(),
             system_role=MessageRole.SYSTEM,
         )
@@ -215,8 +248,52 @@ class SpanQueryLLM(LLM):
         )
 
     def chat_query(self, messages: Sequence[ChatMessage], **options: Any) -> Generate:
-        """The span query of a chat call: one `Generate` over the messages in a `cross`."""
-        return self.generate_call(cross(*messages_to_nodes(messages)), **options)
+        """The span query of a chat call: one `Generate` over the messages in a `cross`. With `tools` (what
+        `chat_with_tools` passes): the tools in the system message, the answer constrained to a call or text."""
+        nodes = messages_to_nodes(messages)
+        tools: list[ToolSpec] = options.get("tools") or []
+        if not tools:
+            return self.generate_call(cross(*nodes), **options)
+        choice = check_choice(tools, options.get("tool_choice"))
+        instruction = tools_instruction(tools, choice)
+        if nodes and isinstance(nodes[0], System):
+            nodes[0] = system(f"{nodes[0].text}\n\n{instruction}")
+        else:
+            nodes.insert(0, system(instruction))
+        call = self.generate_call(cross(*nodes), **options)
+        schema = reply_schema(tools, choice, parallel=bool(options.get("parallel_tool_calls")))
+        return call.model_copy(update={"json_schema": json.dumps(schema)})
+
+    # ----------------------------------------------------------------------------------------- tools
+
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[Any],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """What `chat_with_tools` (and LlamaIndex's agents and function-calling programs) send to `chat`."""
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(user_msg if isinstance(user_msg, ChatMessage) else ChatMessage(role="user", content=user_msg))
+        specs = [ToolSpec(t.metadata.name, t.metadata.description or "", t.metadata.get_parameters_dict())
+                 for t in tools]
+        choice = kwargs.pop("tool_choice", None) or ("required" if tool_required else "auto")
+        return {"messages": messages, "tools": specs, "tool_choice": choice,
+                "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
+
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> list[ToolSelection]:
+        calls = _calls_of(response.message)
+        if not calls and error_on_no_tool_call:
+            why = response.message.additional_kwargs.get("tool_call_error")
+            raise ValueError(f"the model called no tool{f': {why}' if why else ''}")
+        return [ToolSelection(tool_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"]) for c in calls]
 
     def completion_query(self, prompt: str, **options: Any) -> Generate:
         """The span query of a completion call: the prompt as one user message (this is a chat model)."""
@@ -285,9 +362,22 @@ class SpanQueryLLM(LLM):
         }
         return additional, {METADATA_KEY: usage}
 
-    def _chat_response(self, result: ExecutionResult) -> ChatResponse:
+    def _chat_response(self, result: ExecutionResult, tools: Sequence[ToolSpec] = ()) -> ChatResponse:
         additional, raw = self._usage_fields(result)
-        message = ChatMessage(role=MessageRole.ASSISTANT, content=result.answer)
+        if not tools:
+            message = ChatMessage(role=MessageRole.ASSISTANT, content=result.answer)
+            return ChatResponse(message=message, raw=raw, additional_kwargs=additional)
+        reply = read_reply(result.answer, tools)
+        extra: dict[str, Any] = {}
+        if reply.error is not None:
+            extra["tool_call_error"] = reply.error
+        if reply.calls:
+            extra["tool_calls"] = [
+                {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                for c in reply.calls
+            ]
+        message = ChatMessage(role=MessageRole.ASSISTANT, content=reply.text, additional_kwargs=extra)
         return ChatResponse(message=message, raw=raw, additional_kwargs=additional)
 
     def _completion_response(self, result: ExecutionResult) -> CompletionResponse:
@@ -298,14 +388,18 @@ class SpanQueryLLM(LLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._chat_response(self.run_query(self.chat_query(messages, **kwargs)))
+        return self._chat_response(self.run_query(self.chat_query(messages, **kwargs)), kwargs.get("tools") or ())
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._chat_response(await self.arun_query(self.chat_query(messages, **kwargs)))
+        result = await self.arun_query(self.chat_query(messages, **kwargs))
+        return self._chat_response(result, kwargs.get("tools") or ())
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        if kwargs.get("tools"):  # a tool call's JSON comes whole: one response
+            response = self._chat_response(self.run_query(self.chat_query(messages, **kwargs)), kwargs["tools"])
+            return iter([response])
         stream = self.stream_query(self.chat_query(messages, **kwargs))
 
         def gen() -> ChatResponseGen:
@@ -321,6 +415,13 @@ class SpanQueryLLM(LLM):
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        if kwargs.get("tools"):  # a tool call's JSON comes whole: one response
+            whole = self._chat_response(await self.arun_query(self.chat_query(messages, **kwargs)), kwargs["tools"])
+
+            async def one() -> ChatResponseAsyncGen:
+                yield whole
+
+            return one()
         stream = self.astream_query(self.chat_query(messages, **kwargs))
 
         async def gen() -> ChatResponseAsyncGen:

@@ -82,7 +82,9 @@ def server(tiny_model: Path, tmp_path_factory, request) -> Iterator[Server]:
     port = free_port()
     log = tmp_path_factory.mktemp("spanq-serve") / "server.log"
     command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", str(tiny_model), "--port", str(port),
-               "--max-calls", "64"]
+               "--max-calls", "64",
+               # compact JSON for the random model's constrained answers (a vLLM option, passed through)
+               "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
     failed_before = request.session.testsfailed
     with running_server(command, log, "spanq serve") as proc:
         yield Server(f"http://127.0.0.1:{port}", log, tiny_model.name, proc.pid)
@@ -425,3 +427,26 @@ def test_fuzzed_queries_get_200_or_4xx_and_the_server_stays_up(server: Server, d
     if answer.status_code != 200:
         assert "InternalServerError" not in answer.text
     _assert_healthy(server)
+
+
+def test_a_json_schema_constrains_the_answer_through_the_query_route(server: Server):
+    """`Generate.json_schema` travels in the query's JSON and spanq serve decodes under it (a random model, so only
+    the form is checked: JSON of the schema, with its spans still reused)."""
+    from spanq_integrations.runtime.executor import execute
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"]}
+    docs = [fragment(f"Shelf {c} holds {i} boxes of tea.") for i, c in enumerate("XYZ")]
+    ask = lambda order: generate(
+        cross(system("Answer in JSON."), plus(*[docs[i] for i in order]), user("How many boxes?")),
+        json_schema=schema, max_tokens=20, temperature=0)
+    backend = SpanBackend(server.url)
+    try:
+        first = execute(ask([0, 1, 2]), backend)
+        second = execute(ask([2, 0, 1]), backend)
+    finally:
+        asyncio.run(backend.aclose())
+    for result in (first, second):
+        answer = json.loads(result.answer)
+        assert set(answer) == {"n"} and 0 <= answer["n"] <= 99
+    assert second.calls[-1].prepared_spans == 0
