@@ -29,3 +29,35 @@ def test_notebook_runs_on_the_embedded_default(tmp_path, monkeypatch):
     assert "4 spans, 0 computed now" in outputs  # the second question: every document from the span cache
     assert "from the span cache, with its 4 documents in a new order" in outputs
     assert "fallback: text other than whitespace" in outputs
+
+
+@pytest.fixture(scope="module")
+def compact_tiny(tiny_model):
+    """The tiny model with compact JSON (a random model pads free-whitespace JSON until max_tokens)."""
+    from spanq_backend.serving.embedded import EmbeddedBackend
+
+    backend = EmbeddedBackend(str(tiny_model), max_model_len=2048, max_num_seqs=4, compact_json=True)
+    yield backend
+    backend.close()
+
+
+def test_agent_script_searches_reuses_the_found_documents_and_judges(compact_tiny):
+    example = load_example("examples/judge/langchain_agent.py")
+    llm = ChatSpanQuery(backend=compact_tiny, max_tokens=80, temperature=0.5)
+    judge_llm = ChatSpanQuery(backend=compact_tiny, max_tokens=8, temperature=0)
+    result = example.run(llm, judge_llm, n=3)
+    runs = result["runs"]
+    assert all(len(r["searched"]) == 1 for r in runs), "every agent called the search tool once"
+    answers = [r["calls"][-1] for r in runs]
+    assert all(a["spans"] == 3 for a in answers), "the tool's documents were read as spans"
+    assert answers[0]["prepared_spans"] == 3 and answers[1]["prepared_spans"] == answers[2]["prepared_spans"] == 0
+    assert len(result["verdict"].candidates) == 3
+
+
+@pytest.mark.slow
+def test_agent_notebook_runs_on_the_embedded_default(tmp_path, monkeypatch):
+    outputs = run_notebook("examples/judge/langchain_agent.ipynb", tmp_path, monkeypatch,
+                           SPANQ_EXAMPLE_MAX_TOKENS="64", SPANQ_EXAMPLE_AGENTS="2")
+    assert "agent 0: searched" in outputs and "3 spans, 3 computed now" in outputs
+    assert "agent 1: searched" in outputs and "3 spans, 0 computed now" in outputs
+    assert "verdict:" in outputs
