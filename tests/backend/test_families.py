@@ -109,6 +109,19 @@ def test_eight_orders_at_once_match_the_reference(family):
         assert (lps - ref).abs().max() < TOL, f"{name} {order}: max |diff| = {(lps - ref).abs().max():.2e}"
 
 
+def miss_on_a_fresh_engine(name: str) -> float:
+    """ABCD then DCBA on a new engine of `name` with spans on: how far its logprobs are from the reference."""
+    engine = start(name)
+    try:
+        assert engine.span_support.enabled, engine.span_support.reason
+        hf = load_hf_model(engine.model_path)
+        _, _, lowered, _, toks, lps = reordered(engine)
+    finally:
+        engine.close()
+    ref = span_reference_logprobs(hf, lowered.token_ids, lowered.table, toks).double()
+    return float((lps - ref).abs().max())
+
+
 @pytest.mark.parametrize("name", REFUSED)
 def test_a_refused_family_is_refused_by_name_before_the_engine_starts(name):
     from spanq_backend.serving.engine import SpanEngine
@@ -126,14 +139,7 @@ def test_one_rope_for_gemma3s_two_would_be_wrong(monkeypatch):
 
     real = kv_layout.rope_specs_of_layers
     monkeypatch.setattr(kv_layout, "rope_specs_of_layers", lambda model, names: [real(model, names)[0]] * len(names))
-    engine = start("gemma3")
-    try:
-        hf = load_hf_model(engine.model_path)
-        _, _, lowered, _, toks, lps = reordered(engine)
-    finally:
-        engine.close()
-    ref = span_reference_logprobs(hf, lowered.token_ids, lowered.table, toks).double()
-    assert (lps - ref).abs().max() > 10 * TOL
+    assert miss_on_a_fresh_engine("gemma3") > 10 * TOL
 
 
 def test_gemma2_with_vllms_split_kv_cache_is_refused_not_wrong(monkeypatch):
@@ -153,15 +159,7 @@ def test_gemma2_with_vllms_split_kv_cache_is_refused_not_wrong(monkeypatch):
     # layers share tensors), spans would be served, and wrong.
     monkeypatch.setattr(worker, "single_kv_cache_group", lambda runner: None)
     monkeypatch.setattr(kv_layout, "layer_names_of", lambda runner, caches: [""] * len(caches))
-    engine = start("gemma2")
-    try:
-        assert engine.span_support.enabled
-        hf = load_hf_model(engine.model_path)
-        _, _, lowered, _, toks, lps = reordered(engine)
-    finally:
-        engine.close()
-    ref = span_reference_logprobs(hf, lowered.token_ids, lowered.table, toks).double()
-    assert (lps - ref).abs().max() > 10 * TOL
+    assert miss_on_a_fresh_engine("gemma2") > 10 * TOL
 
 
 def test_a_sliding_window_shorter_than_the_context_turns_spans_off_saying_why():
