@@ -9,6 +9,7 @@ fire as for any LLM. `run_query` and friends execute a whole span query on the s
 
 from __future__ import annotations
 
+import contextvars
 import json
 import threading
 import uuid
@@ -35,11 +36,30 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 
 from spanq_integrations.backends import Backend, resolve_backend
+from spanq_integrations.llamaindex.run_nodes import current_record, install_tracker
 from spanq_integrations.llamaindex.usage import METADATA_KEY, usage_of
 from spanq_integrations.query.errors import QueryValidationError, SpanQueryError
-from spanq_integrations.query.ir import Generate, Node, System, assistant, cross, generate, system, user
+from spanq_integrations.query.ir import (
+    Assistant,
+    Generate,
+    Node,
+    System,
+    User,
+    assistant,
+    cross,
+    generate,
+    system,
+    user,
+)
 from spanq_integrations.runtime.background_loop import AsyncQueryStream, QueryStream, background_loop
 from spanq_integrations.runtime.executor import ExecutionResult, aexecute
+from spanq_integrations.runtime.prompt_spans import (
+    PromptMessage,
+    Role,
+    query_input,
+    span_count,
+    split_at_documents,
+)
 from spanq_integrations.runtime.tools import (
     ToolCall,
     ToolSpec,
@@ -60,6 +80,12 @@ _ASSISTANT_ROLES = (MessageRole.ASSISTANT, MessageRole.CHATBOT, MessageRole.MODE
 _BACKEND_SCHEMES = ("http://", "https://", "spanq+http://", "spanq+https://")
 _CALL_OPTIONS = ("max_tokens", "temperature", "stop", "seed")
 _BACKEND_LOCK = threading.Lock()  # guards resolving a backend (rare); module-level so LLMs stay copyable
+_LLAMAINDEX_FIX = "answer with SpanQuerySynthesizer, which sends every node as a span"
+_ROLE_OF: dict[type, Role] = {System: "system", User: "user", Assistant: "assistant"}
+_RECORDED = ("prompt_tokens", "cached_tokens", "generated_tokens", "prepared_spans", "ttft_s")
+# What the current call's prompt did with the query's nodes (set when its query is built, read when it is done;
+# a context variable: concurrent calls in their own tasks each see their own).
+_split_note: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("spanq_node_spans", default=None)
 
 
 def _message_text(message: ChatMessage, where: str) -> str:
@@ -156,6 +182,11 @@ class SpanQueryLLM(FunctionCallingLLM):
         default=None, exclude=True, description="None: embedded; a URL; or a spanq Backend."
     )
     api_key: str | None = Field(default=None, exclude=True, description="Bearer token for HTTP backends.")
+    recover_nodes: bool = Field(
+        default=True,
+        description="Inside a query engine, send the nodes the query retrieved as spans where the prompt holds "
+        "them verbatim (LlamaIndex's own synthesizers); response.metadata['spanq'] says what happened.",
+    )
 
     _backend: Backend | None = PrivateAttr(default=None)
     _owns_backend: bool = PrivateAttr(default=False)
@@ -247,13 +278,44 @@ class SpanQueryLLM(FunctionCallingLLM):
             seed=picked.get("seed", self.seed),
         )
 
+    def _with_node_spans(self, nodes: list[Node]) -> list[Node]:
+        """`nodes` with the documents the current query retrieved cut out as spans, where they appear verbatim
+        and it is safe (`prompt_spans.split_at_documents`); the outcome is noted for the call's record."""
+        _split_note.set(None)
+        record = current_record()
+        if not self.recover_nodes or record is None or not record.candidates:
+            return nodes
+        if not all(isinstance(n, (System, User, Assistant)) for n in nodes):
+            return nodes
+        if not self.get_backend().capabilities.span_aware:
+            _split_note.set({"spans": 0, "fallback": "the backend is not span-aware: the prompt was sent as it is"})
+            return nodes
+        prompt = [PromptMessage(_ROLE_OF[type(n)], [n.text]) for n in nodes]
+        split, reason = split_at_documents(prompt, record.candidates, fix=_LLAMAINDEX_FIX)
+        if split is None:
+            _split_note.set({"spans": 0, "fallback": reason})
+            return nodes
+        _split_note.set({"spans": span_count(split), "fallback": None})
+        return list(query_input(split, span_aware=True).children)
+
+    def _note_call(self, result: ExecutionResult) -> None:
+        """The call's usage and span outcome, in the current query's record (for `response.metadata`)."""
+        record = current_record()
+        if record is None:
+            return
+        usage = usage_of(result)
+        note = _split_note.get() or {"spans": 0, "fallback": None}
+        record.calls.append({k: usage.get(k) for k in _RECORDED} | note)
+
     def chat_query(self, messages: Sequence[ChatMessage], **options: Any) -> Generate:
         """The span query of a chat call: one `Generate` over the messages in a `cross`. With `tools` (what
-        `chat_with_tools` passes): the tools in the system message, the answer constrained to a call or text."""
+        `chat_with_tools` passes): the tools in the system message, the answer constrained to a call or text.
+        Inside a query engine, the nodes the query retrieved are sent as spans where the prompt holds them
+        verbatim (`recover_nodes`)."""
         nodes = messages_to_nodes(messages)
         tools: list[ToolSpec] = options.get("tools") or []
         if not tools:
-            return self.generate_call(cross(*nodes), **options)
+            return self.generate_call(cross(*self._with_node_spans(nodes)), **options)
         choice = check_choice(tools, options.get("tool_choice"))
         instruction = tools_instruction(tools, choice)
         if nodes and isinstance(nodes[0], System):
@@ -297,7 +359,7 @@ class SpanQueryLLM(FunctionCallingLLM):
 
     def completion_query(self, prompt: str, **options: Any) -> Generate:
         """The span query of a completion call: the prompt as one user message (this is a chat model)."""
-        return self.generate_call(cross(user(prompt)), **options)
+        return self.generate_call(cross(*self._with_node_spans([user(prompt)])), **options)
 
     async def _execute(
         self,
@@ -363,6 +425,7 @@ class SpanQueryLLM(FunctionCallingLLM):
         return additional, {METADATA_KEY: usage}
 
     def _chat_response(self, result: ExecutionResult, tools: Sequence[ToolSpec] = ()) -> ChatResponse:
+        self._note_call(result)
         additional, raw = self._usage_fields(result)
         if not tools:
             message = ChatMessage(role=MessageRole.ASSISTANT, content=result.answer)
@@ -381,6 +444,7 @@ class SpanQueryLLM(FunctionCallingLLM):
         return ChatResponse(message=message, raw=raw, additional_kwargs=additional)
 
     def _completion_response(self, result: ExecutionResult) -> CompletionResponse:
+        self._note_call(result)
         additional, raw = self._usage_fields(result)
         return CompletionResponse(text=result.answer, raw=raw, additional_kwargs=additional)
 
@@ -476,3 +540,6 @@ class SpanQueryLLM(FunctionCallingLLM):
             yield final
 
         return gen()
+
+
+install_tracker()  # the nodes each query retrieves, for `recover_nodes` (one event handler per process)

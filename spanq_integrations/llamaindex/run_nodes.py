@@ -1,0 +1,100 @@
+"""The nodes the current LlamaIndex query retrieved, followed through LlamaIndex's instrumentation events: how
+`SpanQueryLLM` sends them as spans when it is the only thing swapped in a query engine.
+
+A handler on the root dispatcher opens a record at each `QueryStartEvent`, adds the nodes of each
+`RetrievalEndEvent` to it, and at `QueryEndEvent` writes what the query's `SpanQueryLLM` calls did into
+`response.metadata["spanq"]` (unless a spanq synthesizer wrote it already). Records live in a context variable:
+each query (thread, or asyncio task) sees its own, and a query run inside another (a sub-question engine) gets
+its own record on top of its parent's.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from llama_index.core.bridge.pydantic import PrivateAttr
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.query import QueryEndEvent, QueryStartEvent
+from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
+from llama_index.core.schema import MetadataMode
+
+from spanq_integrations.runtime.prompt_spans import SpanCandidate
+
+__all__ = ["QueryRecord", "current_record", "install_tracker"]
+
+
+@dataclass
+class QueryRecord:
+    """One query: the nodes it retrieved, and the spanq calls made for it."""
+
+    candidates: list[SpanCandidate] = field(default_factory=list)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def add_nodes(self, nodes: list[Any]) -> None:
+        for scored in nodes:
+            node = getattr(scored, "node", scored)
+            # What LlamaIndex's synthesizers put in the prompt (text with the metadata the LLM sees), and the
+            # bare text (templates that leave the metadata out); the longer is looked for first.
+            for mode in (MetadataMode.LLM, MetadataMode.NONE):
+                self.candidates.append(SpanCandidate(node.get_content(metadata_mode=mode), node.node_id))
+
+    def summary(self) -> dict[str, Any]:
+        totals = {k: sum(int(c.get(k) or 0) for c in self.calls)
+                  for k in ("spans", "prepared_spans", "cached_tokens", "prompt_tokens", "generated_tokens")}
+        fallbacks = [c["fallback"] for c in self.calls if c.get("fallback")]
+        return {**totals, "llm_calls": len(self.calls), "fallback": fallbacks[0] if fallbacks else None,
+                "calls": self.calls}
+
+
+_records: contextvars.ContextVar[tuple[QueryRecord, ...]] = contextvars.ContextVar("spanq_query_records", default=())
+
+
+def current_record() -> QueryRecord | None:
+    """The innermost query being run in this context, or None outside a query engine."""
+    records = _records.get()
+    return records[-1] if records else None
+
+
+class _NodeTracker(BaseEventHandler):
+    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "SpanqNodeTracker"
+
+    def handle(self, event: Any, **kwargs: Any) -> None:
+        if isinstance(event, QueryStartEvent):
+            _records.set((*_records.get(), QueryRecord()))
+        elif isinstance(event, RetrievalEndEvent):
+            record = current_record()
+            if record is not None:
+                record.add_nodes(list(event.nodes or []))
+        elif isinstance(event, QueryEndEvent):
+            records = _records.get()
+            if not records:
+                return
+            _records.set(records[:-1])
+            record = records[-1]
+            metadata = getattr(event.response, "metadata", None)
+            if record.calls and (metadata is None or "spanq" not in metadata):
+                try:
+                    event.response.metadata = {**(metadata or {}), "spanq": record.summary()}
+                except (AttributeError, ValueError):  # a response type without settable metadata
+                    pass
+
+
+_installed: _NodeTracker | None = None
+_install_lock = threading.Lock()
+
+
+def install_tracker() -> None:
+    """Add the tracker to LlamaIndex's root dispatcher (once per process)."""
+    global _installed
+    with _install_lock:
+        if _installed is None:
+            _installed = _NodeTracker()
+            get_dispatcher().add_event_handler(_installed)

@@ -1,0 +1,93 @@
+"""A LlamaIndex query engine with only the LLM swapped for `SpanQueryLLM` (LlamaIndex's own synthesizers):
+the nodes the query retrieved are found in the prompt and sent as spans, and `response.metadata["spanq"]` says
+what the calls did, for each built-in response mode. Two questions over the same four nodes in opposite orders:
+the second computes no span."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from llama_index.core import QueryBundle, get_response_synthesizer
+from llama_index.core.query_engine import RetrieverQueryEngine
+from llama_index.core.retrievers import BaseRetriever
+from llama_index.core.schema import NodeWithScore
+
+from spanq_integrations.llamaindex import SpanQueryLLM
+
+pytestmark = pytest.mark.vllm
+
+
+class FixedOrder(BaseRetriever):
+    """Returns the index's nodes in the order given for each call (the nodes of a real retriever, reordered)."""
+
+    def __init__(self, nodes: list[Any], orders: list[list[int]]):
+        super().__init__()
+        self._nodes, self._orders, self._calls = nodes, orders, 0
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        order = self._orders[self._calls % len(self._orders)]
+        self._calls += 1
+        return [NodeWithScore(node=self._nodes[i], score=1.0 - 0.1 * k) for k, i in enumerate(order)]
+
+
+def nodes_of(index) -> list[Any]:
+    return sorted(index.docstore.docs.values(), key=lambda n: n.metadata["town"])
+
+
+def engine(llm: SpanQueryLLM, index, mode: str, orders: list[list[int]]) -> RetrieverQueryEngine:
+    return RetrieverQueryEngine(
+        FixedOrder(nodes_of(index), orders), get_response_synthesizer(llm=llm, response_mode=mode)
+    )
+
+
+def test_compact_reuses_the_nodes_in_a_new_order(tiny_backend, town_index):
+    llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4)
+    qe = engine(llm, town_index, "compact", [[0, 1, 2, 3], [3, 2, 1, 0]])
+    first = qe.query("Which town hall is green?")
+    second = qe.query("Which town hall is green?")
+    for response in (first, second):
+        assert response.metadata["spanq"]["spans"] == 4, response.metadata["spanq"]["fallback"]
+        assert response.metadata["spanq"]["fallback"] is None
+    assert first.metadata["spanq"]["prepared_spans"] == 4
+    assert second.metadata["spanq"]["prepared_spans"] == 0, "every node came from the span cache"
+
+
+@pytest.mark.parametrize("mode", ["refine", "tree_summarize", "accumulate"])
+def test_every_built_in_response_mode_sends_the_nodes_as_spans(tiny_backend, town_index, mode):
+    llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4)
+    response = engine(llm, town_index, mode, [[0, 1, 2, 3]]).query("Which town hall is green?")
+    spanq = response.metadata["spanq"]
+    assert spanq["llm_calls"] >= 1 and spanq["spans"] >= 1, spanq
+    assert all(c["fallback"] is None for c in spanq["calls"]), spanq["calls"]
+
+
+def test_simple_summarize_does_not_hold_the_nodes_verbatim_and_says_so(tiny_backend, town_index):
+    """LlamaIndex 0.14's simple_summarize writes the Python repr of its list of chunks (escaped newlines): no node
+    is in the prompt as it is, so the prompt goes unchanged and the metadata says why."""
+    llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4)
+    response = engine(llm, town_index, "simple_summarize", [[0, 1, 2, 3]]).query("Which town hall is green?")
+    spanq = response.metadata["spanq"]
+    assert spanq["spans"] == 0 and "SpanQuerySynthesizer" in spanq["fallback"]
+
+
+def test_a_prompt_that_does_not_hold_the_nodes_verbatim_goes_as_it_is_and_says_why(tiny_backend, town_index):
+    from llama_index.core import PromptTemplate
+
+    template = PromptTemplate("Context: {context_str} -- Question: {query_str}")  # nodes mid-line
+    llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4)
+    synth = get_response_synthesizer(llm=llm, response_mode="compact", text_qa_template=template)
+    response = RetrieverQueryEngine(FixedOrder(nodes_of(town_index), [[0, 1]]), synth).query("Green?")
+    spanq = response.metadata["spanq"]
+    assert spanq["spans"] == 0 and "line boundaries" in spanq["fallback"]
+    assert "SpanQuerySynthesizer" in spanq["fallback"]
+
+
+def test_recover_nodes_off_and_outside_a_query_engine_nothing_changes(tiny_backend, town_index):
+    off = SpanQueryLLM(backend=tiny_backend, max_tokens=4, recover_nodes=False)
+    response = engine(off, town_index, "compact", [[0, 1, 2, 3]]).query("Which town hall is green?")
+    assert response.metadata["spanq"]["spans"] == 0
+    # after the query: a prompt holding a node's text is not cut (no query, no nodes to look for)
+    text = nodes_of(town_index)[0].get_content()
+    plain = SpanQueryLLM(backend=tiny_backend, max_tokens=4).complete(f"Context:\n{text}\nWhich town?")
+    assert plain.raw["spanq"]["prepared_spans"] == 0
