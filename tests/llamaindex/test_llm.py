@@ -84,7 +84,7 @@ def test_metadata_without_starting_an_engine():
         4096,
         99,
         True,
-        True,  # tool calls through constrained decoding (test_tools.py)
+        True,  # tool calls through constrained decoding (test_llamaindex_tools.py)
     )
     assert SpanQueryLLM(model="tiny", context_window=1234).metadata.model_name == "tiny"
     assert SpanQueryLLM(model="tiny", context_window=1234).metadata.context_window == 1234
