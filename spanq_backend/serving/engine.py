@@ -104,7 +104,6 @@ class SpanEngine:
             from spanq_backend.kv.rerope import RelocationError
             from spanq_backend.serving.families import check_spans, family_line
 
-            log.info("%s", family_line(self.model_path))
             try:
                 check_spans(self.model_path)
             except RelocationError as e:
@@ -116,6 +115,8 @@ class SpanEngine:
             logs.configure()
         except ValueError as e:  # an unknown SPANQ_LOG_LEVEL
             raise BackendError(str(e)) from None
+        if self.config.spans:
+            log.info("%s", family_line(self.model_path))  # after logs.configure: shown on a quiet first run
         kind = "span-aware" if self.config.spans else "stock"
         log.info("starting a %s vLLM engine on %s …", kind, self.model_name)
         started = time.perf_counter()

@@ -146,7 +146,7 @@ def wrap_initialize_kv_caches(orig: Any) -> Any:
             log.warning("spanq: span reuse is off for this engine (span tables run as stock requests): %s",
                         support.reason)
         else:
-            log.info("spanq: span reuse is on: the start-up self-check moved keys exactly on every layer's RoPE")
+            log.info("span reuse is on: the start-up self-check moved keys exactly on every layer's RoPE")
         _startup.support = support
         return result
 
