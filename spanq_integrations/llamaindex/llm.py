@@ -316,6 +316,7 @@ class SpanQueryLLM(FunctionCallingLLM):
         tools: list[ToolSpec] = options.get("tools") or []
         if not tools:
             return self.generate_call(cross(*self._with_node_spans(nodes)), **options)
+        _split_note.set(None)  # a call with tools sends its prompt as it is: no earlier call's note applies
         choice = check_choice(tools, options.get("tool_choice"))
         instruction = tools_instruction(tools, choice)
         if nodes and isinstance(nodes[0], System):
