@@ -51,6 +51,17 @@ def tiny_backend(tiny_model):
     backend.close()
 
 
+@pytest.fixture(scope="session")
+def compact_tiny(tiny_model):
+    """The tiny model with compact JSON (`EngineConfig.compact_json`): a random model pads free-whitespace JSON
+    with whitespace until max_tokens. Shared by the tool-calling and agent tests."""
+    from spanq_backend.serving.embedded import EmbeddedBackend
+
+    backend = EmbeddedBackend(str(tiny_model), max_model_len=2048, max_num_seqs=4, compact_json=True)
+    yield backend
+    backend.close()
+
+
 STOCK_SERVED_MODEL_NAME = "tiny"
 
 

@@ -31,15 +31,6 @@ def test_notebook_runs_on_the_embedded_default(tmp_path, monkeypatch):
     assert "fallback: text other than whitespace" in outputs
 
 
-@pytest.fixture(scope="module")
-def compact_tiny(tiny_model):
-    """The tiny model with compact JSON (a random model pads free-whitespace JSON until max_tokens)."""
-    from spanq_backend.serving.embedded import EmbeddedBackend
-
-    backend = EmbeddedBackend(str(tiny_model), max_model_len=2048, max_num_seqs=4, compact_json=True)
-    yield backend
-    backend.close()
-
 
 def test_agent_script_searches_reuses_the_found_documents_and_judges(compact_tiny):
     example = load_example("examples/judge/langchain_agent.py")

@@ -85,16 +85,6 @@ def test_bind_tools_refuses_what_it_cannot_send():
 # --------------------------------------------------------------------------------------------- on an engine
 
 
-@pytest.fixture(scope="module")
-def compact_tiny(tiny_model):
-    """The tiny model with compact JSON: a random model pads free-whitespace JSON with whitespace until
-    max_tokens (`EngineConfig.compact_json`, what a user sets for such a model)."""
-    from spanq_backend.serving.embedded import EmbeddedBackend
-
-    backend = EmbeddedBackend(str(tiny_model), max_model_len=2048, max_num_seqs=4, compact_json=True)
-    yield backend
-    backend.close()
-
 
 def calls_of(message: AIMessage) -> list[tuple[str, set[str]]]:
     return [(c["name"], set(c["args"])) for c in message.tool_calls]

@@ -34,14 +34,6 @@ class Town(BaseModel):
     halls: int = Field(ge=0, le=9)
 
 
-@pytest.fixture(scope="module")
-def compact_tiny(tiny_model):
-    from spanq_backend.serving.embedded import EmbeddedBackend
-
-    backend = EmbeddedBackend(str(tiny_model), max_model_len=2048, max_num_seqs=4, compact_json=True)
-    yield backend
-    backend.close()
-
 
 def test_the_llm_says_it_calls_functions():
     assert SpanQueryLLM(backend="http://127.0.0.1:9").metadata.is_function_calling_model
