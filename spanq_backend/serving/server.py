@@ -28,6 +28,7 @@ from fastapi import Depends, Request  # module level: FastAPI resolves the route
 
 from spanq_backend.serving.generator import SpanGenerator, engine_error, load_chat_tokenizer
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
+from spanq_backend.serving.spnl_wire import choices_of, spnl_chunk, spnl_response, wire_format
 from spanq_backend.vllm_integration.support import SpanSupport, aquery_span_support
 from spanq_integrations.backends.protocol import Backend, BackendCapabilities, Completion, TokenCallback
 from spanq_integrations.backends.span import EXECUTE_PATH  # the route spnl's patched vLLM exposes
@@ -272,10 +273,11 @@ _END = object()
 class QueryRun:
     """One query running in the background for a streaming answer: its tokens on a queue, then its result."""
 
-    def __init__(self, backend: EngineClientBackend, query: Node, model: str):
+    def __init__(self, backend: EngineClientBackend, query: Node, model: str, wire: str = "spanq"):
         self.backend = backend
         self.model = model
-        self.id = f"chatcmpl-spanq-{uuid.uuid4().hex}"
+        self.wire = wire  # "spanq": chat.completion.chunk events; "spnl": text_completion chunks (spnl_wire)
+        self.id = f"{'cmpl' if wire == 'spnl' else 'chatcmpl'}-spanq-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.answer = _StreamedAnswer(backend)
         self.pieces: asyncio.Queue[Any] = asyncio.Queue()
@@ -308,10 +310,16 @@ class QueryRun:
 
     def _delta(self, piece: str) -> str:
         self.streamed = True
+        if self.wire == "spnl":
+            return spnl_chunk(self.id, self.created, self.model, [(0, piece, None)])
         return self._chunk([{"index": 0, "delta": {"content": piece}, "finish_reason": None}])
 
     def _final(self, result: ExecutionResult) -> str:
         completion = self.answer.completion
+        if self.wire == "spnl":  # every choice whole, except the text of choice 0 already streamed
+            choices = choices_of(result, completion)
+            rest = [(k, "" if k == 0 and self.streamed else text, reason) for k, (text, reason) in enumerate(choices)]
+            return spnl_chunk(self.id, self.created, self.model, rest, usage=usage_of(result))
         if completion is None:  # the answer is not one call's output (a top-level plus, say): send it whole
             delta = {"content": result.answer} if result.answer and not self.streamed else {}
             choices = [{"index": 0, "delta": delta, "finish_reason": "stop"}]
@@ -435,17 +443,41 @@ def build_query_router(
     @router.post(EXECUTE_PATH)
     @with_cancellation
     async def execute_query(
-        raw_request: Request, stream: bool = False, body: bytes | None = Depends(read_body)
+        raw_request: Request,
+        stream: bool = False,
+        format: str | None = None,  # the query parameter `?format=`
+        body: bytes | None = Depends(read_body),
     ) -> Any:
-        """Run a span query (spnl JSON); `?stream=true` streams the answer as chat.completion.chunk events."""
+        """Run a span query (spnl JSON); `?stream=true` streams the answer. `?format=spanq` (spanq's client):
+        the closed tree and per-call metrics, or chat.completion.chunk events; `?format=spnl`, or a text/plain
+        body without a format (spnl's client): OpenAI completion objects, or text_completion chunks."""
         backend = await backend_of(raw_request)
         if body is None:
             return error_response(body_too_large(limits))
         try:
+            wire = wire_format(format, raw_request.headers.get("content-type"))
             query = parse_query(body, limits)
             backend.check_models(query)
         except SpanQueryError as e:
             return error_response(e)
+        if not stream and wire == "spnl":
+            answer = _StreamedAnswer(backend)
+            try:  # a no-op token callback makes the answering call known (its choices and finish reasons)
+                result = await aexecute(query, answer, optimize=True, on_token=lambda _piece: None)
+            except Exception as e:  # noqa: BLE001 - every failure becomes an error answer
+                return error_response(e)
+            finally:
+                await refresh_engine_counters(backend)
+            return JSONResponse(
+                spnl_response(
+                    query,
+                    result,
+                    answer.completion,
+                    request_id=f"{'cmpl' if isinstance(query, Map) else 'chatcmpl'}-spanq-{uuid.uuid4().hex}",
+                    created=int(time.time()),
+                    model=served_model_names[0],
+                )
+            )
         if not stream:
             try:
                 result = await aexecute(query, backend, optimize=True)
@@ -461,7 +493,7 @@ def build_query_router(
                     "calls": [c.model_dump() for c in result.calls],
                 }
             )
-        run = QueryRun(backend, query, served_model_names[0])
+        run = QueryRun(backend, query, served_model_names[0], wire)
         handed_over = False
         try:
             await run.start()

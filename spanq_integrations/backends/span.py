@@ -92,7 +92,7 @@ class SpanBackend(HTTPBackend):
 
         call = self._with_default_model(call)  # type: ignore[assignment]
         result = await self._stream_chunks(
-            f"{EXECUTE_PATH}?stream=true", to_json(call), n=call.n, on_token=on_token, model=call.model
+            f"{EXECUTE_PATH}?stream=true&format=spanq", to_json(call), n=call.n, on_token=on_token, model=call.model
         )
         metrics = _metrics_from_usage(
             result.usage,
@@ -109,7 +109,7 @@ class SpanBackend(HTTPBackend):
 
         started = time.perf_counter()
         answer = await self._post_json(
-            f"{EXECUTE_PATH}?stream=false", to_json(self._with_default_model(query)), model=self.model or ""
+            f"{EXECUTE_PATH}?stream=false&format=spanq", to_json(self._with_default_model(query)), model=self.model or ""
         )
         wall_s = time.perf_counter() - started
         if not isinstance(answer, dict) or "result" not in answer:

@@ -1,7 +1,8 @@
 """spnl-compatible JSON for span queries: `to_json` / `from_json`, and `dumps` / `loads` / `load_file` for text.
 
 The format is spnl's externally tagged one (`{"g": {...}}`, `{"plus": [...]}`, `{"user": "..."}`, bulk `repeat`
-and `map`), so a query written for spnl loads unchanged; spanq's own nodes (`fragment`, `chat`, `retrieve`, an
+and `map`, `zip`, `monad`, `print`): every node spnl 0.22 parses is read (`zip` expanded into the tree it
+stands for; the optional `augment` refused by name), and `repeat` is written in spnl 0.22's `{"n", "g"}` form; spanq's own nodes (`fragment`, `chat`, `retrieve`, an
 `assistant` that remembers the `g` it came from) follow the same style. Reading checks every field and names the
 JSON path of the first problem (`$.g.input.cross[2]: unknown node "usr" ...`) in a `QueryParseError`.
 Writing is lossless: `from_json(to_json(q)) == q` for every tree whose joins and chats are non-empty.
@@ -36,6 +37,7 @@ from spanq_integrations.query.ir import (
     Retrieve,
     System,
     User,
+    walk,
 )
 
 __all__ = ["dumps", "from_json", "load_file", "loads", "to_json"]
@@ -112,7 +114,7 @@ def _write(node: Node, path: str) -> dict[str, Any]:
     if isinstance(node, Retrieve):
         return {"retrieve": {"query": node.query, "k": node.k, "retriever": node.retriever}}
     if isinstance(node, Repeat):
-        return {"repeat": {"n": node.n, "query": _write(node.query, f"{path}.repeat.query")}}
+        return {"repeat": {"n": node.n, "g": _write_generate_body(node.query, f"{path}.repeat")}}
     if isinstance(node, Map):
         metadata = _write_settings(node.model, node.max_tokens, node.temperature)
         return {"map": {"metadata": metadata, "inputs": list(node.inputs)}}
@@ -466,6 +468,47 @@ def _read_map(value: Any, path: str) -> Node:
     return _build(Map, path, inputs=texts, **settings)
 
 
+def _read_zip(value: Any, path: str) -> Node:
+    """`{"zip": {"first": A, "second": B}}` (spnl 0.22): A put before every item of B, read as the tree spnl's
+    executor builds from it. B a join: each of its children gets A in front (`[A, b1, A, b2, ...]` in B's join;
+    where A is a `plus`, each child joins A's group instead: `plus[...A, b_i]`); B a message or a `g`: A then B.
+    The zip is expanded here, so it is written back expanded. spnl runs A once and copies its output; an
+    expansion would run a `g` in A once per copy, so that is refused, as are B kinds spnl cannot zip either."""
+    body = _object(value, path, ("first", "second"), required=("first", "second"))
+    first = _read_node(body["first"], f"{path}.first")
+    second = _read_node(body["second"], f"{path}.second")
+    if isinstance(second, (Plus, Cross)):
+        items = second.children
+    elif isinstance(second, (System, User, Assistant, Generate, Fragment)):
+        items = (second,)
+    else:
+        raise QueryParseError(
+            f"{path}.second",
+            f'cannot zip into a "{second.kind}" (expected a join, a message or a "g": the items A goes before)',
+        )
+    if len(items) > 1 and any(isinstance(n, (Generate, Repeat, Map, Chat, Combine)) for _, n in walk(first)):
+        raise QueryParseError(
+            f"{path}.first",
+            "a zip whose first part generates would run that generation once per item of the second "
+            "(spnl runs it once and copies its answer); generate it in its own query and zip its answer",
+        )
+    if isinstance(first, Plus):
+        spread: list[Node] = [first.model_copy(update={"children": (*first.children, b)}) for b in items]
+    else:
+        spread = [n for b in items for n in (first, b)]
+    if isinstance(second, (Plus, Cross)):
+        return second.model_copy(update={"children": tuple(spread)})
+    return spread[0] if len(spread) == 1 else Cross(children=tuple(spread), keyword="seq")
+
+
+def _read_augment(value: Any, path: str) -> Node:
+    raise QueryParseError(
+        path,
+        '"augment" (spnl\'s optional rag feature: embed a document and retrieve from it) is not run by spanq; '
+        'register a retriever and use {"retrieve": {"query", "k", "retriever"}} instead',
+    )
+
+
 _READERS: dict[str, _Reader] = {
     "g": _read_generate_body,
     "seq": _read_join(Cross, "seq"),
@@ -483,5 +526,7 @@ _READERS: dict[str, _Reader] = {
     "combine": _read_combine,
     "monad": lambda value, path: Monad(query=_read_node(value, path)),
     "print": lambda value, path: Print(text=_string(value, path)),
+    "zip": _read_zip,
+    "augment": _read_augment,
 }
-_NODE_KEYS = ", ".join(sorted(_READERS))
+_NODE_KEYS = ", ".join(sorted(k for k in _READERS if k != "augment"))  # augment is read only to refuse it

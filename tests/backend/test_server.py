@@ -32,6 +32,7 @@ from spanq_integrations import (
 )
 from spanq_integrations.backends.span import SpanBackend
 from spanq_integrations.query.spnl_json import from_json, to_json
+from tests.integrations.spnl_reader import read_chat_completion, read_completion, read_completion_stream
 from tests.servers import free_port, log_tail, running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -246,6 +247,56 @@ def test_execute_without_streaming_returns_the_closed_tree_and_usage(server: Ser
     result = asyncio.run(remote())
     assert result.answer == body["answer"]  # temperature 0, the same spans
     assert result.calls[0].cached_tokens > 0
+
+
+def _as_spnls_client(server: Server, doc: dict, stream: bool) -> httpx.Response:
+    """A request as spnl 0.22's client sends it: the query as text/plain, `?stream=true|false`, no format."""
+    return httpx.post(
+        f"{server.url}{EXECUTE}",
+        params={"stream": "true" if stream else "false"},
+        content=json.dumps(doc).encode(),
+        headers={"Content-Type": "text/plain"},
+        timeout=120,
+    )
+
+
+def test_spnls_own_client_reads_the_answers_of_a_repeat_and_a_map(server: Server):
+    g = to_json(rag_query("CABD"))["g"]
+    ours = httpx.post(f"{server.url}{EXECUTE}", params={"format": "spanq"}, json={"g": g}, timeout=120)
+    assert ours.status_code == 200, ours.text
+    expected = ours.json()["answer"]
+    assert expected
+
+    streamed = _as_spnls_client(server, {"repeat": {"n": 1, "g": g}}, stream=True)
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    assert read_completion_stream(streamed.content, 1) == [expected]
+
+    whole = _as_spnls_client(server, {"repeat": {"n": 2, "g": g}}, stream=False)
+    assert whole.status_code == 200, whole.text
+    assert read_chat_completion(whole.json()) == [expected, expected]  # temperature 0: both greedy
+    assert whole.json()["usage"]["completion_tokens"] == 12
+
+    bulk = {"map": {"metadata": {"model": "", "max_tokens": 4, "temperature": 0.0}, "inputs": ["Say a", "Say b"]}}
+    whole = _as_spnls_client(server, bulk, stream=False)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["object"] == "text_completion"
+    texts = read_completion(whole.json())
+    assert len(texts) == 2 and all(texts)
+    assert read_completion_stream(_as_spnls_client(server, bulk, stream=True).content, 2) == texts
+
+
+def test_the_answer_format_is_negotiated(server: Server):
+    doc = to_json(rag_query("ABCD", max_tokens=2))
+    plain = {"Content-Type": "text/plain"}
+    spanq_on_plain = httpx.post(
+        f"{server.url}{EXECUTE}", params={"format": "spanq"}, content=json.dumps(doc), headers=plain, timeout=120
+    )
+    assert spanq_on_plain.status_code == 200 and "result" in spanq_on_plain.json()
+    spnl_on_json = httpx.post(f"{server.url}{EXECUTE}", params={"format": "spnl"}, json=doc, timeout=120)
+    assert spnl_on_json.status_code == 200 and spnl_on_json.json()["object"] == "chat.completion"
+    bad = httpx.post(f"{server.url}{EXECUTE}", params={"format": "xml"}, json=doc, timeout=30)
+    assert bad.status_code == 400
+    assert bad.json()["error"]["message"] == "format: unknown answer format 'xml' (one of: spanq, spnl)"
 
 
 def test_a_malformed_body_is_a_400_naming_the_json_path(server: Server):

@@ -264,7 +264,7 @@ async def test_span_backend_posts_the_query_and_reads_span_usage():
         assert backend.capabilities.span_aware
         completion = await backend.generate(call, path="$.x")
     head, sent = received[0]
-    assert head.startswith(b"POST /v1/query/execute?stream=true HTTP/1.1")
+    assert head.startswith(b"POST /v1/query/execute?stream=true&format=spanq HTTP/1.1")
     assert json.loads(sent) == json.loads(json.dumps(to_json(call)))
     assert completion.text == "Paris"
     m = completion.metrics
@@ -301,7 +301,7 @@ async def test_span_backend_executes_a_whole_query_remotely():
     reply = http_response("200 OK", json.dumps(answer).encode(), "application/json")
     async with raw_http_server(lambda head, body: reply) as (url, received), SpanBackend(url) as backend:
         result = await backend.execute_remote(query)
-    assert received[0][0].startswith(b"POST /v1/query/execute?stream=false ")
+    assert received[0][0].startswith(b"POST /v1/query/execute?stream=false&format=spanq ")
     assert json.loads(received[0][1]) == json.loads(json.dumps(to_json(query)))
     assert result.tree == Assistant(text="Paris", source=query)
     assert result.answer == "Paris"

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spanq_integrations.query.errors import QueryParseError, QueryValidationError
 from spanq_integrations.query.ir import (
@@ -32,6 +33,7 @@ from spanq_integrations.query.ir import (
     user,
 )
 from spanq_integrations.query.spnl_json import dumps, from_json, load_file, loads, to_json
+from tests.integrations.spnl_reader import SpnlRejects, spnl_reads
 from tests.strategies import span_queries
 
 DATA = Path(__file__).parent / "data"
@@ -46,6 +48,52 @@ def test_round_trip_is_lossless(query: Node) -> None:
     assert from_json(to_json(query)) == query
     assert loads(dumps(query)) == query
     assert loads(dumps(query, indent=None)) == query
+
+
+def _spnl_core_queries() -> st.SearchStrategy[Node]:
+    """Trees of the nodes spnl itself has (no spanq extension: fragments, chats, anchors, sourced answers)."""
+    text = st.text(max_size=8)
+    settings = {
+        "model": text,
+        "max_tokens": st.integers(0, 50),
+        "temperature": st.sampled_from([0.0, 0.6, 1.0]),
+    }
+    leaves = st.one_of(
+        st.builds(System, text=text),
+        st.builds(User, text=text),
+        st.builds(Assistant, text=text),
+        st.builds(Print, text=text),
+        st.builds(Map, inputs=st.lists(text, max_size=3).map(tuple), **settings),
+    )
+
+    def extend(children: st.SearchStrategy[Node]) -> st.SearchStrategy[Node]:
+        some = st.lists(children, min_size=1, max_size=3).map(tuple)
+        generates = st.builds(Generate, input=children, n=st.integers(1, 3), **settings)
+        return st.one_of(
+            st.builds(Plus, children=some, keyword=st.sampled_from(["plus", "par"])),
+            st.builds(Cross, children=some, keyword=st.sampled_from(["cross", "seq"])),
+            generates,
+            st.builds(Repeat, n=st.integers(1, 255), query=generates),
+            st.builds(Monad, query=children),
+        )
+
+    return st.recursive(leaves, extend, max_leaves=10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_spnl_core_queries())
+def test_spnl_0_22_reads_what_is_written(query: Node) -> None:
+    """Every query made of spnl's own nodes is written in a form spnl 0.22's parser accepts."""
+    spnl_reads(to_json(query))
+    assert from_json(to_json(query)) == query
+
+
+def test_the_older_repeat_form_is_one_spnl_0_22_rejects() -> None:
+    """The reader above is strict where spnl is: the form spanq used to write fails it."""
+    g = to_json(Generate(input=User(text="x"), model="m"))
+    with pytest.raises(SpnlRejects, match=r"\$\.repeat: missing field 'g'"):
+        spnl_reads({"repeat": {"n": 2, "query": g}})
+    spnl_reads({"repeat": {"n": 2, "g": g["g"]}})
 
 
 def test_written_form_uses_spnl_keys() -> None:
@@ -98,7 +146,7 @@ def test_spanq_nodes_are_written_in_spnl_style() -> None:
         "fragment": {"text": "t", "id": "d1", "metadata": {"page": 3}}
     }
     assert to_json(Retrieve(query="q")) == {"retrieve": {"query": "q", "k": 4, "retriever": "default"}}
-    assert to_json(Repeat(n=2, query=source)) == {"repeat": {"n": 2, "query": to_json(source)}}
+    assert to_json(Repeat(n=2, query=source)) == {"repeat": {"n": 2, "g": to_json(source)["g"]}}
     assert to_json(Map(inputs=("a",), model="m")) == {
         "map": {"metadata": {"model": "m", "max_tokens": 0, "temperature": 0.6}, "inputs": ["a"]}
     }
@@ -163,6 +211,79 @@ def test_map_monad_print_load() -> None:
             Map(inputs=("a", "b"), model="m", max_tokens=5, temperature=0.0),
         ),
     )
+
+
+# zip: A before every item of B, as spnl's executor builds it (spnl-run's `intersperse`)
+
+
+def test_zip_puts_first_before_each_item_of_the_second_join() -> None:
+    doc = {"zip": {"first": {"system": "S"}, "second": {"cross": [{"user": "a"}, {"user": "b"}]}}}
+    assert from_json(doc) == Cross(children=(System(text="S"), User(text="a"), System(text="S"), User(text="b")))
+    doc = {"zip": {"first": {"user": "Q"}, "second": {"par": [{"fragment": "d1"}, {"fragment": "d2"}]}}}
+    assert from_json(doc) == Plus(
+        keyword="par", children=(User(text="Q"), Fragment(text="d1"), User(text="Q"), Fragment(text="d2"))
+    )
+
+
+def test_zip_with_a_plus_first_joins_each_item_into_the_group() -> None:
+    doc = {
+        "zip": {
+            "first": {"plus": [{"fragment": "d1"}, {"fragment": "d2"}]},
+            "second": {"seq": [{"user": "q1"}, {"user": "q2"}]},
+        }
+    }
+    group = (Fragment(text="d1"), Fragment(text="d2"))
+    assert from_json(doc) == Cross(
+        keyword="seq",
+        children=(Plus(children=(*group, User(text="q1"))), Plus(children=(*group, User(text="q2")))),
+    )
+
+
+def test_zip_into_a_message_or_a_g_is_first_then_it() -> None:
+    assert from_json({"zip": {"first": {"system": "S"}, "second": {"user": "u"}}}) == Cross(
+        keyword="seq", children=(System(text="S"), User(text="u"))
+    )
+    g = {"g": {"model": "m", "input": {"user": "q"}}}
+    assert from_json({"zip": {"first": {"system": "S"}, "second": g}}) == Cross(
+        keyword="seq", children=(System(text="S"), Generate(input=User(text="q"), model="m"))
+    )
+
+
+def test_zip_nests_and_its_expansion_round_trips() -> None:
+    inner = {"zip": {"first": {"user": "b"}, "second": {"plus": [{"user": "x"}, {"user": "y"}]}}}
+    q = from_json({"g": {"model": "m", "input": {"zip": {"first": {"system": "a"}, "second": inner}}}})
+    b, a = User(text="b"), System(text="a")
+    expected_input = Plus(children=(a, b, a, User(text="x"), a, b, a, User(text="y")))
+    assert q == Generate(input=expected_input, model="m")
+    assert from_json(to_json(q)) == q
+    spnl_reads(to_json(q))
+
+
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        (
+            {"zip": {"first": {"g": {"model": "m", "input": {"user": "q"}}}, "second": {"plus": [{"user": "a"}, {"user": "b"}]}}},
+            "$.zip.first: a zip whose first part generates would run that generation once per item",
+        ),
+        (
+            {"zip": {"first": {"user": "a"}, "second": {"repeat": {"n": 2, "g": {"model": "m", "input": {"user": "q"}}}}}},
+            '$.zip.second: cannot zip into a "repeat"',
+        ),
+        ({"zip": {"first": {"user": "a"}}}, '$.zip: missing "second"'),
+        ({"zip": {"first": {"user": "a"}, "second": {"user": "b"}, "third": {}}}, '$.zip: unknown field "third"'),
+    ],
+)
+def test_zips_spanq_cannot_expand_faithfully_are_named(doc: Any, message: str) -> None:
+    with pytest.raises(QueryParseError) as e:
+        from_json(doc)
+    assert str(e.value).startswith(message)
+
+
+def test_augment_is_refused_by_name() -> None:
+    doc = {"augment": {"embedding_model": "ollama/e", "body": {"user": "q"}, "doc": ["a.txt", {"Text": "t"}]}}
+    with pytest.raises(QueryParseError, match=r'^\$\.augment: "augment" \(spnl\'s optional rag feature.*"retrieve"'):
+        from_json(doc)
 
 
 def test_fragment_and_assistant_object_forms_load() -> None:
