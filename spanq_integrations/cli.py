@@ -31,6 +31,8 @@ EXIT_INTERRUPTED = 130
 # Subcommands that live in the server package; each module has `<name>_main(argv) -> int`.
 DELEGATED = {"serve": "spanq_backend.serving.server", "bench": "benchmarks"}
 BACKEND_EXTRA_HINT = "pip install 'spanq[backend]'"
+CLUSTER_MODULE = "spanq_backend.cluster.app"
+CLUSTER_EXTRA_HINT = "pip install 'spanq[cluster]'"
 
 
 class CommandError(Exception):
@@ -222,6 +224,12 @@ def delegate(name: str, argv: list[str]) -> int:
     """Run `spanq serve` (the server package) / `spanq bench` (a source checkout's `benchmarks/`), imported
     only now."""
     module_name = DELEGATED[name]
+    if name == "serve" and any(a == "--replicas" or a.startswith("--replicas=") for a in argv):
+        module_name = CLUSTER_MODULE  # several span engines behind one address, on Ray Serve
+        try:
+            importlib.import_module("ray.serve")
+        except ModuleNotFoundError as e:
+            raise CommandError(f"spanq serve --replicas needs Ray Serve: {CLUSTER_EXTRA_HINT}") from e
     if name == "bench":
         root = _source_checkout()
         if root is None:

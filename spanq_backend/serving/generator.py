@@ -30,6 +30,7 @@ from spanq_backend.serving.lowering import (
     generated_span_ids,
     lower,
     render_chat,
+    span_digest,
 )
 from spanq_integrations.backends.protocol import CallMetrics, Completion, TokenCallback
 from spanq_integrations.query.errors import (
@@ -158,6 +159,9 @@ class SpanGenerator:
         # and text), unless the host supplies its own lookup.
         self.generated_ids = generated_ids or self._remembered_ids
         self._generated: OrderedDict[tuple[tuple[int, ...], str], tuple[int, ...]] = OrderedDict()
+        # The spans this generator prepared (or found cached): text digest -> its prepare prompt, so that
+        # `cached_span_digests` can say which of them the cache still holds (what a cluster router routes on).
+        self._span_prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self.pad_token_id = tokenizer.encode("\n", add_special_tokens=False)[-1]
         self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
 
@@ -182,6 +186,23 @@ class SpanGenerator:
         self._generated.move_to_end(key)
         while len(self._generated) > self.REMEMBERED_GENERATIONS:
             self._generated.popitem(last=False)
+
+    REMEMBERED_SPANS = 65536
+
+    def _note_spans(self, lowered: LoweredPrompt) -> None:
+        for i, text in enumerate(lowered.span_texts[: len(lowered.table.spans)]):
+            key = span_digest(text)
+            self._span_prompts[key] = tuple(lowered.prepare_prompt(i))
+            self._span_prompts.move_to_end(key)
+        while len(self._span_prompts) > self.REMEMBERED_SPANS:
+            self._span_prompts.popitem(last=False)
+
+    def cached_span_digests(self) -> list[str]:
+        """The digests (`span_digest` of the text) of the spans this generator prepared whose KV the engine's
+        cache still holds, most recently used last; empty where the cache cannot be probed."""
+        if self.span_cached is None:
+            return []
+        return [key for key, prompt in list(self._span_prompts.items()) if self.span_cached(list(prompt))]
 
     def _remembered_ids(self, node: Assistant) -> GeneratedSpan | None:
         if not isinstance(node.source, Generate) or not self.spans:
@@ -271,6 +292,7 @@ class SpanGenerator:
         """Put every span's isolated KV in the cache (one `[anchor][span]` request each, run together).
 
         Returns how many spans had to be computed (the others were cached) and how many tokens that took."""
+        self._note_spans(lowered)
         spans = [self.compute(lowered.prepare_prompt(i)) for i in range(len(lowered.table.spans))]
         # Spans anchored elsewhere than this prompt's prefix are found only past a cached prefix (vLLM looks the
         # cache up contiguously from the first block): the prefix is computed as ordinary context, beside them.

@@ -70,6 +70,12 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
+def span_digest(text: str) -> str:
+    """A span's routing key: a digest of its text (the same on a router, which reads the query, and on the
+    replica that prepared it)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
+
+
 @dataclass
 class LoweredPrompt:
     """A prompt ready for the engine: tokens, where the spans are, and what each span's prepare request is."""

@@ -56,9 +56,11 @@ from spanq_integrations.query.limits import (
 from spanq_integrations.query.spnl_json import from_json, to_json
 from spanq_integrations.runtime.executor import ExecutionResult, aexecute
 
-__all__ = ["EXECUTE_PATH", "EngineClientBackend", "build_query_router", "parse_serve_args", "serve_main"]
+__all__ = ["EXECUTE_PATH", "SPANS_PATH", "EngineClientBackend", "build_query_router", "parse_serve_args", "serve_main"]
 
 log = logging.getLogger("spanq.server")
+
+SPANS_PATH = "/v1/spans"  # GET: the digests of the spans whose KV the engine holds
 
 
 # `spanq serve` defaults; every one can be overridden on the command line.
@@ -440,6 +442,15 @@ def build_query_router(
                 await self.run.cancel()
                 await refresh_engine_counters(self.run.backend)
 
+    @router.get(SPANS_PATH)
+    async def cached_spans(raw_request: Request) -> Any:
+        """Which spans this server's engine still holds: digests of their texts (`lowering.span_digest`), of the
+        spans it prepared, most recently used last. What a cluster's span-affinity router routes on."""
+        backend = await backend_of(raw_request)
+        return JSONResponse(
+            {"spans": backend.generator.cached_span_digests(), "probe": backend.generator.span_cached is not None}
+        )
+
     @router.post(EXECUTE_PATH)
     @with_cancellation
     async def execute_query(
@@ -589,10 +600,31 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def _stop_children_on_sigterm() -> None:
+    """Until the HTTP server installs its own (graceful) handler: a SIGTERM ends this process and what it
+    started, so a server stopped while its engine core is still starting leaves no engine behind."""
+    import os
+    import signal
+    from pathlib import Path
+
+    def on_term(signum: int, _frame: Any) -> None:
+        me = str(os.getpid())
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, IndexError):
+                    if (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] == me:
+                        os.kill(int(entry.name), signal.SIGKILL)
+        os._exit(128 + signum)
+
+    if Path("/proc/self/stat").exists():
+        signal.signal(signal.SIGTERM, on_term)
+
+
 def serve_main(argv: list[str]) -> int:
     """`spanq serve ...`: run the server until interrupted."""
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
+    _stop_children_on_sigterm()
     cli_env_setup()
     try:
         args = parse_serve_args(argv)

@@ -111,6 +111,27 @@ PATCHES: tuple[Patch, ...] = (
 _registered = False
 
 
+def _end_with_the_server() -> None:
+    """In an engine core process (vLLM starts one per server), exit when the process that started it is gone,
+    however it died: a killed `spanq serve` (a crashed cluster replica) must not leave an engine holding its
+    memory. A daemon thread looks at the parent once a second; in an in-process engine nothing changes."""
+    import multiprocessing
+    import threading
+    import time
+
+    parent = multiprocessing.parent_process()
+    if parent is None or not multiprocessing.current_process().name.startswith("EngineCore"):
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent.pid:
+            time.sleep(1.0)
+        log.warning("the server process %d is gone: this engine core exits", parent.pid)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="spanq-parent-watch", daemon=True).start()
+
+
 def register() -> None:
     """vLLM plugin entry point: apply `PATCHES` once per process (after checking every vLLM symbol)."""
     global _registered
@@ -121,6 +142,7 @@ def register() -> None:
     symbols.check_symbols()
     for patch in PATCHES:
         patch.apply()
+    _end_with_the_server()
     _registered = True
     log.debug("spanq vLLM plugin registered (%d patches)", len(PATCHES))
 

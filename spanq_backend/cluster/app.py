@@ -1,0 +1,382 @@
+"""`spanq serve --replicas N`: N span engines behind one address, on Ray Serve, routed by span affinity.
+
+    client ──HTTP──> Ray Serve proxy ──> SpanIngress ──handle + SpanAffinityRouter──> SpanReplica x N
+                                                                                   └─> its own `spanq serve`
+
+Each `SpanReplica` is a Ray Serve replica that starts one `spanq serve` process (the single-engine server, with
+every option given to `spanq serve` except the cluster's own) on a free local port, proxies requests to it, and
+reports to the router which spans its engine holds (`GET /v1/spans`, read from vLLM's KV cache events). Ray
+Serve health-checks each replica (a replica whose server died is restarted) and drops a dead one from routing;
+the ingress retries a request whose replica failed before answering on another replica, and a request that was
+not streamed also when its replica dies mid-answer. Clients are unchanged: the ingress serves the same routes
+(`/v1/query/execute`, `/v1/chat/completions`, `/v1/models`, `/health`, ...) as one `spanq serve`.
+
+`routing="affinity"` uses `SpanAffinityRouter`; `routing="default"` keeps Ray Serve's own (power of two
+choices on queue length), for comparison (`spanq bench cluster`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request  # module level: FastAPI resolves the route's annotations here
+
+__all__ = ["CLUSTER_FLAGS", "ForwardedRequest", "SpanReplica", "build_app", "serve_cluster", "split_cluster_args"]
+
+log = logging.getLogger("spanq.cluster")
+
+EXECUTE_PATH = "/v1/query/execute"
+ROUTINGS = ("affinity", "default")
+ROUTER_CLASS = "spanq_backend.cluster.routing:SpanAffinityRouter"
+RETRY_PAUSE_S = 0.5  # between tries of a request whose replica failed
+CLUSTER_HINT = "spanq serve --replicas needs Ray Serve: pip install 'spanq[cluster]'"
+
+
+@dataclass
+class ForwardedRequest:
+    """One HTTP request as the ingress hands it to a replica."""
+
+    method: str
+    path: str
+    query: str
+    content_type: str
+    body: bytes
+
+    @property
+    def span_body(self) -> bytes | None:
+        """The span query the router routes on (None for other routes)."""
+        return self.body if self.method == "POST" and self.path == EXECUTE_PATH else None
+
+    @property
+    def streams(self) -> bool:
+        """Whether the answer is a stream (an SSE answer is relayed as it comes, not buffered)."""
+        if "stream=true" in self.query.lower():
+            return True
+        if self.content_type.startswith("application/json") and self.body[:1] == b"{":
+            with contextlib.suppress(ValueError):
+                return json.loads(self.body).get("stream") is True
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class SpanReplica:
+    """One span engine of the cluster: a `spanq serve` process it owns, proxied (a Ray Serve deployment)."""
+
+    def __init__(self, serve_args: Sequence[str], start_timeout_s: float = 900.0):
+        import httpx
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkdtemp(prefix="spanq-replica-")) / "serve.log"
+        # Through `supervise`: the server and its engine core live and die together, as one process group.
+        command = [sys.executable, "-m", "spanq_backend.cluster.supervise",
+                   sys.executable, "-m", "spanq_integrations.cli", "serve", *serve_args,
+                   "--host", "127.0.0.1", "--port", str(self.port)]  # fmt: skip
+        with open(self.log_path, "wb") as out:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"spanq serve exited with {self.proc.returncode}:\n{_tail(self.log_path)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                self._stop()
+                raise RuntimeError(f"spanq serve did not answer within {start_timeout_s:.0f} s:\n{_tail(self.log_path)}")
+            time.sleep(0.5)
+        self.client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(None, connect=10))
+        from ray import serve
+
+        self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
+        log.info("replica ready: spanq serve on %s (log %s)", self.url, self.log_path)
+
+    async def forward(self, request: ForwardedRequest) -> AsyncIterator[Any]:
+        """Relay one request: first `{"status", "content_type"}` (or `{"unavailable": reason}` if the server
+        did not answer), then the body's chunks."""
+        import httpx
+
+        url = request.path + (f"?{request.query}" if request.query else "")
+        headers = {"content-type": request.content_type} if request.content_type else {}
+        try:
+            async with self.client.stream(request.method, url, content=request.body, headers=headers) as answer:
+                yield {"status": answer.status_code, "content_type": answer.headers.get("content-type", "")}
+                async for chunk in answer.aiter_raw():
+                    yield chunk
+        except httpx.TransportError as e:
+            yield {"unavailable": f"replica {self.url}: {type(e).__name__}: {e}", "replica": self.replica_id}
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """For the router: the digests of the spans this replica's engine holds."""
+        answer = await self.client.get("/v1/spans", timeout=10)
+        answer.raise_for_status()
+        return {"spans": answer.json().get("spans", [])}
+
+    async def check_health(self) -> None:
+        if self.proc.poll() is not None:
+            self._stop()  # whatever of its process group is left
+            raise RuntimeError(f"spanq serve exited with {self.proc.returncode}:\n{_tail(self.log_path)}")
+        answer = await self.client.get("/health", timeout=10)
+        if answer.status_code != 200:
+            raise RuntimeError(f"spanq serve's /health answered {answer.status_code}")
+
+    def _stop(self) -> None:
+        """Stop the server and its engine (its own process group, which outlives a killed leader)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def __del__(self) -> None:
+        self._stop()
+
+
+def _error(status: int, kind: str, message: str) -> Any:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+async def _relay_stream(chunks: Any) -> AsyncIterator[bytes]:
+    """A replica's streamed answer, ended by an error event if the replica goes away mid-stream."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    try:
+        async for chunk in chunks:
+            if isinstance(chunk, dict):  # the replica's server went away mid-stream
+                raise ConnectionError(chunk.get("unavailable", "the replica stopped"))
+            yield chunk
+    except (ConnectionError, RayActorError, RayTaskError) as e:
+        error = {"error": {"message": f"the replica stopped mid-answer: {e}", "type": "BackendUnavailableError",
+                           "code": 503}}  # fmt: skip
+        yield f"data: {json.dumps(error)}\n\n".encode()
+
+
+def _make_ingress(retries: int) -> Any:
+    from fastapi import FastAPI
+    from fastapi.responses import Response, StreamingResponse
+    from ray import serve
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from spanq_backend.cluster.policy import mark_failing
+
+    app = FastAPI(title="spanq cluster")
+    replica_failures = (RayActorError, RayTaskError, ConnectionError)
+
+    @serve.ingress(app)
+    class SpanIngress:
+        """Every route, relayed to a span replica chosen by the deployment's router."""
+
+        def __init__(self, replicas: Any):
+            self.replicas = replicas.options(stream=True)
+
+        @app.api_route("/{path:path}", methods=["GET", "POST"])
+        async def relay(self, path: str, request: Request) -> Any:
+            forwarded = ForwardedRequest(
+                method=request.method,
+                path="/" + path,
+                query=request.url.query,
+                content_type=request.headers.get("content-type", ""),
+                body=await request.body(),
+            )
+            last = "no replica is running"
+            for _ in range(retries + 1):
+                chunks = self.replicas.forward.remote(forwarded)
+                try:
+                    head = await chunks.__anext__()
+                    if "unavailable" in head:
+                        last = head["unavailable"]
+                        mark_failing(head["replica"])  # the router tries the others first
+                        await asyncio.sleep(RETRY_PAUSE_S)
+                        continue
+                    if not forwarded.streams:  # whole, so that a replica lost mid-answer is retried
+                        body = b"".join([chunk async for chunk in chunks])
+                        return Response(body, status_code=head["status"], media_type=head["content_type"] or None)
+                except (StopAsyncIteration, *replica_failures) as e:
+                    last = f"{type(e).__name__}: {e}"
+                    await asyncio.sleep(RETRY_PAUSE_S)
+                    continue
+                return StreamingResponse(
+                    _relay_stream(chunks), status_code=head["status"], media_type=head["content_type"] or None
+                )
+            return _error(503, "BackendUnavailableError", f"no replica could answer after {retries + 1} tries: {last}")
+
+    return SpanIngress
+
+
+def build_app(
+    serve_args: Sequence[str],
+    replicas: int,
+    routing: str = "affinity",
+    *,
+    max_imbalance: int = 4,
+    stats_period_s: float = 1.0,
+    retries: int = 2,
+    max_ongoing_requests: int = 64,
+) -> Any:
+    """The Ray Serve application: the ingress bound to `replicas` span replicas."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    if routing not in ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r} (one of: {', '.join(ROUTINGS)})")
+    router = (
+        RequestRouterConfig(
+            request_router_class=ROUTER_CLASS,
+            request_router_kwargs={"max_imbalance": max_imbalance},
+            request_routing_stats_period_s=stats_period_s,
+            request_routing_stats_timeout_s=max(5.0, 5 * stats_period_s),
+        )
+        if routing == "affinity"
+        else RequestRouterConfig()
+    )
+    replica = serve.deployment(
+        SpanReplica,
+        name="SpanReplica",
+        num_replicas=replicas,
+        max_ongoing_requests=max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},  # the engines use the cores; Ray's scheduler need not count them
+        health_check_period_s=2,
+        health_check_timeout_s=30,
+        request_router_config=router,
+    ).bind(list(serve_args))
+    ingress = serve.deployment(
+        _make_ingress(retries), name="SpanIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=10_000,
+    )  # fmt: skip
+    return ingress.bind(replica)
+
+
+CLUSTER_FLAGS = ("--replicas", "--routing", "--ray-address", "--max-imbalance")
+
+
+def split_cluster_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """`spanq serve`'s cluster options, and the rest (each replica's own `spanq serve` options; --host and
+    --port are the cluster's address)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--replicas", type=int, default=None)
+    parser.add_argument("--routing", choices=ROUTINGS, default="affinity")
+    parser.add_argument("--ray-address", default=None)
+    parser.add_argument("--max-imbalance", type=int, default=4)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    cluster, rest = parser.parse_known_args(list(argv))
+    if cluster.replicas is not None and cluster.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {cluster.replicas}")
+    if cluster.max_imbalance < 0:
+        raise ValueError(f"--max-imbalance must be >= 0, got {cluster.max_imbalance}")
+    return cluster, rest
+
+
+def connect(address: str | None) -> None:
+    """Start a local Ray (no address) or join a cluster (`ray://host:port`, `auto`, or `host:port`); a
+    `ConnectionError` naming the address if it does not answer."""
+    import warnings
+
+    import ray
+
+    if address and address != "auto":  # Ray itself waits minutes for an address that does not answer
+        host, _, port = address.removeprefix("ray://").rpartition(":")
+        if not port.isdigit():
+            raise ConnectionError(f"{address!r} is not a Ray cluster address (host:port, ray://host:port or auto)")
+        try:
+            with socket.create_connection((host or "127.0.0.1", int(port)), timeout=5):
+                pass
+        except OSError as e:
+            raise ConnectionError(f"the Ray cluster at {address!r} does not answer: {e.strerror or e}") from None
+    try:
+        warnings.filterwarnings("ignore", message="Ray Client connection timed out")
+        if address:
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        else:
+            ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
+        raise ConnectionError(f"the Ray cluster at {address!r} does not answer: {e}") from None
+
+
+def serve_cluster(argv: Sequence[str]) -> int:
+    """`spanq serve --replicas N [--routing affinity|default] [--ray-address ADDR] ...`: run until interrupted."""
+    try:
+        cluster, rest = split_cluster_args(argv)
+        from ray import serve
+    except ImportError:
+        print(f"spanq serve: error: {CLUSTER_HINT}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"spanq serve: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        connect(cluster.ray_address)
+    except ConnectionError as e:
+        print(f"spanq serve: error: {e}", file=sys.stderr)
+        return 2
+    from ray import serve
+
+    stop = asyncio.Event()
+    serve.start(http_options={"host": cluster.host, "port": cluster.port})
+    app = build_app(rest, cluster.replicas, cluster.routing, max_imbalance=cluster.max_imbalance)
+    print(
+        f"spanq serve: starting {cluster.replicas} replica(s), {cluster.routing} routing, on "
+        f"http://{cluster.host}:{cluster.port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        serve.run(app, name="spanq", route_prefix="/", blocking=False)
+    except Exception as e:  # noqa: BLE001 - a replica that cannot start: its server's log tail is in the error
+        print(f"spanq serve: error: the replicas did not start: {e}", file=sys.stderr)
+        serve.shutdown()
+        return 1
+    print(f"spanq serve: ready on http://{cluster.host}:{cluster.port}", file=sys.stderr, flush=True)
+
+    def on_signal(*_: Any) -> None:
+        stop.set()
+
+    async def wait() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+        await stop.wait()
+
+    try:
+        asyncio.run(wait())
+    finally:
+        serve.shutdown()
+        import ray
+
+        ray.shutdown()
+    return 0
+
+
+serve_main = serve_cluster  # `spanq serve --replicas ...` (the command line's name for it)

@@ -1,0 +1,138 @@
+"""The span-affinity policy, without Ray: send a span query to the replica whose KV cache holds most of its
+spans, unless that replica is much busier than the least busy one (`rank_replicas`, a pure function).
+`routing.SpanAffinityRouter` runs it inside Ray Serve's request router.
+
+Cost: per replica, one set of span digests (24 hex characters each) as large as the spans its cache holds; per
+routed query, one pass over its spans per candidate replica.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+from typing import Any
+
+from spanq_backend.serving.lowering import span_digest
+
+UNKNOWN_QUEUE = 1 << 20  # a replica whose queue length could not be read: ranked last
+
+__all__ = ["Recent", "ReplicaView", "is_failing", "mark_failing", "query_span_digests", "rank_replicas"]
+
+
+@dataclass
+class ReplicaView:
+    """What the policy knows of one replica."""
+
+    id: str
+    queue_len: int
+    cached: AbstractSet[str] = frozenset()  # span digests its engine reported as held
+    recent: AbstractSet[str] = frozenset()  # span digests this router sent it since
+    failing: bool = False  # it just failed a request: tried last until Ray's health check decides
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# Replicas that failed a request, by full id, until a monotonic time. The ingress (`app.SpanIngress`) marks them;
+# the router of its deployment handle runs in the same process and reads them.
+_FAILING: dict[str, float] = {}
+FAILING_FOR_S = 30.0
+
+
+def mark_failing(replica_id: str, seconds: float = FAILING_FOR_S) -> None:
+    _FAILING[replica_id] = time.monotonic() + seconds
+
+
+def is_failing(replica_id: str) -> bool:
+    until = _FAILING.get(replica_id)
+    if until is None:
+        return False
+    if until < time.monotonic():
+        _FAILING.pop(replica_id, None)
+        return False
+    return True
+
+
+def _rendezvous(key: str, replica_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{key}|{replica_id}".encode()).digest()[:8], "big")
+
+
+def rank_replicas(spans: Sequence[str], replicas: Sequence[ReplicaView], max_imbalance: int) -> list[list[str]]:
+    """Replica ids, best first: each replica in a rank of its own.
+
+    Replicas marked failing go last. Among the others, those whose queue is at most `max_imbalance` longer than the shortest, the one holding most
+    of `spans` (held or recently sent) comes first; ties go to the shorter queue, then to the replica a hash of
+    the query's spans picks (rendezvous hashing), so a query on new documents goes where the next query on the
+    same documents will go too. Busier replicas follow, least busy first; with no spans, least busy first.
+    """
+    if not replicas:
+        return []
+    healthy = [r for r in replicas if not r.failing] or list(replicas)
+    shortest = min(r.queue_len for r in healthy)
+    wanted = set(spans)
+    key = "\n".join(sorted(wanted))
+
+    def held(r: ReplicaView) -> int:
+        return sum(1 for s in wanted if s in r.cached or s in r.recent)
+
+    eligible = [r for r in healthy if r.queue_len - shortest <= max_imbalance] if wanted else []
+    eligible.sort(key=lambda r: (-held(r), r.queue_len, -_rendezvous(key, r.id)))
+    chosen = {r.id for r in eligible}
+    rest = sorted((r for r in replicas if r.id not in chosen), key=lambda r: (r.failing, r.queue_len, r.id))
+    return [[r.id] for r in (*eligible, *rest)]
+
+
+def query_span_digests(body: bytes | str) -> list[str]:
+    """The digests of the spans a span query's body asks for (the children of its `plus` groups, as the server
+    lowers them); empty for a body that is not a span query (the server will say what is wrong with it)."""
+    from spanq_integrations.query.errors import SpanQueryError
+    from spanq_integrations.query.flatten import block_text
+    from spanq_integrations.query.ir import Plus, walk
+    from spanq_integrations.query.spnl_json import from_json
+
+    try:
+        query = from_json(json.loads(body))
+    except (ValueError, SpanQueryError, RecursionError):
+        return []
+    digests: list[str] = []
+    for _, node in walk(query):
+        if isinstance(node, Plus):
+            for child in node.children:
+                try:
+                    text = block_text(child)
+                except SpanQueryError:
+                    continue
+                if text:
+                    digests.append(span_digest(text))
+    return list(dict.fromkeys(digests))
+
+
+class Recent:
+    """Span digest -> the replica this router last sent it to (bounded; oldest forgotten first)."""
+
+    def __init__(self, limit: int = 100_000):
+        self.limit = limit
+        self.where: OrderedDict[str, str] = OrderedDict()
+        self.by_replica: dict[str, set[str]] = {}
+
+    def note(self, spans: Iterable[str], replica_id: str) -> None:
+        for s in spans:
+            before = self.where.get(s)
+            if before is not None and before != replica_id:
+                self.by_replica[before].discard(s)
+            self.where[s] = replica_id
+            self.where.move_to_end(s)
+            self.by_replica.setdefault(replica_id, set()).add(s)
+        while len(self.where) > self.limit:
+            s, replica = self.where.popitem(last=False)
+            self.by_replica[replica].discard(s)
+
+    def of(self, replica_id: str) -> AbstractSet[str]:
+        return self.by_replica.get(replica_id, frozenset())
+
+    def forget(self, replica_id: str) -> None:
+        for s in self.by_replica.pop(replica_id, set()):
+            self.where.pop(s, None)

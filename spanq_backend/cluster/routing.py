@@ -1,0 +1,97 @@
+"""Span-affinity routing on Ray Serve: `SpanAffinityRouter` is a Ray Serve request router (the
+`ray.serve.request_router.RequestRouter` hook) that ranks a deployment's replicas with `policy.rank_replicas`.
+
+Ray gives it the live replicas, their queue lengths (from its cache, or probed as its own routers do) and the
+routing stats each replica reports (`SpanReplica.record_routing_stats`: the digests of the spans its engine still
+holds, read from vLLM's KV cache events, every `request_routing_stats_period_s`). Between two reports the router
+also remembers where it sent each span itself, so a burst of queries on new documents does not spread them over
+the fleet before the first report arrives. A replica the ingress saw fail is tried last until Ray's health check
+decides about it; one Ray reports dead is forgotten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set as AbstractSet
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from spanq_backend.cluster.policy import (
+    UNKNOWN_QUEUE,
+    Recent,
+    ReplicaView,
+    is_failing,
+    query_span_digests,
+    rank_replicas,
+)
+
+__all__ = ["SpanAffinityRouter"]
+
+
+class SpanAffinityRouter(RequestRouter):
+    """Ray Serve's request router for `SpanReplica`s: span affinity balanced against queue length."""
+
+    def initialize_state(self, max_imbalance: int = 4, **_: Any) -> None:
+        self.max_imbalance = int(max_imbalance)
+        self.recent = Recent()
+        self._reports: dict[str, tuple[Any, AbstractSet[str]]] = {}
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        spans: list[str] = []
+        if pending_request is not None:
+            for arg in pending_request.args:
+                body = getattr(arg, "span_body", None)
+                if body is not None:
+                    spans = query_span_digests(body)
+                    break
+        queues = await self._queue_lens(candidate_replicas)
+        views = []
+        by_id = {}
+        for r in candidate_replicas:
+            rid = r.replica_id.to_full_id_str()
+            by_id[rid] = r
+            stats = r.routing_stats or {}
+            views.append(
+                ReplicaView(
+                    id=rid,
+                    queue_len=queues.get(rid, UNKNOWN_QUEUE),
+                    cached=self._reported(rid, stats),
+                    recent=self.recent.of(rid),
+                    failing=is_failing(rid),
+                )
+            )
+        ranked = rank_replicas(spans, views, self.max_imbalance)
+        if spans and ranked:
+            self.recent.note(spans, ranked[0][0])
+        return [[by_id[i] for i in rank] for rank in ranked]
+
+    def _reported(self, replica_id: str, stats: dict[str, Any]) -> AbstractSet[str]:
+        """The replica's reported spans as a set, converted once per report."""
+        spans = stats.get("spans") or ()
+        seen = self._reports.get(replica_id)
+        if seen is None or seen[0] is not spans:
+            seen = self._reports[replica_id] = (spans, frozenset(spans))
+        return seen[1]
+
+    async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int]:
+        """Each replica's queue length: from Ray's cache where it has one, else probed (as Ray's own
+        routers do); a replica that does not answer is left out (ranked as if busiest)."""
+        queues: dict[str, int] = {}
+        missing = []
+        for r in replicas:
+            known = self._replica_queue_len_cache.get(r.replica_id) if self._use_replica_queue_len_cache else None
+            if known is None:
+                missing.append(r)
+            else:
+                queues[r.replica_id.to_full_id_str()] = int(known)
+        if missing:
+            for r, known in await self._probe_queue_lens(missing, 0):
+                if known is not None:
+                    queues[r.replica_id.to_full_id_str()] = int(known)
+        return queues
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        self.recent.forget(replica_id.to_full_id_str())
+        super().on_replica_actor_died(replica_id)

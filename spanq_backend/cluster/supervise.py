@@ -1,0 +1,88 @@
+"""Run one command as the leader of its own process group, and take the whole group down with it.
+
+    python -m spanq_backend.cluster.supervise COMMAND [ARGS...]
+
+A cluster replica starts its `spanq serve` through this: the server's vLLM engine core is a process of its own,
+and when the server dies (killed, crashed, or while the engine is still starting) nothing else would stop that
+engine, which holds its memory. Here, whichever ends first (the command, a SIGTERM/SIGINT to this process, or
+the death of the process that started this one, Linux) ends the group: SIGTERM to every member, SIGKILL to
+what is left after a grace period. The exit status is the command's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+GRACE_S = 20.0
+
+
+def _members(pgid: int) -> list[int]:
+    """The processes of group `pgid`, this one left out."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def end_group(grace_s: float = GRACE_S) -> None:
+    """SIGTERM to the rest of this process's group, then SIGKILL to what is still there after `grace_s`."""
+    pgid = os.getpgrp()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for pid in _members(pgid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while _members(pgid) and time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(-1, os.WNOHANG)
+            time.sleep(0.2)
+        if not _members(pgid):
+            return
+
+
+def _term_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python -m spanq_backend.cluster.supervise COMMAND [ARGS...]", file=sys.stderr)
+        return 2
+    with contextlib.suppress(PermissionError):
+        os.setsid()  # a new group, led by this process (already so if the caller made one)
+    _term_with_parent()  # SIGTERM here when the process that started this one dies
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        end_group()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    # The command gets SIGTERM if this process is killed outright (Ray kills a dead actor's children so).
+    child = subprocess.Popen(argv, preexec_fn=_term_with_parent)  # noqa: PLW1509
+    code = child.wait()
+    end_group()
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,97 @@
+"""The span-affinity policy on its own (no Ray, no engine): which replica a span query is sent to."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from spanq_backend.cluster.policy import Recent, ReplicaView, mark_failing, query_span_digests, rank_replicas
+from spanq_backend.serving.lowering import span_digest
+from spanq_integrations import cross, fragment, generate, plus, system, user
+from spanq_integrations.query.spnl_json import to_json
+
+
+def _body(*docs: str) -> bytes:
+    q = generate(cross(system("s"), plus(*[fragment(d) for d in docs]), user("q")))
+    return json.dumps(to_json(q)).encode()
+
+
+def test_the_spans_of_a_query_are_its_plus_children_by_text_digest():
+    assert query_span_digests(_body("doc a", "doc b", "doc a")) == [span_digest("doc a"), span_digest("doc b")]
+    assert query_span_digests(b"{not json") == []
+    assert query_span_digests(json.dumps({"g": {"model": "", "input": {"user": "hi"}}})) == []
+
+
+def test_the_replica_holding_most_spans_comes_first():
+    a, b, c = (span_digest(x) for x in "abc")
+    replicas = [ReplicaView("r1", 0, cached={a}), ReplicaView("r2", 1, cached={b, c})]
+    assert rank_replicas([a, b, c], replicas, max_imbalance=4) == [["r2"], ["r1"]]
+    # what the router sent since the last report counts as held
+    replicas = [ReplicaView("r1", 0, recent={a, b, c}), ReplicaView("r2", 0, cached={b})]
+    assert rank_replicas([a, b, c], replicas, max_imbalance=4)[0] == ["r1"]
+
+
+def test_a_hot_replica_is_passed_over():
+    a = span_digest("a")
+    replicas = [ReplicaView("hot", 9, cached={a}), ReplicaView("idle", 2)]
+    assert rank_replicas([a], replicas, max_imbalance=4) == [["idle"], ["hot"]]
+    assert rank_replicas([a], replicas, max_imbalance=7) == [["hot"], ["idle"]]
+
+
+def test_queries_on_new_spans_go_where_the_same_spans_will_go_again():
+    replicas = [ReplicaView(f"r{i}", 0) for i in range(4)]
+    spans = [span_digest(f"doc {i}") for i in range(3)]
+    first = rank_replicas(spans, replicas, 4)[0]
+    assert all(rank_replicas(list(reversed(spans)), replicas, 4)[0] == first for _ in range(3))
+    # and different new spans spread over the fleet
+    chosen = {rank_replicas([span_digest(f"other {i}")], replicas, 4)[0][0] for i in range(40)}
+    assert len(chosen) >= 3
+
+
+def test_a_failing_replica_goes_last_and_no_spans_means_least_busy_first():
+    a = span_digest("a")
+    replicas = [ReplicaView("r1", 0, cached={a}, failing=True), ReplicaView("r2", 3)]
+    assert rank_replicas([a], replicas, 4) == [["r2"], ["r1"]]
+    assert rank_replicas([], [ReplicaView("r1", 5), ReplicaView("r2", 1)], 4) == [["r2"], ["r1"]]
+    mark_failing("r-x", seconds=30)
+    from spanq_backend.cluster.policy import is_failing
+
+    assert is_failing("r-x") and not is_failing("r-y")
+
+
+def test_recent_sends_move_with_the_span_and_are_bounded():
+    recent = Recent(limit=3)
+    recent.note(["a", "b"], "r1")
+    recent.note(["b", "c"], "r2")
+    assert set(recent.of("r1")) == {"a"} and set(recent.of("r2")) == {"b", "c"}
+    recent.note(["d"], "r1")  # "a" is the oldest: forgotten
+    assert set(recent.of("r1")) == {"d"}
+    recent.forget("r2")
+    assert set(recent.of("r2")) == set() and list(recent.where) == ["d"]
+
+
+def _simulate(choose, queries: list[list[str]], replicas: int) -> int:
+    """Prepared spans over a workload, where each replica caches what it prepared (no eviction)."""
+    caches = [set() for _ in range(replicas)]
+    recent = Recent()
+    prepared = 0
+    for i, spans in enumerate(queries):
+        views = [ReplicaView(f"r{k}", 0, cached=caches[k], recent=recent.of(f"r{k}")) for k in range(replicas)]
+        target = int(choose(spans, views, i)[1:])
+        recent.note(spans, f"r{target}")
+        prepared += len(set(spans) - caches[target])
+        caches[target] |= set(spans)
+    return prepared
+
+
+def test_affinity_prepares_each_span_once_where_round_robin_does_not():
+    """The check the cluster test makes (each span prepared once across the fleet), on a model of the fleet: it
+    holds for the policy and fails for round-robin routing."""
+    rng = random.Random(7)
+    pool = [span_digest(f"doc {i}") for i in range(6)]
+    groups = [pool[:3], pool[3:]]
+    queries = [rng.sample(groups[rng.randrange(2)], 3) for _ in range(24)]
+    affinity = _simulate(lambda spans, views, i: rank_replicas(spans, views, 4)[0][0], queries, 2)
+    round_robin = _simulate(lambda spans, views, i: f"r{i % 2}", queries, 2)
+    assert affinity == len({s for q in queries for s in q})
+    assert round_robin > affinity

@@ -1,0 +1,171 @@
+"""`spanq serve --replicas 2` on the tiny model: two span engines on a local Ray Serve, routed by span affinity.
+
+One cluster for the module (about 90 s to start on this machine); `SpanBackend` is its client, unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from spanq_integrations import cross, execute, fragment, generate, plus, system, user
+from spanq_integrations.backends.span import SpanBackend
+from spanq_integrations.query.spnl_json import to_json
+from tests.servers import free_port, log_tail, running_server
+
+pytest.importorskip("ray.serve", reason="the cluster extra: pip install 'spanq[cluster]'")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+EXECUTE = "/v1/query/execute"
+WORDS = ["key", "door", "lamp", "road", "tree", "bell", "cup"]
+DOCS = [f"Document {i}. " + " ".join(f"The {w} of {i} is {j}." for j, w in enumerate(WORDS * 3)) for i in range(6)]
+GROUPS = [DOCS[:3], DOCS[3:]]
+
+
+def rag(docs: list[str], max_tokens: int = 4):
+    return generate(
+        cross(system("Answer from the documents."), plus(*[fragment(d) for d in docs]), user("Which door?")),
+        max_tokens=max_tokens,
+        temperature=0.0,
+    )
+
+
+def workload(n: int, seed: int = 3) -> list[list[str]]:
+    """Queries over two pools of three documents each, in random orders."""
+    rng = random.Random(seed)
+    return [rng.sample(GROUPS[i % 2], 3) for i in range(n)]
+
+
+class Cluster:
+    def __init__(self, url: str, pid: int, log: Path):
+        self.url, self.pid, self.log = url, pid, log
+
+    def replica_servers(self) -> list[int]:
+        """The pids of the replicas' own `spanq serve` processes (descendants of the cluster's process)."""
+        children: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(entry.name))
+        found, todo = [], [self.pid]
+        while todo:
+            pid = todo.pop()
+            for child in children.get(pid, []):
+                todo.append(child)
+                try:
+                    command = (Path("/proc") / str(child) / "cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if b"spanq_integrations.cli" in command and b"--replicas" not in command and not any(
+                    b"supervise" in part for part in command
+                ):
+                    found.append(child)
+        return found
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory, request) -> Iterator[Cluster]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("spanq-cluster") / "cluster.log"
+    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--replicas", "2",
+               "--model", str(tiny_model), "--port", str(port)]  # fmt: skip
+    failed_before = request.session.testsfailed
+    with running_server(command, log, "spanq serve --replicas 2") as proc:
+        yield Cluster(f"http://127.0.0.1:{port}", proc.pid, log)
+    if request.session.testsfailed > failed_before:
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"\n--- spanq serve --replicas log (tail of {log}) ---\n{log_tail(log)}")
+
+
+def _run_all(url: str, queries: list[list[str]], concurrency: int = 1):
+    async def go():
+        async with SpanBackend(url) as backend:
+            gate = asyncio.Semaphore(concurrency)
+
+            async def one(docs):
+                async with gate:
+                    return await backend.execute_remote(rag(docs))
+
+            return await asyncio.gather(*(one(d) for d in queries))
+
+    return asyncio.run(go())
+
+
+def test_each_span_is_prepared_once_across_the_fleet_and_answers_match_one_engine(cluster, tiny_backend):
+    queries = workload(12)
+    results = _run_all(cluster.url, queries)
+    prepared = [r.calls[0].prepared_spans for r in results]
+    assert sum(prepared) == len(DOCS), prepared  # each document's span computed on one replica only
+    assert all(r.calls[0].cached_tokens > 0 for r in results[2:])
+    expected = [execute(rag(d), backend=tiny_backend).answer for d in queries[:4]]
+    assert [r.answer for r in results[:4]] == expected
+    # streamed through the ingress too (`SpanBackend.generate`), and concurrent
+    streamed = [execute(rag(d), backend=f"spanq+{cluster.url}").answer for d in queries[:2]]
+    assert streamed == expected[:2]
+    again = _run_all(cluster.url, queries[:4], concurrency=4)
+    assert [r.answer for r in again] == expected
+    assert sum(r.calls[0].prepared_spans for r in again) == 0
+
+
+def test_bad_input_is_a_4xx_through_the_cluster(cluster):
+    bad = {"g": {"model": "", "input": {"cross": [{"user": "hi"}, {"usr": "typo"}]}}}
+    answer = httpx.post(f"{cluster.url}{EXECUTE}", json=bad, timeout=60)
+    assert answer.status_code == 400 and answer.json()["error"]["message"].startswith("$.g.input.cross[1]: ")
+    unknown = to_json(generate(user("hi"), model="no-such-model", max_tokens=2))
+    assert httpx.post(f"{cluster.url}{EXECUTE}", json=unknown, timeout=60).status_code == 404
+
+
+def test_a_replica_that_dies_is_routed_around_and_restarted(cluster):
+    servers = cluster.replica_servers()
+    assert len(servers) == 2, servers
+    os.kill(servers[0], signal.SIGKILL)
+    queries = workload(4, seed=11)
+    results = _run_all(cluster.url, queries)  # each retried on the other replica where its pick died
+    assert all(r.answer for r in results)
+    streamed = execute(rag(queries[0]), backend=f"spanq+{cluster.url}")
+    assert streamed.answer == results[0].answer
+    deadline = time.monotonic() + 300
+    while len(cluster.replica_servers()) < 2 or httpx.get(f"{cluster.url}/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "Ray Serve did not restart the replica"
+        time.sleep(2)
+
+
+def test_no_replica_reachable_is_a_503_naming_it(cluster):
+    for pid in cluster.replica_servers():
+        os.kill(pid, signal.SIGKILL)
+    answer = httpx.post(f"{cluster.url}{EXECUTE}", json=to_json(rag(GROUPS[0])), timeout=120)
+    assert answer.status_code == 503, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "BackendUnavailableError" and "no replica could answer" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--replicas", "0"], "--replicas must be at least 1, got 0"),
+        (["--replicas", "2", "--ray-address", "ray://127.0.0.1:1"], "the Ray cluster at 'ray://127.0.0.1:1' does not answer"),
+        (["--replicas", "2", "--ray-address", "nowhere"], "'nowhere' is not a Ray cluster address"),
+    ],
+)
+def test_cluster_flags_that_cannot_work_are_one_line_errors(flags, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", "tiny", *flags],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(f"spanq serve: error: {message}")
