@@ -27,11 +27,13 @@ __all__ = ["main"]
 
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
+EXIT_SOME_FAILED = 1  # `run --bulk`: every query ran or was reported, some of them with an error
 
 # Subcommands that live in the server package; each module has `<name>_main(argv) -> int`.
 DELEGATED = {"serve": "spanq_backend.serving.server", "bench": "benchmarks"}
 BACKEND_EXTRA_HINT = "pip install 'spanq[backend]'"
 CLUSTER_MODULE = "spanq_backend.cluster.app"
+CLUSTER_BULK_MODULE = "spanq_backend.cluster.bulk"
 CLUSTER_EXTRA_HINT = "pip install 'spanq[cluster]'"
 
 
@@ -150,9 +152,80 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_bulk(file: str) -> list[tuple[int, Node | str]]:
+    """The queries of a JSONL file (one spnl JSON query per line; blank lines skipped): (line number, the
+    query, or the error that names what is wrong with that line)."""
+    from spanq_integrations.query.spnl_json import loads
+
+    try:
+        text = sys.stdin.read() if file == "-" else open(file, encoding="utf-8").read()  # noqa: SIM115
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise CommandError(f"cannot read {file}: {reason}") from e
+    items: list[tuple[int, Node | str]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            items.append((number, loads(line)))
+        except SpanQueryError as e:
+            items.append((number, f"line {number}: {e}"))
+    return items
+
+
+def cmd_bulk(args: argparse.Namespace) -> int:
+    """`spanq run --bulk FILE`: every query of a JSONL file over a pool of span engines on Ray Data; one JSON
+    line per query on stdout, in input order (`index`: its place among the file's queries, `line`)."""
+    if args.backend not in (None, "embedded"):
+        raise CommandError("--bulk runs on a pool of embedded span engines (--actors); it takes no --backend")
+    if args.actors < 1:
+        raise CommandError(f"--actors must be at least 1, got {args.actors}")
+    items = read_bulk(args.file)
+    runnable = [(k, q if not args.model else with_model(q, args.model)) for k, (_, q) in enumerate(items) if not isinstance(q, str)]
+    try:
+        bulk = importlib.import_module(CLUSTER_BULK_MODULE)
+    except ModuleNotFoundError as e:
+        raise CommandError(f"spanq run --bulk needs Ray Data and the backend: {CLUSTER_EXTRA_HINT} (missing {e.name!r})") from e
+    results = bulk.run_bulk([q for _, q in runnable], actors=args.actors, model=args.model or "default",
+                            address=args.ray_address)  # fmt: skip
+    failed = 0
+    following = 0
+
+    def emit(k: int, fields: dict[str, Any]) -> None:
+        print(json.dumps({"index": k, "line": items[k][0], **fields}, ensure_ascii=False), flush=True)
+
+    def emit_malformed_until(k_stop: int) -> int:
+        nonlocal following
+        count = 0
+        while following < k_stop:
+            if isinstance(items[following][1], str):
+                emit(following, {"error": items[following][1]})
+                count += 1
+            following += 1
+        return count
+
+    try:
+        for item in results:
+            k = runnable[item.index][0]
+            failed += emit_malformed_until(k)
+            fields = item.to_dict()
+            fields.pop("index")
+            failed += not item.ok
+            emit(k, fields)
+            following = k + 1
+    except ConnectionError as e:
+        raise CommandError(str(e)) from None
+    failed += emit_malformed_until(len(items))
+    if failed:
+        print(f"spanq: {failed} of {len(items)} queries failed (see their error lines)", file=sys.stderr)
+    return EXIT_SOME_FAILED if failed else 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from spanq_integrations.runtime.executor import execute
 
+    if args.bulk:
+        return cmd_bulk(args)
     query = read_query(args.file)
     if args.model:
         query = with_model(query, args.model)
@@ -288,6 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
         "model calls above the leaves")
     run.add_argument("--json", action="store_true", help="print the result, calls and totals as JSON")
     run.add_argument("--verbose", action="store_true", help="embedded: show vLLM's INFO log lines too")
+    run.add_argument("--bulk", action="store_true", help="FILE is JSONL, one query per line: run them all over a "
+                     "pool of span engines on Ray Data (the cluster extra), queries sharing documents on the same "
+                     "engine; prints one JSON line per query, in input order")
+    run.add_argument("--actors", type=int, default=2, metavar="N", help="--bulk: span engines in the pool (2)")
+    run.add_argument("--ray-address", metavar="ADDR", help="--bulk: an existing Ray cluster (ray://host:10001); "
+                     "default: a local Ray for this run")
     run.set_defaults(handler=cmd_run)
 
     for name, help_text in (("serve", "start the span-aware server"), ("bench", "run the benchmarks")):

@@ -10,10 +10,12 @@ with nothing shared keeps its order, and ordering an ordered batch changes nothi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from spanq_integrations.optimizer.context import OptimizerContext
 from spanq_integrations.query.ir import Fragment, Node, Plus, walk
 
-__all__ = ["bulk_order"]
+__all__ = ["bulk_order", "partition_by_fragments"]
 
 _FragmentKey = tuple[str, str]
 
@@ -53,3 +55,29 @@ def _greedy_order(keys: list[frozenset[_FragmentKey]]) -> list[int]:
         order.append(best)
         remaining.remove(best)
     return order
+
+
+def partition_by_fragments(queries: Sequence[Node], parts: int, slack: float = 1.25) -> list[list[int]]:
+    """Split a batch into at most `parts` groups (query indices) so that queries sharing fragments land in the
+    same group: each engine of a pool then sees its group's fragments, computed once there.
+
+    The greedy order above, generalised: queries are taken in that order, each into the group whose fragments
+    it shares most (ties: the smaller group, then the lower one), no group past `slack` times an even share, so
+    the engines get comparable work. Within a group, the visiting order is kept (temporal locality). Empty
+    groups are dropped; the result is deterministic.
+    """
+    n = len(queries)
+    if n == 0:
+        return []
+    parts = max(1, min(parts, n))
+    keys = [_fragment_keys(q) for q in queries]
+    order = _greedy_order(keys) if n >= 3 else list(range(n))
+    cap = max(1, -(-int(n * slack) // parts))
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    seen: list[set[_FragmentKey]] = [set() for _ in range(parts)]
+    for i in order:
+        open_groups = [g for g in range(parts) if len(groups[g]) < cap] or list(range(parts))
+        best = max(open_groups, key=lambda g: (len(keys[i] & seen[g]), -len(groups[g]), -g))
+        groups[best].append(i)
+        seen[best] |= keys[i]
+    return [g for g in groups if g]

@@ -1,0 +1,108 @@
+"""Bulk span queries on Ray Data: `run_bulk` and `spanq run --bulk` over two span engines (tiny model)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spanq_integrations import cross, execute, fragment, generate, plus, system, user
+from spanq_integrations.optimizer.bulk_order import partition_by_fragments
+from spanq_integrations.query.spnl_json import to_json
+
+pytest.importorskip("ray.data", reason="the cluster extra: pip install 'spanq[cluster]'")
+
+WORDS = ["key", "door", "lamp", "road", "tree", "bell", "cup"]
+DOCS = [f"Document {i}. " + " ".join(f"The {w} of {i} is {j}." for j, w in enumerate(WORDS * 3)) for i in range(8)]
+
+
+def rag(docs: list[str], question: str = "Which door?", max_tokens: int = 4):
+    return generate(
+        cross(system("Answer from the documents."), plus(*[fragment(d) for d in docs]), user(question)),
+        max_tokens=max_tokens,
+        temperature=0.0,
+    )
+
+
+def batch(n: int) -> list:
+    """Queries over two pools of four documents (even queries read pool 0, odd ones pool 1), three each."""
+    pools = [DOCS[:4], DOCS[4:]]
+    return [rag([pools[i % 2][(i + k) % 4] for k in range(3)], question=f"Which door? ({i})") for i in range(n)]
+
+
+def test_partitions_keep_queries_that_share_fragments_together():
+    queries = batch(16)
+    groups = partition_by_fragments(queries, 2)
+    assert sorted(i for g in groups for i in g) == list(range(16))
+    assert {frozenset(i % 2 for i in g) for g in groups} == {frozenset({0}), frozenset({1})}
+    assert partition_by_fragments(queries, 2) == groups  # deterministic
+    assert [len(g) for g in partition_by_fragments(queries, 3)] == [6, 5, 5] or max(
+        len(g) for g in partition_by_fragments(queries, 3)
+    ) <= 7  # balanced within the slack
+    assert partition_by_fragments([], 2) == [] and partition_by_fragments(queries[:1], 4) == [[0]]
+
+
+def test_a_split_that_ignores_fragments_would_prepare_them_twice():
+    """What the check above guards: a round-robin split puts both pools on both engines."""
+    queries = batch(16)
+    round_robin = [list(range(0, 16, 2))[::2] + list(range(1, 16, 2))[::2], list(range(0, 16, 2))[1::2] + list(range(1, 16, 2))[1::2]]
+    assert {frozenset(i % 2 for i in g) for g in round_robin} == {frozenset({0, 1})}
+    assert {frozenset(i % 2 for i in g) for g in partition_by_fragments(queries, 2)} != {frozenset({0, 1})}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_64_queries_over_two_engines_answer_as_one_engine_in_input_order(tiny_backend):
+    from spanq_backend.cluster.bulk import run_bulk
+
+    queries = batch(64)
+    queries[10] = generate(user("word " * 9000), max_tokens=4)  # over the context window: fails alone
+    items = list(run_bulk(queries, actors=2, model="tiny"))
+    assert [item.index for item in items] == list(range(64))
+    assert not items[10].ok and items[10].error.startswith("ContextLengthError: ")
+    ok = [item for item in items if item.ok]
+    assert len(ok) == 63
+    assert {item.partition for item in ok} == {0, 1}
+    # each engine prepared only its pool's documents, each once
+    assert sum(item.usage["prepared_spans"] for item in ok) == len(DOCS)
+    expected = [execute(q, backend=tiny_backend).answer for q in queries[:12] if q is not queries[10]]
+    assert [item.answer for item in items[:12] if item.index != 10] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_spanq_run_bulk_names_a_malformed_line_and_runs_the_rest(tmp_path: Path):
+    lines = [json.dumps(to_json(q)) for q in batch(4)]
+    lines.insert(1, '{"g": {"input": {"usr": "typo"}}}')
+    lines.insert(3, "")
+    path = tmp_path / "queries.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "spanq_integrations.cli", "run", "--bulk", str(path), "--model", "tiny", "--actors", "2"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-2000:]
+    out = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(o["index"], o["line"]) for o in out] == [(0, 1), (1, 2), (2, 3), (3, 5), (4, 6)]
+    assert out[1]["error"].startswith('line 2: $.g.input: unknown node "usr"')
+    assert all(o.get("answer") for k, o in enumerate(out) if k != 1)
+    assert "1 of 5 queries failed" in done.stderr
+
+
+def test_bulk_flags_that_cannot_work_are_one_line_errors(tmp_path: Path):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps(to_json(batch(1)[0])) + "\n")
+    for flags, message in (
+        (["--actors", "0"], "--actors must be at least 1, got 0"),
+        (["--backend", "http://127.0.0.1:9"], "--bulk runs on a pool of embedded span engines"),
+        (["--ray-address", "ray://127.0.0.1:1"], "the Ray cluster at 'ray://127.0.0.1:1' does not answer"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "spanq_integrations.cli", "run", "--bulk", str(path), *flags],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 2, (flags, done.stderr)
+        assert done.stderr.strip().splitlines()[-1] == f"spanq: error: {message}" or done.stderr.strip().splitlines()[-1].startswith(f"spanq: error: {message}")
