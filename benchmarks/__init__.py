@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "quality": ("benchmarks.quality", "span vs full attention: exact match, KL divergence, padding"),
     "rerope": ("benchmarks.rerope", "repositioning throughput vs a plain copy; CIDRA planning cost"),
     "haystack": ("benchmarks.haystack", "needle in a haystack: flat judge vs tree reduction"),
+    "cluster": ("benchmarks.cluster", "span-affinity vs Ray Serve's default routing over replicas: hit rate, TTFT"),
     "overhead": ("benchmarks.overhead", "requests without spans, plugin on vs off (own processes); client-side cost"),
 }
 """name -> (module with `main(argv) -> int`, one-line description)."""
