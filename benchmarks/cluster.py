@@ -15,10 +15,9 @@ prepared, mean and p90 TTFT, and the ratios affinity / default.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,17 +65,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_cluster(model: str, replicas: int, routing: str, log: Path) -> tuple[subprocess.Popen, str]:
+def _serve(argv: list[str], log: str) -> None:  # runs in the cluster's own process
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    from spanq_integrations.cli import main as spanq_main
+
+    raise SystemExit(spanq_main(argv))
+
+
+def start_cluster(model: str, replicas: int, routing: str, log: Path) -> tuple[Any, str]:
+    """A fresh cluster (`spanq serve --replicas R --routing X`) in a process of its own; waits until it answers."""
     port = free_port()
-    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--replicas", str(replicas),
-               "--routing", routing, "--model", model, "--port", str(port)]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    argv = ["serve", "--replicas", str(replicas), "--routing", routing, "--model", model, "--port", str(port)]
+    proc = multiprocessing.get_context("spawn").Process(target=_serve, args=(argv, str(log)), name=f"cluster-{routing}")
+    proc.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
     while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the {routing} cluster exited ({proc.returncode}); see {log}")
+        if not proc.is_alive():
+            raise RuntimeError(f"the {routing} cluster exited ({proc.exitcode}); see {log}")
         try:
             with urllib.request.urlopen(f"{url}/v1/models", timeout=5):
                 return proc, url
@@ -88,15 +96,13 @@ def start_cluster(model: str, replicas: int, routing: str, log: Path) -> tuple[s
         time.sleep(2)
 
 
-def stop_cluster(proc: subprocess.Popen) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 90), (signal.SIGKILL, 10)):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            continue
+def stop_cluster(proc: Any) -> None:
+    """SIGTERM (the cluster shuts its replicas and Ray down), then SIGKILL if it has not ended in 90 s."""
+    proc.terminate()
+    proc.join(timeout=90)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=10)
 
 
 def run_workload(url: str, docs: list[str], queries: list[tuple[list[int], str]], args: Any) -> list[dict[str, Any]]:
