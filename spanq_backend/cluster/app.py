@@ -132,6 +132,7 @@ class SpanReplica:
                     yield chunk
         except httpx.TransportError as e:
             yield {"unavailable": f"replica {self.url}: {type(e).__name__}: {e}", "replica": self.replica_id}
+            # (before the head: the ingress retries elsewhere; after it: it retries a whole answer, or ends a stream)
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """For the router: the digests of the spans this replica's engine holds."""
@@ -159,7 +160,8 @@ class SpanReplica:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
     def __del__(self) -> None:
-        self._stop()
+        if getattr(self, "proc", None) is not None:
+            self._stop()
 
 
 def _error(status: int, kind: str, message: str) -> Any:
@@ -221,7 +223,14 @@ def _make_ingress(retries: int) -> Any:
                         await asyncio.sleep(RETRY_PAUSE_S)
                         continue
                     if not forwarded.streams:  # whole, so that a replica lost mid-answer is retried
-                        body = b"".join([chunk async for chunk in chunks])
+                        parts: list[bytes] = []
+                        async for chunk in chunks:
+                            if isinstance(chunk, dict):  # its server went away mid-answer
+                                if "replica" in chunk:
+                                    mark_failing(chunk["replica"])
+                                raise ConnectionError(chunk.get("unavailable", "the replica stopped mid-answer"))
+                            parts.append(chunk)
+                        body = b"".join(parts)
                         return Response(body, status_code=head["status"], media_type=head["content_type"] or None)
                 except (StopAsyncIteration, *replica_failures) as e:
                     last = f"{type(e).__name__}: {e}"
