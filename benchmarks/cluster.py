@@ -57,14 +57,6 @@ def workload(docs: list[str], args: Any) -> list[tuple[list[int], str]]:
     return queries
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(argv: list[str], log: str) -> None:  # runs in the cluster's own process
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
@@ -76,6 +68,8 @@ def _serve(argv: list[str], log: str) -> None:  # runs in the cluster's own proc
 
 def start_cluster(model: str, replicas: int, routing: str, log: Path) -> tuple[Any, str]:
     """A fresh cluster (`spanq serve --replicas R --routing X`) in a process of its own; waits until it answers."""
+    from spanq_backend.cluster.app import free_port
+
     port = free_port()
     argv = ["serve", "--replicas", str(replicas), "--routing", routing, "--model", model, "--port", str(port)]
     proc = multiprocessing.get_context("spawn").Process(target=_serve, args=(argv, str(log)), name=f"cluster-{routing}")

@@ -44,20 +44,23 @@ class CommandError(Exception):
 # --------------------------------------------------------------------------------------------- input
 
 
+def read_text(file: str) -> str:
+    """The text of `file` (`-` reads stdin); a `CommandError` naming the file if it cannot be read."""
+    if file == "-":
+        return sys.stdin.read()
+    try:
+        with open(file, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise CommandError(f"cannot read {file}: {reason}") from e
+
+
 def read_query(file: str) -> Node:
     """The query in `file` (spnl JSON; `-` reads stdin)."""
     from spanq_integrations.query.spnl_json import loads
 
-    if file == "-":
-        text = sys.stdin.read()
-    else:
-        try:
-            with open(file, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise CommandError(f"cannot read {file}: {reason}") from e
-    return loads(text)
+    return loads(read_text(file))
 
 
 def with_model(query: Node, model: str) -> Node:
@@ -157,13 +160,8 @@ def read_bulk(file: str) -> list[tuple[int, Node | str]]:
     query, or the error that names what is wrong with that line)."""
     from spanq_integrations.query.spnl_json import loads
 
-    try:
-        text = sys.stdin.read() if file == "-" else open(file, encoding="utf-8").read()  # noqa: SIM115
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise CommandError(f"cannot read {file}: {reason}") from e
     items: list[tuple[int, Node | str]] = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(read_text(file).splitlines(), start=1):
         if not line.strip():
             continue
         try:

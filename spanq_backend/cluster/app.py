@@ -36,11 +36,12 @@ from typing import Any
 
 from fastapi import Request  # module level: FastAPI resolves the route's annotations here
 
-__all__ = ["CLUSTER_FLAGS", "ForwardedRequest", "SpanReplica", "build_app", "serve_cluster", "split_cluster_args"]
+from spanq_integrations.backends.span import EXECUTE_PATH
+
+__all__ = ["ForwardedRequest", "SpanReplica", "build_app", "free_port", "serve_cluster", "split_cluster_args"]
 
 log = logging.getLogger("spanq.cluster")
 
-EXECUTE_PATH = "/v1/query/execute"
 ROUTINGS = ("affinity", "default")
 ROUTER_CLASS = "spanq_backend.cluster.routing:SpanAffinityRouter"
 RETRY_PAUSE_S = 0.5  # between tries of a request whose replica failed
@@ -73,7 +74,8 @@ class ForwardedRequest:
         return False
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -92,7 +94,7 @@ class SpanReplica:
     def __init__(self, serve_args: Sequence[str], start_timeout_s: float = 900.0):
         import httpx
 
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkdtemp(prefix="spanq-replica-")) / "serve.log"
         # Through `supervise`: the server and its engine core live and die together, as one process group.
@@ -287,9 +289,6 @@ def build_app(
     return ingress.bind(replica)
 
 
-CLUSTER_FLAGS = ("--replicas", "--routing", "--ray-address", "--max-imbalance")
-
-
 def split_cluster_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """`spanq serve`'s cluster options, and the rest (each replica's own `spanq serve` options; --host and
     --port are the cluster's address)."""
@@ -350,8 +349,6 @@ def serve_cluster(argv: Sequence[str]) -> int:
     except ConnectionError as e:
         print(f"spanq serve: error: {e}", file=sys.stderr)
         return 2
-    from ray import serve
-
     stop = asyncio.Event()
     serve.start(http_options={"host": cluster.host, "port": cluster.port})
     app = build_app(rest, cluster.replicas, cluster.routing, max_imbalance=cluster.max_imbalance)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from spanq_integrations.optimizer.bulk_order import partition_by_fragments
@@ -65,7 +65,6 @@ class BulkEngine:
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:
         from spanq_integrations.runtime.executor import execute
 
-        indices: list[int] = []
         results: list[str] = []
         for part, group in zip(batch["partition"], batch["queries"]):
             for index, doc in json.loads(group):
@@ -79,16 +78,8 @@ class BulkEngine:
                     item.tree = to_json(result.tree)
                     item.calls = [c.model_dump() for c in result.calls]
                     item.usage = result.usage.openai()
-                indices.append(index)
-                results.append(json.dumps(_item_fields(item)))
-        return {"index": indices, "result": results}
-
-
-def _item_fields(item: BulkItem) -> dict[str, Any]:
-    return {
-        "index": item.index, "answer": item.answer, "tree": item.tree, "calls": item.calls, "usage": item.usage,
-        "error": item.error, "partition": item.partition,
-    }  # fmt: skip
+                results.append(json.dumps(asdict(item)))
+        return {"result": results}
 
 
 def run_bulk(

@@ -17,25 +17,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from spanq_backend.serving.processes import processes
+
 GRACE_S = 20.0
-
-
-def _members(pgid: int) -> list[int]:
-    """The processes of group `pgid`, this one left out."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 def end_group(grace_s: float = GRACE_S) -> None:
@@ -43,15 +29,15 @@ def end_group(grace_s: float = GRACE_S) -> None:
     pgid = os.getpgrp()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        for pid in _members(pgid):
+        for pid in processes(group=pgid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + wait_s
-        while _members(pgid) and time.monotonic() < deadline:
+        while processes(group=pgid) and time.monotonic() < deadline:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(-1, os.WNOHANG)
             time.sleep(0.2)
-        if not _members(pgid):
+        if not processes(group=pgid):
             return
 
 

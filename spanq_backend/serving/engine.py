@@ -141,7 +141,7 @@ class SpanEngine:
             model_name=self.model_name,
             default_max_tokens=self.config.default_max_tokens,
             spans=self.config.spans and self.span_support.enabled,
-            span_cached=self._probe.cached if self._probe is not None else None,
+            span_probe=self._probe,
             fallback=self.span_support.reason if self.config.spans and not self.span_support.enabled else None,
             default_anchor=self.config.span_anchor,
         )

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from spanq_backend.kv.span_table import EXTRA_ARGS_KEY, SpanTable
 from spanq_backend.serving import metrics
@@ -122,6 +122,16 @@ def structured_outputs(call: Generate) -> Any:
     return StructuredOutputsParams(json_object=True) if schema == {} else StructuredOutputsParams(json=schema)
 
 
+class SpanProbe(Protocol):
+    """What the generator asks of an engine's prefix cache (`cache_probe.BlockPoolProbe`, `KVEventsMirror`)."""
+
+    def block_hashes(self, token_ids: list[int]) -> tuple[Any, ...] | None: ...
+
+    def holds(self, hashes: tuple[Any, ...] | None) -> bool: ...
+
+    def cached(self, token_ids: list[int]) -> bool: ...
+
+
 class SpanGenerator:
     """Lowers closed `Generate`s, prepares their spans and runs them on the engine behind `stream`."""
 
@@ -136,7 +146,7 @@ class SpanGenerator:
         default_max_tokens: int = 256,
         spans: bool = True,
         generated_ids: Callable[[Assistant], GeneratedSpan | None] | None = None,
-        span_cached: Callable[[list[int]], bool] | None = None,
+        span_probe: SpanProbe | None = None,
         fallback: str | None = None,
         default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
     ):
@@ -151,17 +161,19 @@ class SpanGenerator:
         # spans were flattened because of it.
         self.fallback = fallback
         self.default_anchor = default_anchor  # the anchor policy of a `plus` that names none
-        # Whether a `[anchor][span]` prompt is wholly in the prefix cache (an in-process engine can tell): its
+        # Whether a `[anchor][span]` prompt is wholly in the prefix cache (the engine's probe tells): its
         # prepare request would compute nothing, so it is skipped.
-        self.span_cached = span_cached
+        self.span_probe = span_probe
+        self.span_cached: Callable[[list[int]], bool] | None = span_probe.cached if span_probe is not None else None
         metrics.register()  # spanq's counters in vLLM's Prometheus registry (once per process)
         # Nested generation: the output ids of the aligned generations this generator ran itself (by prompt
         # and text), unless the host supplies its own lookup.
         self.generated_ids = generated_ids or self._remembered_ids
         self._generated: OrderedDict[tuple[tuple[int, ...], str], tuple[int, ...]] = OrderedDict()
-        # The spans this generator prepared (or found cached): text digest -> its prepare prompt, so that
-        # `cached_span_digests` can say which of them the cache still holds (what a cluster router routes on).
-        self._span_prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        # The spans this generator prepared (or found cached): text digest -> the block hashes of its prepare
+        # prompt (computed once), so that `cached_span_digests` can say which of them the cache still holds
+        # (what a cluster router routes on).
+        self._span_blocks: OrderedDict[str, tuple[Any, ...] | None] = OrderedDict()
         self.pad_token_id = tokenizer.encode("\n", add_special_tokens=False)[-1]
         self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
 
@@ -190,19 +202,21 @@ class SpanGenerator:
     REMEMBERED_SPANS = 65536
 
     def _note_spans(self, lowered: LoweredPrompt) -> None:
+        if self.span_probe is None:
+            return  # nothing could tell later which of them the cache holds
         for i, text in enumerate(lowered.span_texts[: len(lowered.table.spans)]):
-            key = span_digest(text)
-            self._span_prompts[key] = tuple(lowered.prepare_prompt(i))
-            self._span_prompts.move_to_end(key)
-        while len(self._span_prompts) > self.REMEMBERED_SPANS:
-            self._span_prompts.popitem(last=False)
+            key = span_digest(text)  # under the anchor it was last prepared on
+            self._span_blocks[key] = self.span_probe.block_hashes(lowered.prepare_prompt(i))
+            self._span_blocks.move_to_end(key)
+        while len(self._span_blocks) > self.REMEMBERED_SPANS:
+            self._span_blocks.popitem(last=False)
 
     def cached_span_digests(self) -> list[str]:
         """The digests (`span_digest` of the text) of the spans this generator prepared whose KV the engine's
         cache still holds, most recently used last; empty where the cache cannot be probed."""
-        if self.span_cached is None:
+        if self.span_probe is None:
             return []
-        return [key for key, prompt in list(self._span_prompts.items()) if self.span_cached(list(prompt))]
+        return [key for key, blocks in list(self._span_blocks.items()) if self.span_probe.holds(blocks)]
 
     def _remembered_ids(self, node: Assistant) -> GeneratedSpan | None:
         if not isinstance(node.source, Generate) or not self.spans:

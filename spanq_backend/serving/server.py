@@ -101,12 +101,12 @@ class EngineClientBackend(Backend):
         max_model_len: int | None,
         max_concurrency: int = 16,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
-        span_cached: Any = None,
+        span_probe: Any = None,
         span_support: SpanSupport | None = None,
         default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
     ):
-        """`span_cached(token_ids)`: whether a span's prepare prompt is wholly in the engine's prefix cache
-        (`cache_probe.KVEventsMirror`); its prepare request is then skipped. `span_support`: what the engine's
+        """`span_probe`: the engine's prefix cache as this process sees it (`cache_probe.KVEventsMirror`); a span
+        whose prepare prompt it holds wholly is not prepared again. `span_support`: what the engine's
         workers said at start-up (`vllm_integration.support`); without spans, prompts go out as stock."""
         support = span_support or SpanSupport(True)
         self.engine_client = engine_client
@@ -118,7 +118,7 @@ class EngineClientBackend(Backend):
             max_model_len=max_model_len,
             model_name=self.served_model_names[0],
             default_max_tokens=default_max_tokens,
-            span_cached=span_cached if support.enabled else None,
+            span_probe=span_probe if support.enabled else None,
             spans=support.enabled,
             fallback=None if support.enabled else support.reason,
             default_anchor=default_anchor,
@@ -391,7 +391,7 @@ def build_query_router(
                 block_size=config.cache_config.block_size,
                 max_model_len=config.model_config.max_model_len,
                 max_concurrency=config.scheduler_config.max_num_seqs,
-                span_cached=mirror.cached if mirror is not None else None,
+                span_probe=mirror,
                 span_support=support,
                 default_anchor=default_anchor,
             )
@@ -448,7 +448,7 @@ def build_query_router(
         spans it prepared, most recently used last. What a cluster's span-affinity router routes on."""
         backend = await backend_of(raw_request)
         return JSONResponse(
-            {"spans": backend.generator.cached_span_digests(), "probe": backend.generator.span_cached is not None}
+            {"spans": backend.generator.cached_span_digests(), "probe": backend.generator.span_probe is not None}
         )
 
     @router.post(EXECUTE_PATH)
@@ -607,13 +607,12 @@ def _stop_children_on_sigterm() -> None:
     import signal
     from pathlib import Path
 
+    from spanq_backend.serving.processes import processes
+
     def on_term(signum: int, _frame: Any) -> None:
-        me = str(os.getpid())
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                with contextlib.suppress(OSError, IndexError):
-                    if (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] == me:
-                        os.kill(int(entry.name), signal.SIGKILL)
+        for pid in processes(parent=os.getpid()):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         os._exit(128 + signum)
 
     if Path("/proc/self/stat").exists():

@@ -61,14 +61,23 @@ class BlockPoolProbe:
             return None
         return cls(manager.block_pool, hash_fn, block_size)
 
-    def cached(self, token_ids: list[int]) -> bool:
+    def block_hashes(self, token_ids: list[int]) -> tuple[Any, ...] | None:
+        """The prefix-cache hashes of a prompt of whole blocks (None for any other prompt: never cached)."""
         if not token_ids or len(token_ids) % self.block_size:
+            return None
+        return tuple(block_hash_chain(self.hash_fn, token_ids, self.block_size))
+
+    def holds(self, hashes: tuple[Any, ...] | None) -> bool:
+        """Whether the pool holds every block of `block_hashes`' answer."""
+        if not hashes:
             return False
         try:
-            return all(self.pool.get_cached_block(h, [0]) is not None
-                       for h in block_hash_chain(self.hash_fn, token_ids, self.block_size))
+            return all(self.pool.get_cached_block(h, [0]) is not None for h in hashes)
         except Exception:  # noqa: BLE001  (the pool changed under us: read it as a miss)
             return False
+
+    def cached(self, token_ids: list[int]) -> bool:
+        return self.holds(self.block_hashes(token_ids))
 
 
 class KVEventsMirror:
@@ -115,18 +124,28 @@ class KVEventsMirror:
             return None  # the engine core seeds its chains at random: its hashes cannot be recomputed here
         return cls(events.endpoint, events.topic, hash_fn, cache.block_size)
 
-    def cached(self, token_ids: list[int]) -> bool:
+    def block_hashes(self, token_ids: list[int]) -> tuple[Any, ...] | None:
+        """The hashes the events carry for a prompt of whole blocks (None for any other prompt, or where they
+        cannot be computed: never cached)."""
         if not token_ids or len(token_ids) % self.block_size:
-            return False
+            return None
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         try:
             chain = block_hash_chain(self.hash_fn, token_ids, self.block_size, self.root)
-            hashes = [maybe_convert_block_hash(h) for h in chain]
+            return tuple(maybe_convert_block_hash(h) for h in chain)
         except Exception:  # noqa: BLE001  (read as a miss: the prepare runs)
+            return None
+
+    def holds(self, hashes: tuple[Any, ...] | None) -> bool:
+        """Whether the engine's cache holds every block of `block_hashes`' answer."""
+        if not hashes:
             return False
         with self._lock:
             return all(h in self._hashes for h in hashes)
+
+    def cached(self, token_ids: list[int]) -> bool:
+        return self.holds(self.block_hashes(token_ids))
 
     def close(self) -> None:
         self._stop.set()
