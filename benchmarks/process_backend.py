@@ -74,12 +74,25 @@ def _child(conn: Any, model: str, spans: bool, plugin: bool, options: dict[str, 
             except Exception as e:  # noqa: BLE001  (every failure goes back to its caller)
                 conn.send(("error", rid, _portable(e)))
 
+        async def on_engine(rid: int, name: str, args: tuple) -> None:
+            from benchmarks import engine_scoring
+
+            try:
+                conn.send(("ok", rid, await getattr(engine_scoring, name)(backend.engine, *args)))
+            except Exception as e:  # noqa: BLE001  (every failure goes back to its caller)
+                conn.send(("error", rid, _portable(e)))
+
         while True:
             msg = await inbox.get()
             if msg[0] == "stop":
                 break
             if msg[0] == "reset":  # between measurements: forget every cached block
                 conn.send(("ok", msg[1], backend.engine.reset_prefix_cache()))
+                continue
+            if msg[0] == "engine":  # a function of `engine_scoring` on the engine itself
+                task = asyncio.ensure_future(on_engine(*msg[1:]))
+                running.add(task)
+                task.add_done_callback(running.discard)
                 continue
             task = asyncio.ensure_future(one(*msg[1:]))
             running.add(task)
@@ -154,6 +167,10 @@ class ProcessBackend(Backend):
     async def areset_prefix_cache(self) -> bool:
         """Forget every block the engine has cached (False while requests run there)."""
         return bool(await self._request(("reset",)))
+
+    async def on_engine(self, name: str, *args: Any) -> Any:
+        """`benchmarks.engine_scoring.<name>(engine, *args)` run on the engine in that process (plain data)."""
+        return await self._request(("engine", name, args))
 
     async def _request(self, msg: tuple) -> Any:
         if self._closed or not self._proc.is_alive():

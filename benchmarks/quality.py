@@ -1,21 +1,28 @@
-"""`spanq bench quality`: what span attention costs in answer quality, against full attention on the same model.
+"""`spanq bench quality`: what span attention costs in answer quality, measured on the engines, and what
+recomputing part of each span (`recompute=`) buys back, against its time to first token.
 
-Each item is a small QA task built here (deterministic for a seed): `--docs` one-paragraph documents, each about
-a different invented town and the colour its town hall is painted; the question asks for one town's colour, so
-the answer sits in exactly one document and the others are distractors. Measured per item:
+Each item is a small QA task built here (deterministic for a seed): `--docs` documents, each about a different
+invented town (with `--filler` sentences of other facts) and the colour its town hall is painted; the question
+asks for one town's colour, so the answer sits in exactly one document. Along a gold answer ("The town hall of X
+is painted C."), teacher-forced, each engine gives its next-token distributions (prompt log-probabilities,
+`benchmarks/engine_scoring.py`; the span engine reads its cached spans as it does for any query):
 
-- exact match: greedy answers of the stock engine (full attention, the plain prompt) and of the span-aware
-  engine (span attention, the span layout) under each anchor policy (`--anchors`), scored by whether they name
-  the right colour, and whether the answer is identical to stock's;
-- KL divergence: with HF transformers on the span layout's tokens (padding included, so only attention
-  differs), the next-token distributions along a gold answer ("The town hall of X is painted C."), span
-  attention under each policy's anchors against full attention: mean per-token KL(full || span) in nats,
-  argmax agreement, and the log-probability of the gold colour under each;
-- padding: the tokens the span layout adds to align spans to KV blocks.
+- stock, plain: stock vLLM on the prompt a stock user sends (full attention, no padding): the reference;
+- stock, layout: stock vLLM fed the span layout's exact tokens (padding included), no span table;
+- spans: the span engine on the same tokens with its span table, per anchor policy (`--anchors`) and recompute
+  setting (`--recompute`).
 
-The anchor policies differ in what a document's KV attended to: "prefix" the system prompt (the whole prompt
-before the documents), "system" the system prompt in a bare chat opening, "template" the chat template's
-opening alone. What they buy is reuse (docs/design.md, "Anchors"); this is what they cost.
+Three comparisons separate the two changes: layout only (stock layout vs stock plain), attention only (spans vs
+stock layout: the same tokens), both (spans vs stock plain: what a user sees). Each reports argmax agreement
+along the gold answer, KL(reference || other) per token (over the reference's top 20 tokens and one bucket for
+the rest: a lower bound), and the gold answer's log-probability; exact match is whether the greedy answer names
+the right colour. Means over items come with bootstrap 95% intervals. `--hf-check N` computes the exact KL of
+the attention-only comparison with HF transformers on N items (`benchmarks/hf_span.py`), beside the engine's.
+
+The speed side (`--speed-docs` x `--speed-tokens`, as `spanq bench rag`): fresh documents read once by each
+engine, then read again in another order with another question — stock vLLM (its prefix cache holds only the
+system prompt) and the span engine under each recompute setting (a new order each, so nothing recomputed is
+cached yet): warm time to first token, side by side.
 """
 
 from __future__ import annotations
@@ -66,8 +73,24 @@ class QAItem:
         return f"The town hall of {self.town} is painted {self.color}."
 
 
-def make_items(count: int, docs: int, *, seed: int) -> list[QAItem]:
-    """`count` QA items of `docs` documents each (different towns, different colours); see the module docstring."""
+FILLER = (
+    "The {road} road leads out of {name} towards the {feature}.",
+    "In {name}, the bakery opens early on {day}.",
+    "Children in {name} learn to swim in the {feature}.",
+    "The old mill of {name} stopped turning long ago.",
+    "A bus leaves {name} for the city twice a day.",
+    "Most houses in {name} have gardens full of {good}.",
+    "The library of {name} keeps maps of the {feature}.",
+    "Every {day} the square of {name} fills with stalls.",
+    "Fishermen from {name} sell their catch by the {feature}.",
+    "The school of {name} has a choir that sings in spring.",
+)
+
+
+def make_items(count: int, docs: int, *, seed: int, filler: int = 0) -> list[QAItem]:
+    """`count` QA items of `docs` documents each (different towns, different colours); see the module docstring.
+    `filler`: sentences of other facts about the town in each document, the colour sentence among them at a
+    random place (longer documents: more KV blocks per document)."""
     rng = random.Random(f"spanq-quality:{seed}")
     towns = list(TOWNS)
     items = []
@@ -76,11 +99,17 @@ def make_items(count: int, docs: int, *, seed: int) -> list[QAItem]:
         colors = rng.sample(COLORS, docs)
         texts = []
         for name, color in zip(names, colors):
-            texts.append(
-                f"{name} is a small town by the {rng.choice(FEATURES)}. Its town hall is painted {color}. "
-                f"The market of {name} sells {rng.choice(GOODS)} every {rng.choice(DAYS)}, and visitors come "
-                f"in summer to walk along the {rng.choice(FEATURES)}."
-            )
+            facts = [
+                (f"The market of {name} sells {rng.choice(GOODS)} every {rng.choice(DAYS)}, and visitors come "
+                 f"in summer to walk along the {rng.choice(FEATURES)}.")
+            ]
+            for _k in range(filler):
+                facts.append(rng.choice(FILLER).format(
+                    name=name, road=rng.choice(("north", "south", "east", "west")), feature=rng.choice(FEATURES),
+                    day=rng.choice(DAYS), good=rng.choice(GOODS),
+                ))
+            facts.insert(rng.randrange(len(facts) + 1), f"Its town hall is painted {color}.")
+            texts.append(f"{name} is a small town by the {rng.choice(FEATURES)}. " + " ".join(facts))
         target = rng.randrange(docs)
         question = f"What colour is the town hall of {names[target]} painted?"
         items.append(QAItem(texts, target, names[target], colors[target], question))
@@ -90,7 +119,13 @@ def make_items(count: int, docs: int, *, seed: int) -> list[QAItem]:
 ANCHORS = ("template", "system", "prefix")
 
 
-def qa_query(item: QAItem, max_tokens: int, anchor: str | None = None) -> Any:
+
+ANCHORS = ("template", "system", "prefix")
+DEFAULT_RECOMPUTE = "0,first,last,0.1,0.25"
+TOP = 20  # log-probabilities per row (vLLM's default limit)
+
+
+def qa_query(item: QAItem, max_tokens: int, anchor: str | None = None, recompute: Any = None) -> Any:
     from spanq_integrations import cross, fragment, generate, plus, system, user
 
     docs = plus(*[fragment(d, id=f"doc{i}") for i, d in enumerate(item.docs)], anchor=anchor)
@@ -98,6 +133,7 @@ def qa_query(item: QAItem, max_tokens: int, anchor: str | None = None) -> Any:
         cross(system(SYSTEM), docs, user(item.question)),
         max_tokens=max_tokens,
         temperature=0.0,
+        recompute=recompute,
     )
 
 
@@ -106,13 +142,21 @@ def names_color(answer: str, color: str) -> bool:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = base_parser("quality", __doc__.splitlines()[0], model="default", reps=1)
-    parser.add_argument("--items", type=int, default=20, help="QA items (default: 20)")
+    parser = base_parser("quality", __doc__.splitlines()[0], model="default", reps=None)
+    parser.add_argument("--items", type=int, default=100, help="QA items (default: 100)")
     parser.add_argument("--docs", type=int, default=5, help="documents per item (default: 5)")
+    parser.add_argument("--filler", type=int, default=12,
+                        help="sentences of other facts per document (default: 12, about 7 KV blocks a document)")
     parser.add_argument("--max-tokens", type=int, default=16, help="answer length for exact match (default: 16)")
-    parser.add_argument("--no-kl", action="store_true", help="skip the HF transformers KL measurement")
-    parser.add_argument("--anchors", type=_anchor_list, default=list(ANCHORS),
-                        help="anchor policies to measure (default: template,system,prefix)")
+    parser.add_argument("--anchors", type=_anchor_list, default=["template"],
+                        help="anchor policies to measure (default: template; any of template,system,prefix)")
+    parser.add_argument("--recompute", type=_recompute_list, default=_recompute_list(DEFAULT_RECOMPUTE),
+                        help=f"recompute settings to measure (default: {DEFAULT_RECOMPUTE}; 0, first, last or a share)")
+    parser.add_argument("--hf-check", type=int, default=5, metavar="N",
+                        help="items whose attention-only KL is also computed exactly with HF transformers (default 5)")
+    parser.add_argument("--speed-docs", type=int, default=8, help="documents of the speed side (default: 8; 0: none)")
+    parser.add_argument("--speed-tokens", type=int, default=512, help="tokens per document there (default: 512)")
+    parser.add_argument("--speed-reps", type=int, default=2, help="repetitions of the speed side (default: 2)")
     return parser.parse_args(list(argv))
 
 
@@ -124,144 +168,277 @@ def _anchor_list(text: str) -> list[str]:
     return names
 
 
+def _recompute_list(text: str) -> list[Any]:
+    from spanq_backend.serving.recompute import recompute_setting
+
+    try:
+        out = [recompute_setting(t.strip()) for t in text.split(",") if t.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not out:
+        raise argparse.ArgumentTypeError("no recompute setting given")
+    return list(dict.fromkeys(out))
+
+
+def setting_label(setting: Any) -> str:
+    return str(setting) if isinstance(setting, str) else ("0" if setting == 0 else f"{setting:g}")
+
+
+async def on_engine(backend: Any, name: str, *args: Any) -> Any:
+    """`engine_scoring.<name>` on the backend's engine: in this process, or in the stock engine's own."""
+    from benchmarks import engine_scoring
+
+    if hasattr(backend, "on_engine"):
+        return await backend.on_engine(name, *args)
+    return await getattr(engine_scoring, name)(backend.engine, *args)
+
+
+def compare(ref: dict[str, Any], other: dict[str, Any]) -> dict[str, float]:
+    """Argmax agreement, mean per-token KL(ref || other) (top-k estimate) and the gold log-prob difference."""
+    from benchmarks.engine_scoring import argmax, kl_top_k
+
+    rows = list(zip(ref["rows"], other["rows"]))
+    return {
+        "agreement": sum(argmax(p) == argmax(q) for p, q in rows) / len(rows),
+        "kl": sum(kl_top_k(p, q, TOP) for p, q in rows) / len(rows),
+        "gold_lp_delta": sum(other["own"]) - sum(ref["own"]),
+    }
+
+
+async def measure_item(item: QAItem, k: int, stock: Any, spans: Any, args: argparse.Namespace, hf_model: Any) -> list[dict[str, Any]]:
+    from spanq_backend.serving.generator import flattened_prompt_ids
+
+    gen = spans.engine.generator
+    tokenizer = spans.engine.tokenizer
+    gold = tokenizer.encode(item.gold, add_special_tokens=False)
+    base = qa_query(item, args.max_tokens)
+    plain = flattened_prompt_ids(tokenizer, base.input)
+    layout = gen.lower(base).token_ids
+    ref = await on_engine(stock, "score", plain, gold, None, TOP)
+    ref_answer = await on_engine(stock, "greedy", plain, args.max_tokens, None)
+    lay = await on_engine(stock, "score", layout, gold, None, TOP)
+    lay_answer = await on_engine(stock, "greedy", layout, args.max_tokens, None)
+    layout_only = compare(ref, lay)
+    rows = []
+    seen: dict[Any, tuple[dict[str, Any], str]] = {}
+    for anchor in args.anchors:
+        for setting in args.recompute:
+            call = qa_query(item, args.max_tokens, anchor, setting)
+            lowered = gen.lower(call)
+            await gen.prepare_detail(lowered)
+            plan = gen.recompute_plan(call, lowered)
+            await gen.recompute(plan)
+            key = plan.lowered.table
+            if key not in seen:
+                got = await on_engine(spans, "score", lowered.token_ids, gold, plan.lowered.table, TOP)
+                answer = await on_engine(spans, "greedy", lowered.token_ids, args.max_tokens, plan.lowered.table)
+                seen[key] = (got, answer)
+            got, answer = seen[key]
+            span_tokens = sum(e - s for s, e in lowered.table.spans)
+            row: dict[str, Any] = {
+                "item": k, "anchor": anchor, "recompute": setting_label(setting), "town": item.town,
+                "color": item.color, "target_doc": item.target,
+                "recomputed_share": plan.tokens / span_tokens if span_tokens else 0.0,
+                "stock_answer": ref_answer, "layout_answer": lay_answer, "spans_answer": answer,
+                "stock_correct": names_color(ref_answer, item.color),
+                "layout_correct": names_color(lay_answer, item.color),
+                "spans_correct": names_color(answer, item.color),
+                "prompt_tokens_stock": len(plain), "prompt_tokens_spans": len(lowered.token_ids),
+                "padded_tokens": lowered.padded_tokens,
+                "gold_lp_stock": sum(ref["own"]), "gold_lp_layout": sum(lay["own"]), "gold_lp_spans": sum(got["own"]),
+                **{f"layout_{m}": v for m, v in layout_only.items()},
+                **{f"attention_{m}": v for m, v in compare(lay, got).items()},
+                **{f"both_{m}": v for m, v in compare(ref, got).items()},
+            }
+            if hf_model is not None and k < args.hf_check:
+                from benchmarks import hf_span
+
+                full = hf_span.full_attention_next_token_logprobs(hf_model, lowered.token_ids, gold)
+                span = hf_span.span_attention_next_token_logprobs(hf_model, lowered.token_ids, plan.lowered.table, gold)
+                row["hf_attention_kl"] = float(hf_span.kl_divergence(full, span).mean())
+                row["hf_attention_agreement"] = float((full.argmax(-1) == span.argmax(-1)).double().mean())
+            rows.append(row)
+    return rows
+
+
+async def measure_speed(stock: Any, spans: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Warm TTFT per recompute setting beside stock vLLM's, on fresh documents (see the module docstring)."""
+    from benchmarks.common import make_documents, ttft_of
+    from benchmarks.rag import QUESTION, SECOND_QUESTION, rag_query
+    from spanq_integrations.runtime.executor import aexecute
+
+    tokenizer = spans.engine.tokenizer
+    n = args.speed_docs
+    rng = random.Random(f"spanq-quality-speed:{args.seed}")
+    rows = []
+    for rep in range(args.speed_reps):
+        docs = make_documents(tokenizer, n, args.speed_tokens, seed=args.seed, start=10**5 + rep * n)
+        first = list(range(n))
+        (cold,) = (await aexecute(rag_query(docs, first, QUESTION), stock)).calls
+        (warm,) = (await aexecute(rag_query(docs, first[::-1], SECOND_QUESTION), stock)).calls
+        rows.append({"rep": rep, "mode": "stock_reordered", "recompute": None, "ttft_s": ttft_of(warm),
+                     "stock_cold_ttft_s": ttft_of(cold)})
+        await aexecute(rag_query(docs, first, QUESTION), spans)
+        for setting in args.recompute:
+            order = first[:]
+            rng.shuffle(order)
+            call = rag_query(docs, order, SECOND_QUESTION).model_copy(update={"recompute": setting})
+            result = await aexecute(call, spans)
+            (m,) = result.calls
+            lowered = spans.engine.lower(call)
+            span_tokens = sum(e - s for s, e in lowered.table.spans)
+            rows.append({"rep": rep, "mode": "spans_warm", "recompute": setting_label(setting), "ttft_s": ttft_of(m),
+                         "recomputed_share": m.extra.get("recomputed_tokens", 0) / max(1, span_tokens),
+                         "prepared_spans": m.prepared_spans})
+    return rows
+
+
 def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -> int:
     """Run the benchmark; `backends` = (stock, spans) to reuse engines instead of starting two."""
-    import torch
+    import asyncio
 
     from benchmarks import hf_span
     from spanq_backend.serving.models import resolve_model
-    from spanq_integrations import execute
 
     args = parse_args(argv)
     report = BenchReport("quality", args)
-    items = make_items(args.items, args.docs, seed=args.seed)
-    hf_model = None if args.no_kl else hf_span.load_hf_model(resolve_model(args.model))
-    with engine_pair(args.model, backends=backends, max_model_len=4096, max_num_seqs=4) as (stock, spans):
-        tokenizer = spans.engine.tokenizer
-        bar = progress(len(items) * len(args.anchors), "quality", disable=args.no_progress)
-        for k, item in enumerate(items):
-            stock_call = qa_query(item, args.max_tokens)
-            stock_result = execute(stock_call, stock)
-            stock_answer, (stock_metrics,) = stock_result.answer, stock_result.calls
-            gold = tokenizer.encode(item.gold, add_special_tokens=False)
-            color_at = _color_positions(tokenizer, item)
-            for anchor in args.anchors:
-                query = qa_query(item, args.max_tokens, anchor)
-                result = execute(query, spans)
-                (call,) = result.calls
-                row: dict[str, Any] = {
-                    "item": k, "anchor": anchor, "town": item.town, "color": item.color, "target_doc": item.target,
-                    "stock_answer": stock_answer, "spans_answer": result.answer,
-                    "stock_correct": names_color(stock_answer, item.color),
-                    "spans_correct": names_color(result.answer, item.color),
-                    "answers_identical": stock_answer.strip() == result.answer.strip(),
-                    "prompt_tokens_stock": stock_metrics.prompt_tokens,
-                    "prompt_tokens_spans": call.prompt_tokens,
-                    "padded_tokens": call.padded_tokens,
-                }
-                if hf_model is not None:
-                    lowered = spans.engine.generator.lower(query)
-                    full = hf_span.full_attention_next_token_logprobs(hf_model, lowered.token_ids, gold)
-                    span = hf_span.span_attention_next_token_logprobs(hf_model, lowered.token_ids, lowered.table, gold)
-                    kl = hf_span.kl_divergence(full, span)
-                    idx = torch.tensor(gold)
-                    rows_full = full[torch.arange(len(gold)), idx]
-                    rows_span = span[torch.arange(len(gold)), idx]
-                    row.update({
-                        "kl_mean": float(kl.mean()), "kl_first_token": float(kl[0]), "kl_max": float(kl.max()),
-                        "gold_logprob_full": float(rows_full.sum()), "gold_logprob_span": float(rows_span.sum()),
-                        "color_logprob_full": float(rows_full[color_at].sum()),
-                        "color_logprob_span": float(rows_span[color_at].sum()),
-                        "argmax_agreement": float((full.argmax(-1) == span.argmax(-1)).double().mean()),
-                    })
-                report.rows.append(row)
-                bar.update(1)
-        bar.close()
+    items = make_items(args.items, args.docs, seed=args.seed, filler=args.filler)
+    hf_model = hf_span.load_hf_model(resolve_model(args.model)) if args.hf_check > 0 else None
+    with engine_pair(args.model, backends=backends, max_model_len=8192, max_num_seqs=8) as (stock, spans):
+        bar = progress(len(items), "quality", disable=args.no_progress)
 
-    report.summary = summarize_rows(report.rows, args.docs)
-    print(render_table(report.summary, report.rows, args))
-    report.write(plot(report.rows, args))
+        async def run() -> None:
+            for k, item in enumerate(items):
+                report.rows.extend(await measure_item(item, k, stock, spans, args, hf_model))
+                bar.update(1)
+            bar.close()
+            if args.speed_docs > 0 and args.speed_reps > 0:
+                report.config["speed_rows"] = await measure_speed(stock, spans, args)
+
+        asyncio.run(run())
+
+    report.summary = summarize_rows(report.rows, report.config.get("speed_rows", []), args)
+    print(render_table(report.summary, args))
+    report.write(plot(report.summary, args))
     report.print_files()
     return 0
 
 
-def _color_positions(tokenizer: Any, item: QAItem) -> list[int]:
-    """Positions of the colour's tokens inside the gold answer's tokens."""
-    prefix = tokenizer.encode(f"The town hall of {item.town} is painted", add_special_tokens=False)
-    gold = tokenizer.encode(item.gold, add_special_tokens=False)
-    end = len(tokenizer.encode(f"The town hall of {item.town} is painted {item.color}", add_special_tokens=False))
-    return list(range(len(prefix), min(end, len(gold))))
+def bootstrap(values: Sequence[float], *, reps: int = 2000, seed: int = 0) -> dict[str, float]:
+    """The mean of `values` and a bootstrap 95% interval of it (resampling items)."""
+    xs = [float(v) for v in values]
+    if not xs:
+        return {"mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "n": 0}
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choice(xs) for _ in xs) / len(xs) for _ in range(reps))
+    return {"mean": sum(xs) / len(xs), "lo": means[int(0.025 * reps)], "hi": means[int(0.975 * reps) - 1], "n": len(xs)}
 
 
-def summarize_rows(rows: list[dict[str, Any]], docs: int) -> dict[str, Any]:
-    """Per anchor policy: exact match of stock and spans, agreement, padding, and (with HF) KL and logprobs."""
-    out: dict[str, Any] = {"items": len({r["item"] for r in rows}), "chance": 1.0 / docs, "anchors": {}}
+METRICS = ("agreement", "kl", "gold_lp_delta")
+
+
+def summarize_rows(rows: list[dict[str, Any]], speed: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Per anchor policy and recompute setting: the three comparisons with intervals, exact match, the share
+    recomputed, padding; and the speed side's warm TTFT per setting against stock's."""
+    out: dict[str, Any] = {"items": len({r["item"] for r in rows}), "chance": 1.0 / args.docs, "settings": {}}
+    stock_ttft = summarize([r["ttft_s"] for r in speed if r["mode"] == "stock_reordered"])["mean"]
+    if speed:
+        out["speed"] = {"docs": args.speed_docs, "tokens": args.speed_tokens, "stock_reordered_ttft_s": stock_ttft}
     for anchor in dict.fromkeys(r["anchor"] for r in rows):
-        at = [r for r in rows if r["anchor"] == anchor]
-        n = max(1, len(at))
-        entry: dict[str, Any] = {
-            "stock_exact_match": sum(r["stock_correct"] for r in at) / n,
-            "spans_exact_match": sum(r["spans_correct"] for r in at) / n,
-            "answers_identical": sum(r["answers_identical"] for r in at) / n,
-            "padding_overhead": sum(r["padded_tokens"] for r in at) / max(1, sum(r["prompt_tokens_spans"] for r in at)),
-            "prompt_tokens_stock": summarize([r["prompt_tokens_stock"] for r in at])["mean"],
-            "prompt_tokens_spans": summarize([r["prompt_tokens_spans"] for r in at])["mean"],
-        }
-        if "kl_mean" in at[0]:
-            for key in ("kl_mean", "kl_first_token", "kl_max", "gold_logprob_full", "gold_logprob_span",
-                        "color_logprob_full", "color_logprob_span", "argmax_agreement"):
-                entry[key] = summarize([r[key] for r in at])
-        out["anchors"][anchor] = entry
+        for setting in dict.fromkeys(r["recompute"] for r in rows):
+            at = [r for r in rows if r["anchor"] == anchor and r["recompute"] == setting]
+            entry: dict[str, Any] = {
+                "exact_match": {name: bootstrap([r[f"{name}_correct"] for r in at]) for name in ("stock", "layout", "spans")},
+                "recomputed_share": summarize([r["recomputed_share"] for r in at])["mean"],
+                "padding_overhead": sum(r["padded_tokens"] for r in at) / max(1, sum(r["prompt_tokens_spans"] for r in at)),
+                "gold_lp": {name: summarize([r[f"gold_lp_{name}"] for r in at])["mean"] for name in ("stock", "layout", "spans")},
+            }
+            for comparison in ("layout", "attention", "both"):
+                entry[comparison] = {m: bootstrap([r[f"{comparison}_{m}"] for r in at]) for m in METRICS}
+            checked = [r for r in at if "hf_attention_kl" in r]
+            if checked:
+                entry["hf_check"] = {
+                    "items": len(checked),
+                    "hf_kl": summarize([r["hf_attention_kl"] for r in checked])["mean"],
+                    "engine_kl_top20": summarize([r["attention_kl"] for r in checked])["mean"],
+                    "hf_agreement": summarize([r["hf_attention_agreement"] for r in checked])["mean"],
+                    "engine_agreement": summarize([r["attention_agreement"] for r in checked])["mean"],
+                }
+            warm = [r for r in speed if r["mode"] == "spans_warm" and r["recompute"] == setting]
+            if warm:
+                ttft = summarize([r["ttft_s"] for r in warm])["mean"]
+                entry["speed"] = {"warm_ttft_s": ttft, "speedup_vs_stock_reordered": stock_ttft / ttft if ttft else None,
+                                  "recomputed_share": summarize([r["recomputed_share"] for r in warm])["mean"]}
+            out["settings"][f"{anchor}/{setting}"] = entry
     return out
 
 
-def render_table(summary: dict[str, Any], rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    anchors = summary["anchors"]
-    kl = any("kl_mean" in e for e in anchors.values())
-    headers = ["anchor", "exact stock", "exact spans", "same answer", "padding"]
-    if kl:
-        headers += ["KL/token", "KL 1st token", "argmax agree", "colour lp full", "colour lp span"]
+def _ci(b: dict[str, float], digits: int = 2) -> str:
+    return f"{b['mean']:.{digits}f} [{b['lo']:.{digits}f}, {b['hi']:.{digits}f}]"
+
+
+def render_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    settings = summary["settings"]
+    headers = ["anchor/recompute", "share", "agree attn", "agree both", "KL attn", "KL both", "gold lp Δ both",
+               "exact spans", "warm TTFT", "x stock"]
     lines = []
-    for name, e in anchors.items():
-        line = [name, e["stock_exact_match"], e["spans_exact_match"], e["answers_identical"], e["padding_overhead"]]
-        if kl:
-            line += [e["kl_mean"]["mean"], e["kl_first_token"]["mean"], e["argmax_agreement"]["mean"],
-                     e["color_logprob_full"]["mean"], e["color_logprob_span"]["mean"]]
-        lines.append(line)
-    title = (f"quality on {model_label(args.model)}: {summary['items']} items x {args.docs} documents, greedy "
-             f"answers (chance {summary['chance']:.2f}); KL(full || span) from HF transformers on the span layout, "
-             "per anchor policy")
-    return title + "\n" + format_table(headers, lines)
+    first = next(iter(settings.values()), None)
+    for name, e in settings.items():
+        sp = e.get("speed", {})
+        lines.append([
+            name, e["recomputed_share"], _ci(e["attention"]["agreement"]), _ci(e["both"]["agreement"]),
+            _ci(e["attention"]["kl"], 3), _ci(e["both"]["kl"], 3), _ci(e["both"]["gold_lp_delta"], 2),
+            _ci(e["exact_match"]["spans"]), sp.get("warm_ttft_s", float("nan")),
+            sp.get("speedup_vs_stock_reordered") or float("nan"),
+        ])
+    title = (f"quality on {model_label(args.model)}: {summary['items']} items x {args.docs} documents "
+             f"(filler {args.filler}), along the gold answer; engine prompt log-probs, top {TOP}; "
+             "means with bootstrap 95% intervals")
+    text = title + "\n" + format_table(headers, lines)
+    if first is not None:
+        lay = first["layout"]
+        em = first["exact_match"]
+        text += (f"\nlayout only (stock on the span layout vs stock plain): agreement {_ci(lay['agreement'])}, "
+                 f"KL {_ci(lay['kl'], 3)}, gold lp Δ {_ci(lay['gold_lp_delta'])}; exact match stock plain "
+                 f"{_ci(em['stock'])}, stock layout {_ci(em['layout'])} (chance {summary['chance']:.2f}); "
+                 f"padding {first['padding_overhead']:.0%} of the span layout")
+    for name, e in settings.items():
+        if "hf_check" in e:
+            h = e["hf_check"]
+            text += (f"\nHF check {name} ({h['items']} items, attention only): exact KL {h['hf_kl']:.3f} vs engine "
+                     f"top-{TOP} {h['engine_kl_top20']:.3f}; agreement HF {h['hf_agreement']:.2f} vs engine "
+                     f"{h['engine_agreement']:.2f}")
+    if "speed" in summary:
+        s = summary["speed"]
+        text += (f"\nspeed: {s['docs']} documents x {s['tokens']} tokens, stock reordered TTFT "
+                 f"{s['stock_reordered_ttft_s']:.3f} s")
+    return text
 
 
-def plot(rows: list[dict[str, Any]], args: argparse.Namespace) -> Any:
+def plot(summary: dict[str, Any], args: argparse.Namespace) -> Any:
     fig, (ax, ax2) = new_figure(2, width=5.0)
-    anchors = list(dict.fromkeys(r["anchor"] for r in rows))
-    colors = dict(zip(ANCHORS, ("tab:blue", "tab:orange", "tab:green")))
-    first = [r for r in rows if r["anchor"] == anchors[0]] if anchors else []
-    bars = [sum(r["stock_correct"] for r in first) / max(1, len(first))]
-    for a in anchors:
-        at = [r for r in rows if r["anchor"] == a]
-        bars.append(sum(r["spans_correct"] for r in at) / max(1, len(at)))
-    ax.bar(["stock\n(full)", *anchors], bars, color=["k", *(colors[a] for a in anchors)])
-    ax.axhline(1.0 / args.docs, color="tab:red", ls="--", label="chance")
-    ax.set_ylim(0, 1)
-    ax.set_ylabel("exact match (names the right colour)")
-    ax.set_title(f"QA over {args.docs} documents, {model_label(args.model)}")
-    ax.legend()
-    if rows and "kl_mean" in rows[0]:
-        lo = min(min(r["color_logprob_full"], r["color_logprob_span"]) for r in rows)
-        for a in anchors:
-            at = [r for r in rows if r["anchor"] == a]
-            kl = summarize([r["kl_mean"] for r in at])["mean"]
-            ax2.scatter([r["color_logprob_full"] for r in at], [r["color_logprob_span"] for r in at],
-                        color=colors[a], label=f"{a} (KL {kl:.3g})", s=14)
-        ax2.plot([lo, 0], [lo, 0], color="k", lw=0.8)
-        ax2.set_xlabel("gold colour log-prob, full attention")
-        ax2.set_ylabel("gold colour log-prob, span attention")
-        ax2.set_title("per item and anchor policy; KL per token in nats")
-        ax2.legend(fontsize=8)
-    else:
-        ax2.set_axis_off()
+    settings = summary["settings"]
+    speed = "speed" in summary
+    for name, e in settings.items():
+        x = e["speed"]["warm_ttft_s"] if speed and "speed" in e else e["recomputed_share"]
+        for axis, metric in ((ax, "agreement"), (ax2, "kl")):
+            b = e["both"][metric]
+            axis.errorbar([x], [b["mean"]], yerr=[[b["mean"] - b["lo"]], [b["hi"] - b["mean"]]], fmt="o", capsize=3)
+            axis.annotate(name.split("/", 1)[1], (x, b["mean"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    if speed:
+        stock = summary["speed"]["stock_reordered_ttft_s"]
+        ax.scatter([stock], [1.0], marker="*", s=80, color="k", label="stock (full attention)")
+        ax2.scatter([stock], [0.0], marker="*", s=80, color="k", label="stock (full attention)")
+    xlabel = (f"warm TTFT (s), {summary['speed']['docs']} x {summary['speed']['tokens']} tokens" if speed
+              else "share of span tokens recomputed")
+    for axis, ylabel in ((ax, "argmax agreement with stock, along the gold answer"), (ax2, "KL(stock || spans) per token, nats")):
+        axis.set_xlabel(xlabel)
+        axis.set_ylabel(ylabel)
+        if speed:
+            axis.set_xscale("log")
+            axis.legend(fontsize=8)
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"recompute: quality vs speed, {model_label(args.model)}")
+    ax2.set_title(f"{summary['items']} items, 95% intervals")
     fig.tight_layout()
     return fig

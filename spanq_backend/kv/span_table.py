@@ -83,6 +83,12 @@ class SpanTable:
                 return i
         return None
 
+    def truncated(self, end: int) -> SpanTable:
+        """The table of the request's first `end` tokens: the spans that end by then."""
+        keep = [i for i, (_, e) in enumerate(self.spans) if e <= end]
+        anchors = None if self.anchors is None else tuple(self.anchors[i] for i in keep)
+        return SpanTable(self.block_size, tuple(self.spans[i] for i in keep), anchors if keep else None)
+
     def to_extra_args(self) -> dict[str, Any]:
         out: dict[str, Any] = {"v": 1, "block_size": self.block_size, "spans": [list(s) for s in self.spans]}
         if self.anchors is not None:

@@ -25,12 +25,13 @@ from typing import Any, Self
 from spanq_backend.kv.span_table import SpanTable
 from spanq_backend.serving.generator import SpanGenerator, engine_error, load_chat_tokenizer
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR, LoweredPrompt
+from spanq_backend.serving.recompute import recompute_setting
 from spanq_backend.vllm_integration.cache_probe import BlockPoolProbe
 from spanq_backend.vllm_integration.frontend import in_process_engines
 from spanq_backend.vllm_integration.support import SpanSupport, query_span_support
 from spanq_integrations.backends.protocol import Completion, TokenCallback
 from spanq_integrations.query.errors import BackendError, BackendUnavailableError
-from spanq_integrations.query.ir import AnchorPolicy, Generate
+from spanq_integrations.query.ir import AnchorPolicy, Generate, Recompute
 
 __all__ = ["EngineConfig", "SpanEngine"]
 
@@ -63,6 +64,10 @@ class EngineConfig:
     num_blocks: int | None = None  # KV blocks (vLLM's num_gpu_blocks_override); None: from kv_cache_gib
     span_anchor: AnchorPolicy = DEFAULT_ANCHOR  # the anchor policy of a `plus` that names none
     compact_json: bool = False  # JSON answers without whitespace (for models that pad them with it)
+    recompute: Recompute = 0.0  # span blocks recomputed in context when a call says nothing (docs/design.md)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", recompute_setting(self.recompute))  # refused here, before any engine
 
 
 def _cpu_env_defaults(kv_cache_gib: float) -> None:
@@ -144,6 +149,7 @@ class SpanEngine:
             span_probe=self._probe,
             fallback=self.span_support.reason if self.config.spans and not self.span_support.enabled else None,
             default_anchor=self.config.span_anchor,
+            default_recompute=self.config.recompute,
         )
         self.pad_token_id = self.generator.pad_token_id
         log.info("%s ready in %.1f s", self.model_name, time.perf_counter() - started)

@@ -32,6 +32,7 @@ from spanq_backend.serving.lowering import (
     render_chat,
     span_digest,
 )
+from spanq_backend.serving.recompute import RecomputePlan, choose_blocks, plan_recompute
 from spanq_integrations.backends.protocol import CallMetrics, Completion, TokenCallback
 from spanq_integrations.query.errors import (
     BackendError,
@@ -39,13 +40,14 @@ from spanq_integrations.query.errors import (
     RequestRejectedError,
     SpanQueryError,
 )
-from spanq_integrations.query.ir import AnchorPolicy, Assistant, Generate, Plus, walk
+from spanq_integrations.query.ir import AnchorPolicy, Assistant, Generate, Plus, Recompute, walk
 
 __all__ = [
     "RequestStream",
     "SpanGenerator",
     "TokenRun",
     "engine_error",
+    "flattened_prompt_ids",
     "load_chat_tokenizer",
 ]
 
@@ -74,6 +76,15 @@ def engine_error(e: Exception) -> SpanQueryError:
     if "longer than" in msg or "context length" in msg:
         return ContextLengthError(msg)
     return RequestRejectedError(f"the engine refused the request: {msg}")
+
+
+def flattened_prompt_ids(tokenizer: Tokenizer, node: Any) -> list[int]:
+    """A generate input's prompt as a stock engine reads it: spans flattened to text (`to_chat_messages`), no span
+    layout, no padding."""
+    from spanq_integrations.query.flatten import to_chat_messages
+
+    text = render_chat(tokenizer, to_chat_messages(node), add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 # --------------------------------------------------------------------------------------------- generation
@@ -149,6 +160,7 @@ class SpanGenerator:
         span_probe: SpanProbe | None = None,
         fallback: str | None = None,
         default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
+        default_recompute: Recompute = 0.0,
     ):
         self.stream = stream
         self.tokenizer = tokenizer
@@ -161,6 +173,7 @@ class SpanGenerator:
         # spans were flattened because of it.
         self.fallback = fallback
         self.default_anchor = default_anchor  # the anchor policy of a `plus` that names none
+        self.default_recompute = default_recompute  # span blocks recomputed in context, for a call that says nothing
         # Whether a `[anchor][span]` prompt is wholly in the prefix cache (the engine's probe tells): its
         # prepare request would compute nothing, so it is skipped.
         self.span_probe = span_probe
@@ -236,10 +249,7 @@ class SpanGenerator:
         if not self.spans and any(isinstance(n, Plus) for _, n in walk(call.input)):
             # A stock engine: the same messages, flattened, without span layout or padding (never laid out as
             # spans first: the padding would count against the context window).
-            from spanq_integrations.query.flatten import to_chat_messages
-
-            text = render_chat(self.tokenizer, to_chat_messages(call.input), add_generation_prompt=True)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = flattened_prompt_ids(self.tokenizer, call.input)
             check_fits(ids, 0, self.max_model_len, call.max_tokens or 1)
             return LoweredPrompt(token_ids=ids, table=SpanTable(self.block_size, ())), True
         lowered = lower(
@@ -314,20 +324,37 @@ class SpanGenerator:
         computed = await asyncio.gather(*spans, *prefix)
         return sum(1 for c in computed[: len(spans)] if c > 0), sum(computed)
 
-    async def compute(self, prompt: list[int]) -> int:
-        """Put `prompt` (whole blocks) in the cache; the tokens it took (0: it was cached already)."""
+    async def compute(self, prompt: list[int], table: SpanTable | None = None) -> int:
+        """Put `prompt` (whole blocks, laid out by `table`) in the cache; the tokens it took (0: it was cached
+        already)."""
         from vllm import SamplingParams
 
         if not prompt:
             return 0
-        if self.span_cached is not None and self.span_cached(prompt):
+        if table is None and self.span_cached is not None and self.span_cached(prompt):
             metrics.count_saved_prepare()
             return 0
         # One token past the span: vLLM always recomputes a prompt's last token, and this way that is all it
         # recomputes when the span is cached already (not the span's whole last block).
         ids = prompt + [self.pad_token_id]
-        run = await self.run(ids, SamplingParams(max_tokens=1, temperature=0.0))
+        run = await self.run(ids, SamplingParams(max_tokens=1, temperature=0.0), table)
         return max(0, len(ids) - 1 - run.cached_tokens)
+
+    def recompute_plan(self, call: Generate, lowered: LoweredPrompt) -> RecomputePlan:
+        """Which of the prompt's span blocks the call recomputes in context, and the layout that does it."""
+        setting = call.recompute if call.recompute is not None else self.default_recompute
+        if not lowered.has_spans or setting in (0, 0.0):
+            return RecomputePlan(lowered, (), ())
+        return plan_recompute(lowered, choose_blocks(lowered, setting, self.pad_token_id))
+
+    async def recompute(self, plan: RecomputePlan) -> int:
+        """Compute the plan's recomputed blocks in context, one run after another (each reads the ones before);
+        the tokens that took."""
+        ids, table = plan.lowered.token_ids, plan.lowered.table
+        total = 0
+        for end in plan.ends:
+            total += await self.compute(ids[:end], table.truncated(end))
+        return total
 
     async def seal(self, lowered: LoweredPrompt, runs: list[TokenRun]) -> tuple[int, int]:
         """Make each run's output a span a judge reads on this prompt: remember its ids, and compute its last
@@ -360,12 +387,15 @@ class SpanGenerator:
         t0 = time.perf_counter()
         lowered, flattened = self._lower(call, align_output=span_output)
         prepared, prepare_tokens = await self.prepare_detail(lowered) if lowered.has_spans else (0, 0)
+        redo = self.recompute_plan(call, lowered)
+        recompute_tokens = await self.recompute(redo) if redo.ends else 0
+        prepare_tokens += recompute_tokens
         runs = await asyncio.gather(
             *(
                 self.run(
                     lowered.token_ids,
                     self.sampling_params(call, seed=None if call.seed is None else call.seed + k),
-                    lowered.table,
+                    redo.lowered.table,
                     on_token if k == 0 else None,
                 )
                 for k in range(call.n)
@@ -401,6 +431,7 @@ class SpanGenerator:
                 "generated_spans": lowered.generated_spans,
                 "generated_as_text": lowered.generated_as_text,
                 "sealed_outputs": sealed,
+                "recomputed_tokens": redo.tokens,
             },
         )
         return Completion(

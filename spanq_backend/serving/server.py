@@ -28,6 +28,7 @@ from fastapi import Depends, Request  # module level: FastAPI resolves the route
 
 from spanq_backend.serving.generator import SpanGenerator, engine_error, load_chat_tokenizer
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
+from spanq_backend.serving.recompute import recompute_setting
 from spanq_backend.serving.spnl_wire import choices_of, spnl_chunk, spnl_response, wire_format
 from spanq_backend.vllm_integration.support import SpanSupport, aquery_span_support
 from spanq_integrations.backends.protocol import Backend, BackendCapabilities, Completion, TokenCallback
@@ -45,7 +46,16 @@ from spanq_integrations.query.errors import (
     RequestRejectedError,
     SpanQueryError,
 )
-from spanq_integrations.query.ir import ANCHOR_POLICIES, AnchorPolicy, Chat, Generate, Map, Node, walk
+from spanq_integrations.query.ir import (
+    ANCHOR_POLICIES,
+    AnchorPolicy,
+    Chat,
+    Generate,
+    Map,
+    Node,
+    Recompute,
+    walk,
+)
 from spanq_integrations.query.limits import (
     DEFAULT_LIMITS,
     QueryLimitError,
@@ -104,6 +114,7 @@ class EngineClientBackend(Backend):
         span_probe: Any = None,
         span_support: SpanSupport | None = None,
         default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
+        default_recompute: Recompute = 0.0,
     ):
         """`span_probe`: the engine's prefix cache as this process sees it (`cache_probe.KVEventsMirror`); a span
         whose prepare prompt it holds wholly is not prepared again. `span_support`: what the engine's
@@ -122,6 +133,7 @@ class EngineClientBackend(Backend):
             spans=support.enabled,
             fallback=None if support.enabled else support.reason,
             default_anchor=default_anchor,
+            default_recompute=default_recompute,
         )
         self.capabilities = BackendCapabilities(
             name="spanq-serve",
@@ -362,6 +374,7 @@ def build_query_router(
     served_model_names: Sequence[str],
     limits: QueryLimits = DEFAULT_LIMITS,
     default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
+    default_recompute: Recompute = 0.0,
 ) -> Any:
     """The FastAPI router of `POST /v1/query/execute`, for an app whose state holds vLLM's engine client."""
     from fastapi import APIRouter
@@ -394,6 +407,7 @@ def build_query_router(
                 span_probe=mirror,
                 span_support=support,
                 default_anchor=default_anchor,
+                default_recompute=default_recompute,
             )
         return backend
 
@@ -530,6 +544,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _recompute_arg(text: str) -> Recompute:
+    try:
+        return recompute_setting(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def limits_of(args: argparse.Namespace) -> QueryLimits:
     """The query limits `spanq serve` was started with."""
     return QueryLimits(**{name: getattr(args, f"spanq_{name}") for name in DEFAULT_LIMITS.describe()})
@@ -561,6 +582,11 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         "--span-anchor", dest="spanq_span_anchor", choices=ANCHOR_POLICIES, default=DEFAULT_ANCHOR,
         help="what a document's KV is computed after when its plus names no anchor: template (reused after any "
         "prefix, the default), system (after the query's system prompt), prefix (exact, after the same prefix)",
+    )
+    parser.add_argument(
+        "--recompute", dest="spanq_recompute", type=_recompute_arg, default=0.0, metavar="SETTING",
+        help="span blocks recomputed in context for quality when a query says nothing: none (the default), first, "
+        "last (each span's first / last block), or a share of span blocks such as 0.1",
     )
     parser.add_argument(
         "--verbose", dest="spanq_verbose", action="store_true",
@@ -655,8 +681,8 @@ def serve_main(argv: list[str]) -> int:
     from spanq_backend.vllm_integration.frontend import query_route_mounted
 
     limits = limits_of(args)
-    anchor = args.spanq_span_anchor
-    with query_route_mounted(lambda: build_query_router(tokenizer, args.served_model_name, limits, anchor)):
+    anchor, redo = args.spanq_span_anchor, args.spanq_recompute
+    with query_route_mounted(lambda: build_query_router(tokenizer, args.served_model_name, limits, anchor, redo)):
         uvloop.run(entry.run_server(args))
     return 0
 

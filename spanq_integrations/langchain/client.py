@@ -126,6 +126,7 @@ class CallOutcome:
             "ttft_s": m.ttft_s,
             "wall_s": m.wall_s,
             "spans": int(m.extra.get("spans", self.spans_sent if self.span_aware else 0)),
+            "recomputed_tokens": int(m.extra.get("recomputed_tokens", 0)),
             "span_source": self.prepared.span_source,
             "fallback": self.prepared.fallback or m.fallback,
             "span_aware": self.span_aware,
@@ -193,6 +194,10 @@ class SpanQueryClient(BaseModel):
     """What each document's KV is computed after (see `spanq_integrations.plus`): None is the backend's default
     ("template": reused after any question or conversation); "prefix" is exact but reused only after the same
     prompt prefix."""
+    recompute: float | Literal["first", "last"] | None = None
+    """How much of each document a span backend computes again in context, for quality: 0 none, "first" / "last"
+    each document's first / last KV block, a share in (0, 1] of the document blocks; None is the backend's
+    default. Other backends ignore it."""
 
     _backend_instance: Backend | None = PrivateAttr(default=None)
     _owns_backend: bool = PrivateAttr(default=False)
@@ -330,6 +335,7 @@ class SpanQueryClient(BaseModel):
             stop=settings.stop,
             seed=settings.seed,
             json_schema=settings.json_schema or None,
+            recompute=self.recompute,
         )
         run = aexecute(query, backend, on_token=on_token)
         try:

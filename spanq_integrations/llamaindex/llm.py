@@ -14,7 +14,7 @@ import json
 import threading
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from llama_index.core.base.llms.types import (
     CachePoint,
@@ -178,6 +178,11 @@ class SpanQueryLLM(FunctionCallingLLM):
     timeout: float = Field(default=600.0, gt=0, description="Seconds an HTTP backend waits for an answer.")
     max_retries: int = Field(default=2, ge=0, description="Retries of an HTTP connection that failed.")
     seed: int | None = Field(default=None, description="Sampling seed, for temperature > 0.")
+    recompute: float | Literal["first", "last"] | None = Field(
+        default=None,
+        description="How much of each node a span backend computes again in context, for quality: 0 none, 'first' "
+        "/ 'last' each node's first / last KV block, a share in (0, 1] of the node blocks; None: the backend's default.",
+    )
     backend: str | Backend | None = Field(
         default=None, exclude=True, description="None: embedded; a URL; or a spanq Backend."
     )
@@ -276,6 +281,7 @@ class SpanQueryLLM(FunctionCallingLLM):
             temperature=float(picked.get("temperature", self.temperature)),
             stop=picked.get("stop"),
             seed=picked.get("seed", self.seed),
+            recompute=self.recompute,
         )
 
     def _with_node_spans(self, nodes: list[Node]) -> list[Node]:

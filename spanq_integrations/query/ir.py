@@ -21,6 +21,7 @@ from spanq_integrations.query.errors import QueryValidationError
 __all__ = [
     "ANCHOR_POLICIES",
     "DEFAULT_TEMPERATURE",
+    "RECOMPUTE_POLICIES",
     "AnchorPolicy",
     "Assistant",
     "Chat",
@@ -33,6 +34,7 @@ __all__ = [
     "Node",
     "Plus",
     "Print",
+    "Recompute",
     "Repeat",
     "Retrieve",
     "System",
@@ -96,6 +98,11 @@ class Fragment(_Node):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
+RECOMPUTE_POLICIES: tuple[str, ...] = ("first", "last")
+Recompute = float | Literal["first", "last"]
+"""A recompute setting: a share of span blocks in [0, 1], or a block of each span by name."""
+
+
 class Generate(_Node):
     """A call to the model ("G"). `max_tokens=0` means the server's default."""
 
@@ -110,6 +117,17 @@ class Generate(_Node):
     json_schema: str = ""
     """The answer is JSON: "" free text (the default); "{}" any JSON object (JSON mode); otherwise a JSON schema,
     as JSON text, that the answer matches (constrained decoding where the backend has it)."""
+    recompute: Recompute | None = None
+    """How much of each span a span engine computes again in context, for quality (docs/design.md, "Recompute"):
+    0 none, "first" / "last" each span's first / last KV block, a share in (0, 1] of the span blocks (those the
+    text after the spans mentions most); None: the backend's default. Servers without spans ignore it."""
+
+    @field_validator("recompute")
+    @classmethod
+    def _a_share_or_a_policy(cls, value: Recompute | None) -> Recompute | None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0.0 <= value <= 1.0:
+            raise ValueError(f"recompute must be a share between 0 and 1, or one of {RECOMPUTE_POLICIES}; got {value}")
+        return value
 
     @field_validator("json_schema")
     @classmethod
@@ -323,8 +341,10 @@ def generate(
     stop: Iterable[str] | None = None,
     seed: int | None = None,
     json_schema: dict[str, Any] | str | None = None,
+    recompute: Recompute | None = None,
 ) -> Generate:
-    """A model call on `input`. `json_schema`: the answer is JSON matching this schema (`{}`: any JSON object)."""
+    """A model call on `input`. `json_schema`: the answer is JSON matching this schema (`{}`: any JSON object).
+    `recompute`: how much of each span a span engine computes again in context (see `Generate.recompute`)."""
     schema = json_schema if isinstance(json_schema, str) or json_schema is None else json.dumps(json_schema)
     return Generate(
         input=_as_node(input, "generate().input"),
@@ -335,6 +355,7 @@ def generate(
         stop=tuple(stop or ()),
         seed=seed,
         json_schema=schema or "",
+        recompute=recompute,
     )
 
 

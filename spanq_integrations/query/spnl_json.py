@@ -22,6 +22,7 @@ from spanq_integrations.query.errors import QueryParseError, QueryValidationErro
 from spanq_integrations.query.ir import (
     ANCHOR_POLICIES,
     DEFAULT_TEMPERATURE,
+    RECOMPUTE_POLICIES,
     Assistant,
     Chat,
     Combine,
@@ -69,6 +70,8 @@ def _write_generate_body(g: Generate, path: str) -> dict[str, Any]:
         body["seed"] = g.seed
     if g.json_schema:
         body["json_schema"] = g.schema  # spanq's own key: spnl has no structured output
+    if g.recompute is not None:
+        body["recompute"] = g.recompute  # spanq's own key
     body["input"] = _write(g.input, f"{path}.g.input")
     return body
 
@@ -308,7 +311,7 @@ def _children(value: Any, path: str, if_empty: str) -> tuple[Node, ...]:
     return tuple(_read_node(item, f"{path}[{i}]") for i, item in enumerate(items))
 
 
-_G_FIELDS = ("model", "max_tokens", "temperature", "n", "stop", "seed", "json_schema", "input")
+_G_FIELDS = ("model", "max_tokens", "temperature", "n", "stop", "seed", "json_schema", "recompute", "input")
 
 
 def _read_generate_body(value: Any, path: str) -> Generate:
@@ -324,7 +327,21 @@ def _read_generate_body(value: Any, path: str) -> Generate:
         stop=tuple(_string(s, f"{path}.stop[{i}]") for i, s in enumerate(stop_items)),
         seed=None if seed is None else _integer(seed, f"{path}.seed", None),
         json_schema=_json_schema(body.get("json_schema"), f"{path}.json_schema"),
+        recompute=_recompute(body.get("recompute"), f"{path}.recompute"),
     )
+
+
+def _recompute(value: Any, path: str) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value not in RECOMPUTE_POLICIES:
+            raise QueryParseError(path, f"expected a share between 0 and 1 or one of {list(RECOMPUTE_POLICIES)}, got {value!r}")
+        return value
+    share = _number(value, path, 0)
+    if share > 1:
+        raise QueryParseError(path, f"a share of the span blocks is at most 1, got {share}")
+    return share
 
 
 def _json_schema(value: Any, path: str) -> str:

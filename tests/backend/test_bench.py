@@ -453,14 +453,23 @@ def test_bulk_bench(engines, tmp_path):
 def test_quality_bench(engines, tmp_path):
     from benchmarks.quality import main
 
-    argv = ["--model", "tiny", "--items", "2", "--docs", "3", "--max-tokens", "4", "--out", str(tmp_path),
-            "--no-progress"]
+    argv = ["--model", "tiny", "--items", "2", "--docs", "3", "--filler", "2", "--max-tokens", "4",
+            "--recompute", "0,first,1", "--hf-check", "1", "--speed-docs", "2", "--speed-tokens", "64",
+            "--speed-reps", "1", "--out", str(tmp_path), "--no-progress"]
     assert main(argv, backends=engines) == 0
     report = read_report(tmp_path, "quality-tiny")
     summary = report["summary"]
-    assert summary["items"] == 2 and list(summary["anchors"]) == ["template", "system", "prefix"]
-    for entry in summary["anchors"].values():
-        assert 0 <= entry["spans_exact_match"] <= 1 and entry["padding_overhead"] > 0
-        assert entry["kl_mean"]["mean"] >= 0 and 0 <= entry["argmax_agreement"]["mean"] <= 1
-    kl = {a: e["kl_mean"]["mean"] for a, e in summary["anchors"].items()}
-    assert kl["template"] != kl["prefix"], "the policies' anchors differ, so their span attention does"
+    assert summary["items"] == 2 and list(summary["settings"]) == ["template/0", "template/first", "template/1"]
+    for entry in summary["settings"].values():
+        assert 0 <= entry["exact_match"]["spans"]["mean"] <= 1 and entry["padding_overhead"] > 0
+        for comparison in ("layout", "attention", "both"):
+            b = entry[comparison]["agreement"]
+            assert 0 <= b["lo"] <= b["mean"] <= b["hi"] <= 1
+        assert entry["hf_check"]["items"] == 1 and entry["speed"]["warm_ttft_s"] > 0
+    settings = summary["settings"]
+    assert settings["template/0"]["recomputed_share"] == 0 and 0 < settings["template/first"]["recomputed_share"] < 1
+    # Everything recomputed is full attention on the same tokens: the attention-only comparison must say so (and
+    # the tiny random model's span attention does not agree, so the measurement can tell the two apart).
+    assert settings["template/1"]["attention"]["agreement"]["mean"] == 1.0
+    assert settings["template/1"]["hf_check"]["hf_kl"] < 1e-6
+    assert settings["template/0"]["attention"]["agreement"]["mean"] < 1.0

@@ -249,6 +249,27 @@ def test_execute_without_streaming_returns_the_closed_tree_and_usage(server: Ser
     assert result.calls[0].cached_tokens > 0
 
 
+def test_recompute_travels_with_the_query_and_a_bad_setting_is_a_400(server: Server):
+    """`"recompute"` on a `g`: the server recomputes the chosen blocks in context (after the spans were prepared by
+    another order), counts them, and the same query again finds them cached; a bad value is a 400 naming it."""
+    httpx.post(f"{server.url}{EXECUTE}", json=to_json(rag_query("CDAB")), timeout=120).raise_for_status()
+    query = rag_query("ADBC").model_copy(update={"recompute": "first"})
+    runs = []
+    for _ in range(2):
+        answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(query), timeout=120)
+        assert answer.status_code == 200, answer.text
+        runs.append(answer.json()["calls"][0])
+    first, again = runs
+    assert first["extra"]["recomputed_tokens"] == 4 * 32  # each document's first block
+    assert first["prepared_spans"] == 0 and first["prepared_tokens"] >= 3 * 32  # runs before later spans
+    assert again["prepared_tokens"] <= 4, "the recomputed blocks were cached by the first run"
+    plain = httpx.post(f"{server.url}{EXECUTE}", json=to_json(rag_query("ADBC")), timeout=120).json()["calls"][0]
+    assert plain["extra"]["recomputed_tokens"] == 0
+    bad = _post_raw(server, '{"g":{"max_tokens":1,"recompute":"most","input":{"user":"hi"}}}')
+    assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("$.g.recompute"), bad.text
+    _assert_healthy(server)
+
+
 def _as_spnls_client(server: Server, doc: dict, stream: bool) -> httpx.Response:
     """A request as spnl 0.22's client sends it: the query as text/plain, `?stream=true|false`, no format."""
     return httpx.post(

@@ -425,7 +425,8 @@ def test_bad_field_names_its_exact_path(doc: Any, message: str) -> None:
 def test_unknown_field_lists_the_known_ones() -> None:
     e = _error({"g": {"input": {"user": "a"}, "max_token": 5}})
     assert str(e) == (
-        '$.g: unknown field "max_token" (expected: model, max_tokens, temperature, n, stop, seed, json_schema, input)'
+        '$.g: unknown field "max_token" (expected: model, max_tokens, temperature, n, stop, seed, json_schema, recompute, '
+        'input)'
     )
 
 

@@ -77,6 +77,21 @@ def test_reordered_documents_are_read_from_the_span_cache(tiny_backend, chat):
     assert message.usage_metadata["input_tokens"] >= cache_read(second)
 
 
+def test_recompute_is_an_adapter_setting(tiny_backend):
+    """`ChatSpanQuery(recompute=...)`: the documents are still read from the span cache, and each one's first block
+    is computed again in context (what `response_metadata["spanq"]` reports)."""
+    from spanq_integrations.langchain import ChatSpanQuery
+
+    docs = town_documents("recompute")
+    plain = ChatSpanQuery(backend=tiny_backend, max_tokens=4, temperature=0)
+    redo = ChatSpanQuery(backend=tiny_backend, max_tokens=4, temperature=0, recompute="first")
+    first = rag_app(OrderedRetriever(documents=docs, orders=ORDERS), plain).invoke(QUESTION)
+    second = rag_app(OrderedRetriever(documents=docs, orders=ORDERS[1:]), redo).invoke(QUESTION)
+    assert stats(first)["recomputed_tokens"] == 0
+    assert stats(second)["prepared_spans"] == 0 and stats(second)["spans"] == 4
+    assert stats(second)["recomputed_tokens"] == 4 * 32
+
+
 def test_without_spans_the_reordered_documents_miss_the_cache(tiny_backend):
     docs = town_documents("plain")
     llm = ChatSpanQuery(backend=tiny_backend, max_tokens=4, temperature=0, recover_documents="off")

@@ -52,6 +52,16 @@ def test_query_engine_reuses_the_nodes_across_questions_and_orders(town_index, s
         assert all(response.metadata[n.node.node_id] == n.node.metadata for n in response.source_nodes)
 
 
+def test_recompute_set_on_the_llm_reaches_the_synthesizers_call(town_index, tiny_backend):
+    redo = SpanQueryLLM(backend=tiny_backend, max_tokens=6, recompute=0.5)
+    synthesizer = SpanQuerySynthesizer(llm=redo)
+    engine = town_index.as_query_engine(llm=redo, response_synthesizer=synthesizer, similarity_top_k=4)
+    (call,) = engine.query(QUESTION_HARBOR).metadata["spanq"]["per_call"]
+    lowered = tiny_backend.engine.lower(synthesizer.build_query(QUESTION_HARBOR, [f"x{i}" for i in range(4)]))
+    assert call["extra"]["recomputed_tokens"] > 0 and lowered.table.spans
+    assert synthesizer.build_query("q", ["a"]).recompute == 0.5
+
+
 def test_every_node_is_its_own_span_with_its_id(span_llm):
     synthesizer = SpanQuerySynthesizer(llm=span_llm, system_prompt="S", query_template="Q: {query_str}")
     nodes = nodes_of("alpha", "  ", "gamma")

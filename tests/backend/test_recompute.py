@@ -1,0 +1,193 @@
+"""Selective recompute (docs/design.md, "Recompute"): chosen span blocks computed again in context, the rest of
+each span read from the cache.
+
+On the engine: a warm query with recompute prepares no span, finds every block cached when it runs (its recompute
+requests computed the chosen blocks first), and its log-probabilities equal the HF reference built the same way
+(a recomputed block attends to everything before it, the rest of its span to the span's anchor) — and differ,
+beyond the tolerance, from the reference without recompute, so an engine that ignored the setting would fail.
+Recomputed KV never lands under a span's key: afterwards a query without recompute over the same documents
+still matches the plain span reference. `recompute=0` keeps today's results bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from benchmarks.hf_span import span_reference_logprobs
+from spanq_backend.kv.span_table import SpanTable
+from spanq_backend.serving.lowering import LoweredPrompt
+from spanq_backend.serving.recompute import choose_blocks, plan_recompute, recompute_setting
+from spanq_integrations import cross, fragment, generate, plus, system, user
+from spanq_integrations.query.spnl_json import from_json, to_json
+from tests.backend.logprobs import run_with_logprobs
+
+TOL = 2e-4
+
+
+def docs(tag: str) -> dict[str, str]:
+    return {
+        c: f"Ledger {c}{tag}. " + " ".join(f"Shelf {c}{tag}-{i} holds {i * 5 % 13} jars of {tag} jam." for i in range(14))
+        for c in "ABCD"
+    }
+
+
+def query(d: dict[str, str], order: str, question: str, recompute=None):
+    return generate(
+        cross(system("Answer from the ledgers."), plus(*[fragment(d[c]) for c in order]), user(question)),
+        max_tokens=5,
+        temperature=0.0,
+        recompute=recompute,
+    )
+
+
+# ------------------------------------------------------------------------------------------- the layout (pure)
+
+
+def _lowered(spans, anchors=None, n=None, bs=4):
+    ids = list(range(100, 100 + (n or spans[-1][1] + 8)))
+    return LoweredPrompt(token_ids=ids, table=SpanTable(bs, tuple(spans), anchors))
+
+
+def test_a_recomputed_block_becomes_context_and_the_rest_of_its_span_keeps_its_anchor():
+    low = _lowered([(8, 20), (20, 28)])  # blocks of 4: span 0 has 3 blocks, span 1 has 2
+    plan = plan_recompute(low, [(0, 1)])
+    t = plan.lowered.table
+    assert t.spans == ((8, 12), (16, 20), (20, 28))
+    # The piece after the recomputed block is anchored on the span's anchor and the span's tokens before it: what
+    # those blocks were computed after in the span's prepare request.
+    assert t.anchor_of(0) == 8
+    assert t.anchor_of(1) == tuple(low.token_ids[:8] + low.token_ids[8:16])
+    assert t.anchor_of(2) == 8
+    assert plan.ends == (16,)  # span blocks follow the recomputed one: it needs a request of its own
+    assert plan.tokens == 4
+
+
+def test_the_first_block_of_the_first_span_moves_the_prefix_so_anchors_become_tokens():
+    low = _lowered([(8, 16), (16, 24)])
+    plan = plan_recompute(low, [(0, 0), (1, 0)])
+    t = plan.lowered.table
+    assert t.spans == ((12, 16), (20, 24))
+    prefix = tuple(low.token_ids[:8])
+    assert t.anchor_of(0) == prefix + tuple(low.token_ids[8:12])
+    assert t.anchor_of(1) == prefix + tuple(low.token_ids[16:20])
+    assert plan.ends == (12, 20)
+
+
+def test_the_last_run_is_left_to_the_request_itself():
+    low = _lowered([(8, 16), (16, 24)])
+    plan = plan_recompute(low, [(0, 1), (1, 1)])
+    assert plan.lowered.table.spans == ((8, 12), (16, 20))
+    assert plan.ends == (16,)  # the last block of the last span: nothing cached follows it
+
+
+def test_choices_first_last_and_a_share():
+    low = _lowered([(8, 20), (20, 28)], n=40)
+    assert choose_blocks(low, "first") == [(0, 0), (1, 0)]
+    assert choose_blocks(low, "last") == [(0, 2), (1, 1)]
+    assert choose_blocks(low, 0.0) == []
+    # A share: the blocks that share the most tokens with the text after the spans, ties to the earlier block.
+    assert choose_blocks(low, 0.2) == [(0, 0)]  # no block shares a token with what follows
+    low.token_ids[32:36] = low.token_ids[12:16]  # the question repeats block 1 of span 0
+    assert choose_blocks(low, 0.2) == [(0, 1)]
+    assert len(choose_blocks(low, 1.0)) == 5
+
+
+def test_settings_are_read_and_refused_by_name():
+    assert recompute_setting("none") == 0.0
+    assert recompute_setting("0.25") == 0.25
+    assert recompute_setting("first") == "first"
+    for bad in ("middle", "1.5", "-0.1"):
+        with pytest.raises(ValueError, match="recompute must be"):
+            recompute_setting(bad)
+    g = query(docs("j"), "AB", "?", recompute=0.1)
+    assert from_json(to_json(g)) == g
+
+
+# ---------------------------------------------------------------------------------------------- on the engine
+
+
+def _run(engine, first, second):
+    async def scenario():
+        await engine.generate(first)
+        warm = await engine.generate(second)
+        lowered = engine.lower(second)
+        plan = engine.generator.recompute_plan(second, lowered)
+        cached, toks, lps = await run_with_logprobs(engine, plan.lowered, 5)
+        _, toks_plain, lps_plain = await run_with_logprobs(engine, lowered, 5)
+        return warm.metrics, lowered, plan, cached, toks, lps, toks_plain, lps_plain
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("setting", ["first", "last", 0.25])
+def test_recomputed_blocks_match_the_reference_built_the_same_way(engine, hf_model, setting):
+    tag = f"r{setting}"
+    d = docs(tag)
+    warm, lowered, plan, cached, toks, lps, toks_plain, lps_plain = _run(
+        engine,
+        query(d, "ABCD", f"Which shelf holds 4 jars ({tag})?"),
+        query(d, "CADB", f"Which shelf holds 7 jars of {tag} jam?", recompute=setting),
+    )
+    assert warm.prepared_spans == 0
+    assert plan.blocks, "something was recomputed"
+    assert warm.extra["recomputed_tokens"] == plan.tokens
+    n = len(lowered.token_ids)
+    # Every block was in the cache when the request ran again: the recompute requests had computed the chosen
+    # blocks (only the last, partial block and any recomputed run that ends the spans are computed by it).
+    tail_start = max([e for _, e in plan.lowered.table.spans], default=0)
+    assert cached >= min(tail_start, n - n % 32 if n % 32 else n - 32)
+    ref = span_reference_logprobs(hf_model, lowered.token_ids, plan.lowered.table, toks).double()
+    assert (lps - ref).abs().max().item() < TOL
+    # The check can fail: without recompute the reference is another, and so is an engine that ignores it.
+    plain_ref = span_reference_logprobs(hf_model, lowered.token_ids, lowered.table, toks).double()
+    assert (ref - plain_ref).abs().max().item() > 2 * TOL  # 3e-2 for first and 0.25, 6e-4 for last (engine: 1e-6)
+    if toks_plain == toks:
+        assert (lps_plain - ref).abs().max().item() > 2 * TOL
+
+
+@pytest.mark.vllm
+def test_recomputed_kv_never_lands_under_a_span_key(engine, hf_model):
+    """After queries with recompute, the documents' span keys still lead to isolated KV: a query without recompute
+    reads them as the plain span reference."""
+    d = docs("iso")
+
+    async def scenario():
+        await engine.generate(query(d, "ABCD", "Which shelf holds 2 jars?", recompute=1.0))
+        await engine.generate(query(d, "DCBA", "Which shelf holds 3 jars?", recompute="first"))
+        second = query(d, "BDAC", "Which shelf holds 9 jars?")
+        warm = await engine.generate(second)
+        lowered = engine.lower(second)
+        return warm.metrics, lowered, *await run_with_logprobs(engine, lowered, 5)
+
+    warm, lowered, _cached, toks, lps = asyncio.run(scenario())
+    assert warm.prepared_spans == 0
+    ref = span_reference_logprobs(hf_model, lowered.token_ids, lowered.table, toks).double()
+    assert (lps - ref).abs().max().item() < TOL
+
+
+@pytest.mark.vllm
+def test_recompute_zero_keeps_todays_results_bit_for_bit(engine):
+    d = docs("zero")
+    first = query(d, "ABCD", "Which shelf holds 1 jar?")
+
+    async def scenario():
+        await engine.generate(first)
+        out = []
+        for setting in (None, 0, 0.0):
+            second = query(d, "DBCA", "Which shelf holds 6 jars?", recompute=setting)
+            lowered = engine.lower(second)
+            plan = engine.generator.recompute_plan(second, lowered)
+            assert plan.lowered.table == lowered.table and plan.ends == ()
+            res = await engine.generate(second)
+            out.append((res.texts, res.metrics.extra["recomputed_tokens"], await run_with_logprobs(engine, lowered, 5)))
+        return out
+
+    (texts, n0, (c0, t0, l0)), *rest = asyncio.run(scenario())
+    assert n0 == 0
+    for texts_k, n_k, (c_k, t_k, l_k) in rest:
+        assert texts_k == texts and n_k == 0 and c_k == c0 and t_k == t0
+        assert torch.equal(l_k, l0)
