@@ -16,9 +16,9 @@ that cached span blocks follow is computed by a request of its own over the prom
 
 Which blocks (`choose_blocks`): `"first"` (each span's first block: the tokens that, computed alone, saw the
 least), `"last"` (each span's last block: what the text after the spans reads first), or a share in (0, 1] of all
-span blocks, picked by a cheap criterion that needs no model pass: the blocks that share the most with the text
-after the spans (the question), each shared token weighted by its rarity among the span blocks (an inverse
-document frequency), ties to the earlier block.
+span blocks, picked by a cheap criterion that needs no model pass: first the spans' first blocks, then the other
+blocks; within each, those that share the most with the text after the spans (the question), each shared token
+weighted by its rarity among the span blocks (an inverse document frequency); ties to the earlier block.
 """
 
 from __future__ import annotations
@@ -98,9 +98,11 @@ def choose_blocks(lowered: LoweredPrompt, setting: Recompute, pad_token_id: int 
     # the town a question names counts, the words every document repeats do not.
     held = Counter(t for _, _, toks in blocks for t in toks & after)
     weight = {t: math.log((1 + len(blocks)) / (1 + n)) for t, n in held.items()}
-    scored = [(-sum(weight[t] for t in toks & after), start, pair) for pair, start, toks in blocks]
+    # Each span's first block comes first (computed alone, it saw least: measured the most useful block to
+    # recompute), the most relevant spans' first; then the blocks that share most with the question.
+    scored = [(pair[1] != 0, -sum(weight[t] for t in toks & after), start, pair) for pair, start, toks in blocks]
     scored.sort()
-    return sorted(pair for _, _, pair in scored[:budget])
+    return sorted(pair for *_, pair in scored[:budget])
 
 
 def plan_recompute(lowered: LoweredPrompt, blocks: Iterable[tuple[int, int]]) -> RecomputePlan:

@@ -88,10 +88,14 @@ def test_choices_first_last_and_a_share():
     assert choose_blocks(low, "first") == [(0, 0), (1, 0)]
     assert choose_blocks(low, "last") == [(0, 2), (1, 1)]
     assert choose_blocks(low, 0.0) == []
-    # A share: the blocks that share the most tokens with the text after the spans, ties to the earlier block.
+    # A share: the spans' first blocks first, then the blocks that share the most (rarest) tokens with the text
+    # after the spans; ties to the earlier block.
     assert choose_blocks(low, 0.2) == [(0, 0)]  # no block shares a token with what follows
-    low.token_ids[32:36] = low.token_ids[12:16]  # the question repeats block 1 of span 0
-    assert choose_blocks(low, 0.2) == [(0, 1)]
+    low.token_ids[36:40] = low.token_ids[20:24]  # the question repeats span 1's first block…
+    assert choose_blocks(low, 0.2) == [(1, 0)]  # …which goes first
+    assert choose_blocks(low, 0.6) == [(0, 0), (0, 1), (1, 0)]  # then (0, 1), the earliest of the others
+    low.token_ids[32:36] = low.token_ids[16:20]  # and now block 2 of span 0 too
+    assert choose_blocks(low, 0.6) == [(0, 0), (0, 2), (1, 0)]
     assert len(choose_blocks(low, 1.0)) == 5
 
 

@@ -263,3 +263,14 @@ def test_serve_refuses_before_vllm_starts(monkeypatch, capsys, model, named):
     assert serve_main(["--model", model]) == 2
     err = capsys.readouterr().err
     assert err.startswith("spanq serve: error:") and named in err and "Traceback" not in err
+
+
+def test_serve_refuses_a_bad_recompute_setting_before_vllm_starts(capsys):
+    pytest.importorskip("vllm")
+    from spanq_backend.serving.server import serve_main
+
+    with pytest.raises(SystemExit) as exit_:
+        serve_main(["--model", "tiny", "--recompute", "most"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--recompute" in err and "recompute must be" in err and "Traceback" not in err
