@@ -28,10 +28,12 @@ cached yet): warm time to first token, side by side.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
@@ -157,6 +159,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--speed-docs", type=int, default=8, help="documents of the speed side (default: 8; 0: none)")
     parser.add_argument("--speed-tokens", type=int, default=512, help="tokens per document there (default: 512)")
     parser.add_argument("--speed-reps", type=int, default=2, help="repetitions of the speed side (default: 2)")
+    parser.add_argument("--rows-from", type=Path, nargs="+", metavar="JSON",
+                        help="measure nothing: summarize and plot the QA and speed rows of earlier runs' JSON files "
+                        "(for example a long QA run and a speed run); give the same --recompute and --docs")
     return parser.parse_args(list(argv))
 
 
@@ -302,6 +307,21 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
 
     args = parse_args(argv)
     report = BenchReport("quality", args)
+    if args.rows_from:
+        speed_rows: list[dict[str, Any]] = []
+        for path in args.rows_from:
+            data = json.loads(path.read_text())
+            report.rows.extend(data["rows"])
+            speed_rows.extend(data["config"].get("speed_rows", []))
+            args.speed_docs = data["config"]["speed_docs"] if data["config"].get("speed_rows") else args.speed_docs
+            args.speed_tokens = data["config"]["speed_tokens"] if data["config"].get("speed_rows") else args.speed_tokens
+        report.config.update({"speed_rows": speed_rows, "rows_from": [str(p) for p in args.rows_from]})
+        args.items = len({r["item"] for r in report.rows})
+        report.summary = summarize_rows(report.rows, speed_rows, args)
+        print(render_table(report.summary, args))
+        report.write(plot(report.summary, args))
+        report.print_files()
+        return 0
     items = make_items(args.items, args.docs, seed=args.seed, filler=args.filler)
     hf_model = hf_span.load_hf_model(resolve_model(args.model)) if args.hf_check > 0 else None
     with engine_pair(args.model, backends=backends, max_model_len=8192, max_num_seqs=8) as (stock, spans):
@@ -341,12 +361,24 @@ def summarize_rows(rows: list[dict[str, Any]], speed: list[dict[str, Any]], args
     """Per anchor policy and recompute setting: the three comparisons with intervals, exact match, the share
     recomputed, padding; and the speed side's warm TTFT per setting against stock's."""
     out: dict[str, Any] = {"items": len({r["item"] for r in rows}), "chance": 1.0 / args.docs, "settings": {}}
-    stock_ttft = summarize([r["ttft_s"] for r in speed if r["mode"] == "stock_reordered"])["mean"]
+    labels = [setting_label(s) for s in args.recompute]
     if speed:
-        out["speed"] = {"docs": args.speed_docs, "tokens": args.speed_tokens, "stock_reordered_ttft_s": stock_ttft}
-    for anchor in dict.fromkeys(r["anchor"] for r in rows):
-        for setting in dict.fromkeys(r["recompute"] for r in rows):
+        stock_ttft = summarize([r["ttft_s"] for r in speed if r["mode"] == "stock_reordered"])["mean"]
+        per_setting = {}
+        for label in labels:
+            warm = [r for r in speed if r["mode"] == "spans_warm" and r["recompute"] == label]
+            ttft = summarize([r["ttft_s"] for r in warm])["mean"]
+            per_setting[label] = {
+                "warm_ttft_s": ttft, "speedup_vs_stock_reordered": stock_ttft / ttft if ttft else None,
+                "recomputed_share": summarize([r["recomputed_share"] for r in warm])["mean"],
+            }
+        out["speed"] = {"docs": args.speed_docs, "tokens": args.speed_tokens, "stock_reordered_ttft_s": stock_ttft,
+                        "settings": per_setting}
+    for anchor in args.anchors:
+        for setting in labels:
             at = [r for r in rows if r["anchor"] == anchor and r["recompute"] == setting]
+            if not at:
+                continue
             entry: dict[str, Any] = {
                 "exact_match": {name: bootstrap([r[f"{name}_correct"] for r in at]) for name in ("stock", "layout", "spans")},
                 "recomputed_share": summarize([r["recomputed_share"] for r in at])["mean"],
@@ -364,11 +396,8 @@ def summarize_rows(rows: list[dict[str, Any]], speed: list[dict[str, Any]], args
                     "hf_agreement": summarize([r["hf_attention_agreement"] for r in checked])["mean"],
                     "engine_agreement": summarize([r["attention_agreement"] for r in checked])["mean"],
                 }
-            warm = [r for r in speed if r["mode"] == "spans_warm" and r["recompute"] == setting]
-            if warm:
-                ttft = summarize([r["ttft_s"] for r in warm])["mean"]
-                entry["speed"] = {"warm_ttft_s": ttft, "speedup_vs_stock_reordered": stock_ttft / ttft if ttft else None,
-                                  "recomputed_share": summarize([r["recomputed_share"] for r in warm])["mean"]}
+            if speed:
+                entry["speed"] = out["speed"]["settings"][setting]
             out["settings"][f"{anchor}/{setting}"] = entry
     return out
 
@@ -394,7 +423,7 @@ def render_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
     title = (f"quality on {model_label(args.model)}: {summary['items']} items x {args.docs} documents "
              f"(filler {args.filler}), along the gold answer; engine prompt log-probs, top {TOP}; "
              "means with bootstrap 95% intervals")
-    text = title + "\n" + format_table(headers, lines)
+    text = title + "\n" + format_table(headers, lines) if lines else "(no QA items)"
     if first is not None:
         lay = first["layout"]
         em = first["exact_match"]
@@ -410,8 +439,12 @@ def render_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
                      f"{h['engine_agreement']:.2f}")
     if "speed" in summary:
         s = summary["speed"]
-        text += (f"\nspeed: {s['docs']} documents x {s['tokens']} tokens, stock reordered TTFT "
-                 f"{s['stock_reordered_ttft_s']:.3f} s")
+        text += (f"\nspeed: {s['docs']} documents x {s['tokens']} tokens, warm (another order, another question): stock "
+                 f"reordered TTFT {s['stock_reordered_ttft_s']:.3f} s; spans per recompute setting:\n")
+        text += format_table(["recompute", "share", "warm TTFT (s)", "x stock"], [
+            [label, e["recomputed_share"], e["warm_ttft_s"], e["speedup_vs_stock_reordered"] or float("nan")]
+            for label, e in s["settings"].items()
+        ])
     return text
 
 
@@ -419,6 +452,15 @@ def plot(summary: dict[str, Any], args: argparse.Namespace) -> Any:
     fig, (ax, ax2) = new_figure(2, width=5.0)
     settings = summary["settings"]
     speed = "speed" in summary
+    if not settings and speed:  # the speed side alone
+        rows = summary["speed"]["settings"]
+        ax.bar(["stock", *rows], [summary["speed"]["stock_reordered_ttft_s"], *(e["warm_ttft_s"] for e in rows.values())])
+        ax.set_ylabel("warm TTFT (s)")
+        ax.set_yscale("log")
+        ax.set_title(f"recompute settings, {summary['speed']['docs']} x {summary['speed']['tokens']} tokens")
+        ax2.set_axis_off()
+        fig.tight_layout()
+        return fig
     for name, e in settings.items():
         x = e["speed"]["warm_ttft_s"] if speed and "speed" in e else e["recomputed_share"]
         for axis, metric in ((ax, "agreement"), (ax2, "kl")):
@@ -437,7 +479,8 @@ def plot(summary: dict[str, Any], args: argparse.Namespace) -> Any:
         if speed:
             axis.set_xscale("log")
             axis.legend(fontsize=8)
-    ax.set_ylim(0, 1.02)
+    lows = [e["both"]["agreement"]["lo"] for e in settings.values()]
+    ax.set_ylim(max(0.0, min(lows, default=0.0) - 0.05), 1.01)
     ax.set_title(f"recompute: quality vs speed, {model_label(args.model)}")
     ax2.set_title(f"{summary['items']} items, 95% intervals")
     fig.tight_layout()

@@ -1,0 +1,147 @@
+"""HF-transformers experiments behind two choices of docs/design.md ("Recompute") and docs/benchmarks.md
+("quality"), on the QA items of `spanq bench quality`. No vLLM: the HF reference (`benchmarks/hf_span.py`).
+
+    python scripts/quality_experiments.py criteria [--items 10] [--filler 12] [--model default]
+        argmax agreement with full attention along the gold answer, and KL, for recompute block choices:
+        none, each span's first / last block, spanq's share criterion, question overlap alone, block position.
+    python scripts/quality_experiments.py padding [--items 20] [--filler 0] [--model default]
+        what the span layout's padding costs under full attention (the layout alone, against the plain prompt):
+        newline padding after each span (spanq's), before it, split around it, other pad tokens, none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+from benchmarks import hf_span
+from benchmarks.quality import make_items, qa_query
+from spanq_backend.serving.generator import flattened_prompt_ids, load_chat_tokenizer
+from spanq_backend.serving.lowering import LoweredPrompt, lower
+from spanq_backend.serving.models import resolve_model
+from spanq_backend.serving.recompute import choose_blocks, plan_recompute
+
+
+def _budget(low: LoweredPrompt, share: float) -> tuple[list[int], int]:
+    sizes = [(e - s) // low.table.block_size for s, e in low.table.spans]
+    return sizes, max(1, math.floor(share * sum(sizes) + 1e-9))
+
+
+def by_position(low: LoweredPrompt, share: float) -> list[tuple[int, int]]:
+    """Block 0 of each span, then block 1 of each, …"""
+    sizes, budget = _budget(low, share)
+    order = sorted((b, i) for i, n in enumerate(sizes) for b in range(n))
+    return sorted((i, b) for b, i in order[:budget])
+
+
+def by_overlap(low: LoweredPrompt, share: float, pad: int) -> list[tuple[int, int]]:
+    """Only the question overlap (spanq's criterion without the first blocks' priority)."""
+    _, budget = _budget(low, share)
+    everything = choose_blocks(low, 1.0, pad)
+    after = set(low.token_ids[low.table.spans[-1][1] :]) - {pad}
+    bs = low.table.block_size
+
+    def shared(pair: tuple[int, int]) -> int:
+        s = low.table.spans[pair[0]][0] + pair[1] * bs
+        return len(set(low.token_ids[s : s + bs]) & after)
+
+    return sorted(sorted(everything, key=lambda p: (-shared(p), p))[:budget])
+
+
+def criteria(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> None:
+    choices = {
+        "none": lambda low: [],
+        "first": lambda low: choose_blocks(low, "first", pad),
+        "last": lambda low: choose_blocks(low, "last", pad),
+        "share 0.1 (spanq)": lambda low: choose_blocks(low, 0.1, pad),
+        "share 0.15 (spanq)": lambda low: choose_blocks(low, 0.15, pad),
+        "overlap 0.1": lambda low: by_overlap(low, 0.1, pad),
+        "overlap 0.15": lambda low: by_overlap(low, 0.15, pad),
+        "position 0.1": lambda low: by_position(low, 0.1),
+        "position 0.15": lambda low: by_position(low, 0.15),
+    }
+    results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in choices}
+    for item in make_items(args.items, 5, seed=0, filler=args.filler):
+        low = lower(qa_query(item, 16).input, tokenizer, 32, pad)
+        gold = tokenizer.encode(item.gold, add_special_tokens=False)
+        full = hf_span.full_attention_next_token_logprobs(model, low.token_ids, gold)
+        blocks = sum((e - s) // 32 for s, e in low.table.spans)
+        for name, choose in choices.items():
+            plan = plan_recompute(low, choose(low))
+            span = hf_span.span_attention_next_token_logprobs(model, low.token_ids, plan.lowered.table, gold)
+            results[name].append((
+                float(hf_span.kl_divergence(full, span).mean()),
+                float((full.argmax(-1) == span.argmax(-1)).double().mean()),
+                len(plan.blocks) / blocks,
+            ))
+    for name, rows in results.items():
+        n = len(rows)
+        print(f"{name:20s} share {sum(r[2] for r in rows) / n:.3f}  agreement {sum(r[1] for r in rows) / n:.3f}  "
+              f"KL {sum(r[0] for r in rows) / n:.3f}")
+
+
+def _relaid(low: LoweredPrompt, pad: int, how: str) -> list[int]:
+    """The layout's tokens with each text span's padding moved (`before`, `split`) or dropped (`none`)."""
+    ids, table = low.token_ids, low.table
+    out = list(ids[: table.spans[0][0]])
+    for s, e in table.spans:
+        text = list(ids[s:e])
+        while text and text[-1] == pad:
+            text.pop()
+        n = (e - s) - len(text)
+        out += {"after": text + [pad] * n, "before": [pad] * n + text, "none": text,
+                "split": [pad] * (n // 2) + text + [pad] * (n - n // 2)}[how]
+    return out + list(ids[table.spans[-1][1] :])
+
+
+def padding(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> None:
+    tokens = {"newline": pad, "space": tokenizer.encode(" ", add_special_tokens=False)[-1],
+              "end of text": tokenizer.eos_token_id, "full stop": tokenizer.encode(".", add_special_tokens=False)[-1]}
+    results: dict[str, list[tuple[float, float, float]]] = {}
+    for item in make_items(args.items, 5, seed=0, filler=args.filler):
+        query = qa_query(item, 16)
+        gold = tokenizer.encode(item.gold, add_special_tokens=False)
+        plain = flattened_prompt_ids(tokenizer, query.input)
+        ref = hf_span.full_attention_next_token_logprobs(model, plain, gold)
+        layouts = {f"{name} after each span": lower(query.input, tokenizer, 32, t).token_ids for name, t in tokens.items()}
+        low = lower(query.input, tokenizer, 32, pad)
+        for how in ("before", "split", "none"):
+            layouts[f"newline, {how}"] = _relaid(low, pad, how)
+        for name, ids in layouts.items():
+            lp = hf_span.full_attention_next_token_logprobs(model, ids, gold)
+            results.setdefault(name, []).append((
+                float(hf_span.kl_divergence(ref, lp).mean()),
+                float((ref.argmax(-1) == lp.argmax(-1)).double().mean()),
+                (len(ids) - len(plain)) / len(ids),
+            ))
+    for name, rows in results.items():
+        n = len(rows)
+        print(f"{name:28s} extra tokens {sum(r[2] for r in rows) / n:.3f}  agreement {sum(r[1] for r in rows) / n:.3f}  "
+              f"KL {sum(r[0] for r in rows) / n:.4f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiment", choices=("criteria", "padding"))
+    parser.add_argument("--items", type=int, default=None)
+    parser.add_argument("--filler", type=int, default=None)
+    parser.add_argument("--model", default="default")
+    args = parser.parse_args()
+    args.items = args.items or (10 if args.experiment == "criteria" else 20)
+    args.filler = args.filler if args.filler is not None else (12 if args.experiment == "criteria" else 0)
+    path = resolve_model(args.model)
+    tokenizer = load_chat_tokenizer(path)
+    model = hf_span.load_hf_model(path)
+    pad = tokenizer.encode("\n", add_special_tokens=False)[-1]
+    (criteria if args.experiment == "criteria" else padding)(model, tokenizer, pad, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
