@@ -174,12 +174,9 @@ def _anchor_list(text: str) -> list[str]:
 
 
 def _recompute_list(text: str) -> list[Any]:
-    from spanq_backend.serving.recompute import recompute_setting
+    from spanq_backend.serving.recompute import recompute_arg
 
-    try:
-        out = [recompute_setting(t.strip()) for t in text.split(",") if t.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    out = [recompute_arg(t.strip()) for t in text.split(",") if t.strip()]
     if not out:
         raise argparse.ArgumentTypeError("no recompute setting given")
     return list(dict.fromkeys(out))
@@ -308,40 +305,41 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
     args = parse_args(argv)
     report = BenchReport("quality", args)
     if args.rows_from:
-        speed_rows: list[dict[str, Any]] = []
-        for path in args.rows_from:
-            data = json.loads(path.read_text())
-            report.rows.extend(data["rows"])
-            speed_rows.extend(data["config"].get("speed_rows", []))
-            args.speed_docs = data["config"]["speed_docs"] if data["config"].get("speed_rows") else args.speed_docs
-            args.speed_tokens = data["config"]["speed_tokens"] if data["config"].get("speed_rows") else args.speed_tokens
-        report.config.update({"speed_rows": speed_rows, "rows_from": [str(p) for p in args.rows_from]})
-        args.items = len({r["item"] for r in report.rows})
-        report.summary = summarize_rows(report.rows, speed_rows, args)
-        print(render_table(report.summary, args))
-        report.write(plot(report.summary, args))
-        report.print_files()
-        return 0
-    items = make_items(args.items, args.docs, seed=args.seed, filler=args.filler)
-    hf_model = hf_span.load_hf_model(resolve_model(args.model)) if args.hf_check > 0 else None
-    with engine_pair(args.model, backends=backends, max_model_len=8192, max_num_seqs=8) as (stock, spans):
-        bar = progress(len(items), "quality", disable=args.no_progress)
+        _load_rows(report, args)
+    else:
+        items = make_items(args.items, args.docs, seed=args.seed, filler=args.filler)
+        hf_model = hf_span.load_hf_model(resolve_model(args.model)) if args.hf_check > 0 else None
+        with engine_pair(args.model, backends=backends, max_model_len=8192, max_num_seqs=8) as (stock, spans):
+            bar = progress(len(items), "quality", disable=args.no_progress)
 
-        async def run() -> None:
-            for k, item in enumerate(items):
-                report.rows.extend(await measure_item(item, k, stock, spans, args, hf_model))
-                bar.update(1)
-            bar.close()
-            if args.speed_docs > 0 and args.speed_reps > 0:
-                report.config["speed_rows"] = await measure_speed(stock, spans, args)
+            async def run() -> None:
+                for k, item in enumerate(items):
+                    report.rows.extend(await measure_item(item, k, stock, spans, args, hf_model))
+                    bar.update(1)
+                bar.close()
+                if args.speed_docs > 0 and args.speed_reps > 0:
+                    report.config["speed_rows"] = await measure_speed(stock, spans, args)
 
-        asyncio.run(run())
+            asyncio.run(run())
 
     report.summary = summarize_rows(report.rows, report.config.get("speed_rows", []), args)
     print(render_table(report.summary, args))
     report.write(plot(report.summary, args))
     report.print_files()
     return 0
+
+
+def _load_rows(report: BenchReport, args: argparse.Namespace) -> None:
+    """`--rows-from`: the QA and speed rows of earlier runs (the speed side's sizes from the run that has one)."""
+    speed_rows: list[dict[str, Any]] = []
+    for path in args.rows_from:
+        data = json.loads(path.read_text())
+        report.rows.extend(data["rows"])
+        if data["config"].get("speed_rows"):
+            speed_rows.extend(data["config"]["speed_rows"])
+            args.speed_docs, args.speed_tokens = data["config"]["speed_docs"], data["config"]["speed_tokens"]
+    report.config.update({"speed_rows": speed_rows, "rows_from": [str(p) for p in args.rows_from]})
+    args.items = len({r["item"] for r in report.rows})
 
 
 def bootstrap(values: Sequence[float], *, reps: int = 2000, seed: int = 0) -> dict[str, float]:

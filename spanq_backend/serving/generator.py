@@ -343,7 +343,7 @@ class SpanGenerator:
     def recompute_plan(self, call: Generate, lowered: LoweredPrompt) -> RecomputePlan:
         """Which of the prompt's span blocks the call recomputes in context, and the layout that does it."""
         setting = call.recompute if call.recompute is not None else self.default_recompute
-        if not lowered.has_spans or setting in (0, 0.0):
+        if not lowered.has_spans or not setting:  # 0 (or 0.0): nothing recomputed
             return RecomputePlan(lowered, (), ())
         return plan_recompute(lowered, choose_blocks(lowered, setting, self.pad_token_id))
 

@@ -23,6 +23,7 @@ weighted by its rarity among the span blocks (an inverse document frequency); ti
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections import Counter
 from collections.abc import Iterable
@@ -32,7 +33,7 @@ from spanq_backend.kv.span_table import MAX_ANCHOR_TOKENS, Anchor, SpanTable
 from spanq_backend.serving.lowering import LoweredPrompt
 from spanq_integrations.query.ir import Recompute
 
-__all__ = ["RecomputePlan", "choose_blocks", "plan_recompute", "recompute_setting"]
+__all__ = ["RecomputePlan", "choose_blocks", "plan_recompute", "recompute_arg", "recompute_setting"]
 
 
 def recompute_setting(value: Recompute | str | float | None) -> Recompute:
@@ -48,6 +49,14 @@ def recompute_setting(value: Recompute | str | float | None) -> Recompute:
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"recompute must be a share between 0 and 1, got {share:g}")
     return share
+
+
+def recompute_arg(text: str) -> Recompute:
+    """`recompute_setting` for a command-line option: a bad value is argparse's usage error."""
+    try:
+        return recompute_setting(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from fastapi import Depends, Request  # module level: FastAPI resolves the route
 
 from spanq_backend.serving.generator import SpanGenerator, engine_error, load_chat_tokenizer
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
-from spanq_backend.serving.recompute import recompute_setting
+from spanq_backend.serving.recompute import recompute_arg
 from spanq_backend.serving.spnl_wire import choices_of, spnl_chunk, spnl_response, wire_format
 from spanq_backend.vllm_integration.support import SpanSupport, aquery_span_support
 from spanq_integrations.backends.protocol import Backend, BackendCapabilities, Completion, TokenCallback
@@ -544,13 +544,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _recompute_arg(text: str) -> Recompute:
-    try:
-        return recompute_setting(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def limits_of(args: argparse.Namespace) -> QueryLimits:
     """The query limits `spanq serve` was started with."""
     return QueryLimits(**{name: getattr(args, f"spanq_{name}") for name in DEFAULT_LIMITS.describe()})
@@ -584,7 +577,7 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         "prefix, the default), system (after the query's system prompt), prefix (exact, after the same prefix)",
     )
     parser.add_argument(
-        "--recompute", dest="spanq_recompute", type=_recompute_arg, default=0.0, metavar="SETTING",
+        "--recompute", dest="spanq_recompute", type=recompute_arg, default=0.0, metavar="SETTING",
         help="span blocks recomputed in context for quality when a query says nothing: none (the default), first, "
         "last (each span's first / last block), or a share of span blocks such as 0.1",
     )
