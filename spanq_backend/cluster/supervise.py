@@ -41,12 +41,16 @@ def end_group(grace_s: float = GRACE_S) -> None:
             return
 
 
-def _term_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+def _term_with_parent(parent: int | None = None) -> None:  # pragma: no cover - also runs between fork and exec
+    """SIGTERM to this process when its parent dies (Linux). With `parent` (in a child, before exec): if that
+    parent is already gone, no signal would come, and the child ends here."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if parent is not None and os.getppid() != parent:
+            os._exit(128 + signal.SIGTERM)
 
 
 def main(argv: list[str]) -> int:
@@ -64,7 +68,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     # The command gets SIGTERM if this process is killed outright (Ray kills a dead actor's children so).
-    child = subprocess.Popen(argv, preexec_fn=_term_with_parent)  # noqa: PLW1509
+    me = os.getpid()
+    child = subprocess.Popen(argv, preexec_fn=lambda: _term_with_parent(me))  # noqa: PLW1509
     code = child.wait()
     end_group()
     return code

@@ -28,6 +28,7 @@ from fastapi import Depends, Request  # module level: FastAPI resolves the route
 
 from spanq_backend.serving.generator import SpanGenerator, engine_error, load_chat_tokenizer
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
+from spanq_backend.serving.processes import ExitGuard
 from spanq_backend.serving.recompute import recompute_arg
 from spanq_backend.serving.spnl_wire import choices_of, spnl_chunk, spnl_response, wire_format
 from spanq_backend.vllm_integration.support import SpanSupport, aquery_span_support
@@ -619,30 +620,37 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def _stop_children_on_sigterm() -> None:
-    """Until the HTTP server installs its own (graceful) handler: a SIGTERM ends this process and what it
-    started, so a server stopped while its engine core is still starting leaves no engine behind."""
-    import os
-    import signal
-    from pathlib import Path
+GRACEFUL_HTTP_S = 5  # once the engine has stopped, how long the HTTP server waits for open connections
+EXIT_DEADLINE_S = 30.0  # after a SIGTERM, the most `spanq serve` takes to exit (plus any --shutdown-timeout)
 
-    from spanq_backend.serving.processes import processes
 
-    def on_term(signum: int, _frame: Any) -> None:
-        for pid in processes(parent=os.getpid()):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        os._exit(128 + signum)
+async def _run_server(args: argparse.Namespace, guard: ExitGuard) -> None:
+    """vLLM's `run_server`, less the SIGTERM handler it sets for the engine's startup, and with a bound on the
+    HTTP server's graceful shutdown.
 
-    if Path("/proc/self/stat").exists():
-        signal.signal(signal.SIGTERM, on_term)
+    A SIGTERM (also the one a supervisor's death sends, `spanq_backend.cluster.supervise`) ends the server and
+    its engine core within a bound (`ExitGuard`): before the HTTP server is up, at once; after, through vLLM's
+    graceful shutdown (the engine core is stopped, then the HTTP server, which leaves open connections
+    `GRACEFUL_HTTP_S`), or killed `EXIT_DEADLINE_S` after the signal. (vLLM's handler for the startup raises
+    KeyboardInterrupt, which its engine launch swallows: a server stopped while its engine core started would
+    wait minutes for an engine core that waits for it, or go on serving.)"""
+    from vllm.entrypoints.launchers.api_server import entry
+
+    follow = asyncio.ensure_future(guard.follow_graceful())
+    try:
+        entry.decorate_logs("APIServer", skip_if_decorated=True)
+        listen_address, sock = entry.setup_server(args, reuse_port=False)
+        await entry.run_server_worker(listen_address, sock, args, timeout_graceful_shutdown=GRACEFUL_HTTP_S)
+    finally:
+        follow.cancel()
 
 
 def serve_main(argv: list[str]) -> int:
     """`spanq serve ...`: run the server until interrupted."""
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
-    _stop_children_on_sigterm()
+    guard = ExitGuard(EXIT_DEADLINE_S)  # a SIGTERM from here on ends this process and its engine core
+    guard.install()
     cli_env_setup()
     try:
         args = parse_serve_args(argv)
@@ -658,7 +666,6 @@ def serve_main(argv: list[str]) -> int:
         return 2
 
     import uvloop
-    from vllm.entrypoints.launchers.api_server import entry
     from vllm.logger import configure_logging_from_args
 
     configure_logging_from_args(args)
@@ -676,7 +683,8 @@ def serve_main(argv: list[str]) -> int:
     limits = limits_of(args)
     anchor, redo = args.spanq_span_anchor, args.spanq_recompute
     with query_route_mounted(lambda: build_query_router(tokenizer, args.served_model_name, limits, anchor, redo)):
-        uvloop.run(entry.run_server(args))
+        guard.deadline_s += args.shutdown_timeout  # vLLM's drain (--shutdown-timeout) comes first
+        uvloop.run(_run_server(args, guard))
     return 0
 
 

@@ -59,7 +59,9 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("vllm.inputs", "TokensPrompt", "prompts given as token ids"),
     # spanq serve: vLLM's own OpenAI server with one more route
     ("vllm.entrypoints.launchers.api_server.entry", "build_app", "module global build_and_serve looks up; wrapped to add the route"),
-    ("vllm.entrypoints.launchers.api_server.entry", "run_server", "(args) runs the server"),
+    ("vllm.entrypoints.launchers.api_server.entry", "decorate_logs", "(name, skip_if_decorated) as run_server calls it"),
+    ("vllm.entrypoints.launchers.api_server.entry", "setup_server", "(args, reuse_port) -> (address, socket)"),
+    ("vllm.entrypoints.launchers.api_server.entry", "run_server_worker", "(address, sock, args, **uvicorn kwargs) runs the server"),
     ("vllm.entrypoints.launchers.cli_args", "make_arg_parser", "vllm serve's argument parser"),
     ("vllm.entrypoints.launchers.cli_args", "validate_parsed_serve_args", "vllm serve's argument checks"),
     ("vllm.entrypoints.serve.utils.api_utils", "with_cancellation", "aborts a route's work when the client leaves"),

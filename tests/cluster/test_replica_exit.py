@@ -1,0 +1,181 @@
+"""A cluster replica's `spanq serve` (started through `supervise`, as `SpanReplica` starts it) ends with its engine
+core within a bound when its supervisor is killed outright (Ray kills a dead replica actor's children so; the
+server gets its parent-death SIGTERM): while its engine core starts, and while it streams an answer. And
+`ExitGuard`, which bounds that, on its own (no engine)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from spanq_backend.serving.processes import descendants, processes
+from tests.servers import START_TIMEOUT_S, free_port, log_tail
+
+EXIT_BOUND_S = 45  # spanq serve's deadline after a SIGTERM (30 s), and room for a loaded machine
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def wait_for(what: str, found: Callable[[], Any], timeout_s: float, log: Path | None = None) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (value := found()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout_s:.0f} s" + (f"\n{log_tail(log)}" if log else ""))
+        time.sleep(0.2)
+    return value
+
+
+def assert_gone(pids: list[int], log: Path) -> None:
+    deadline = time.monotonic() + EXIT_BOUND_S
+    while left := [p for p in pids if alive(p)]:
+        if time.monotonic() > deadline:
+            described = ", ".join(f"{p} {cmdline(p)[:60]!r}" for p in left)
+            pytest.fail(f"still running {EXIT_BOUND_S} s after the supervisor was killed: {described}\n{log_tail(log)}")
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def replica(tiny_model: Path, log: Path) -> Iterator[tuple[subprocess.Popen, int, str]]:
+    """`supervise` running `spanq serve` on the tiny model, as `SpanReplica` starts it: (the supervisor, the
+    server's pid, its URL). Whatever is left of its process group is killed afterwards."""
+    port = free_port()
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default, as a replica runs: the engine core apart
+    command = [sys.executable, "-m", "spanq_backend.cluster.supervise",
+               sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", str(tiny_model),
+               "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    with open(log, "wb") as out:
+        supervisor = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        server = wait_for(
+            "spanq serve started",
+            lambda: next((p for p in processes(parent=supervisor.pid) if b"spanq_integrations.cli" in cmdline(p)), 0),
+            60,
+            log,
+        )
+        yield supervisor, server, f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(supervisor.pid, signal.SIGKILL)  # the group (supervise made it) outlives its leader
+        supervisor.wait()
+
+
+def engine_core(server: int) -> int:
+    return next((p for p in descendants(server) if cmdline(p).startswith(b"VLLM::EngineCore")), 0)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_replica_whose_supervisor_is_killed_while_its_engine_core_starts_exits_with_it(tiny_model, tmp_path):
+    log = tmp_path / "serve.log"
+    with replica(tiny_model, log) as (supervisor, server, _):
+        wait_for("the engine core started", lambda: engine_core(server), START_TIMEOUT_S, log)
+        time.sleep(1)  # the server now waits for its engine core to report
+        started = [server, *descendants(server)]
+        os.kill(supervisor.pid, signal.SIGKILL)
+        supervisor.wait()
+        assert_gone(started, log)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_replica_streaming_an_answer_exits_when_its_supervisor_is_killed(tiny_model, tmp_path):
+    log = tmp_path / "serve.log"
+    with replica(tiny_model, log) as (supervisor, server, url):
+
+        def healthy() -> bool:
+            if supervisor.poll() is not None:
+                pytest.fail(f"spanq serve exited with {supervisor.returncode}:\n{log_tail(log)}")
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+            return False
+
+        wait_for("spanq serve answered", healthy, START_TIMEOUT_S, log)
+        streaming = threading.Event()
+        body = {"model": tiny_model.name, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 4000,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+
+        def stream() -> None:
+            with contextlib.suppress(httpx.HTTPError), httpx.stream(
+                "POST", f"{url}/v1/chat/completions", json=body, timeout=None
+            ) as answer:
+                for _ in answer.iter_lines():
+                    streaming.set()
+
+        threading.Thread(target=stream, daemon=True).start()
+        assert streaming.wait(120), log_tail(log)
+        started = [server, *descendants(server)]
+        os.kill(supervisor.pid, signal.SIGKILL)
+        supervisor.wait()
+        assert_gone(started, log)
+
+
+GUARDED = textwrap.dedent("""
+    import asyncio, signal, subprocess, sys
+    from spanq_backend.serving.processes import ExitGuard
+
+    guard = ExitGuard(deadline_s=2)
+    guard.install()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    print(child.pid, flush=True)
+    if sys.argv[1] == "starting":
+        print("ready", flush=True)
+        child.wait()
+
+    async def main():
+        follow = asyncio.ensure_future(guard.follow_graceful(0.05))
+        # a server's graceful shutdown that never ends
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: print("graceful", flush=True))
+        await follow
+        print("ready", flush=True)
+        await asyncio.sleep(300)
+
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.parametrize("phase", ["starting", "serving"])
+def test_exit_guard_ends_the_process_and_what_it_started(phase):
+    """Before a graceful handler is taken over, a SIGTERM kills at once; after, the graceful handler runs, and
+    the process is still ended at the deadline."""
+    proc = subprocess.Popen([sys.executable, "-c", GUARDED, phase], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(proc.stdout.readline())
+        assert proc.stdout.readline().strip() == "ready"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 128 + signal.SIGTERM
+        took = time.monotonic() - sent
+        if phase == "serving":
+            assert proc.stdout.read().strip() == "graceful"
+            assert took >= 1.5, took
+        else:
+            assert took < 1.5, took
+        wait_for("the child killed", lambda: not alive(child), 5)
+    finally:
+        proc.kill()
+        proc.wait()
