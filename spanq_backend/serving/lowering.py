@@ -4,7 +4,10 @@ The input's messages are rendered through the tokenizer's chat template with a u
 `plus` child goes; the rendered text is split at the sentinels. Text between spans is tokenized as context;
 each span is tokenized on its own (its text, then a blank-line separator), so its tokens do not depend on its
 neighbours. The prefix before the first span and every span are padded with `pad_token_id` to a KV-block
-boundary, so spans start on a block and their blocks can be shared; the padding is counted.
+boundary, so spans start on a block and their blocks can be shared; the padding is counted. A text span that
+context follows (the last span, before the question; a span before text between two groups) is not padded: its
+whole blocks are the span, its last partial block is context, computed by the request after everything before
+it (a span shorter than a block is padded: it has no whole block to keep).
 
 A span's anchor (what its KV is computed after, on its own) follows its `plus` group's policy: `"template"`
 (the default) is the chat template's opening alone — the same tokens whatever precedes the group, so a
@@ -84,6 +87,9 @@ class LoweredPrompt:
     table: SpanTable
     span_texts: list[str] = field(default_factory=list)
     padded_tokens: int = 0
+    # Span i's last block where this prompt leaves it as context (its tail, then padding): its prepare request
+    # computes it all the same, so that the span is cached whole wherever it sits next.
+    prepare_tails: dict[int, tuple[int, ...]] = field(default_factory=dict)
     generated_spans: int = 0  # generated assistants read as spans on their own prompt (their KV reused)
     generated_as_text: int = 0  # generated assistants the engine no longer knows: read as text, prefilled again
 
@@ -100,8 +106,9 @@ class LoweredPrompt:
         return self.token_ids[s:e]
 
     def prepare_prompt(self, i: int) -> list[int]:
-        """`[anchor][span i]`: computing this alone puts span i's isolated KV in the cache."""
-        return self.table.anchor_ids(i, self.token_ids) + self.span_ids(i)
+        """`[anchor][span i]`: computing this alone puts span i's isolated KV in the cache (its whole blocks,
+        and its last block padded where this prompt reads that block as context)."""
+        return self.table.anchor_ids(i, self.token_ids) + self.span_ids(i) + list(self.prepare_tails.get(i, ()))
 
     @property
     def reads_after_another_prefix(self) -> bool:
@@ -307,6 +314,7 @@ def lower(
     spans: list[tuple[int, int]] = []
     anchors: list[int] = []
     span_texts: list[str] = []
+    tails: dict[int, tuple[int, ...]] = {}
     seen: set[tuple[int, ...]] = set()
     generated_spans = generated_as_text = 0
     if slots:
@@ -326,11 +334,14 @@ def lower(
             return anchor_len  # the prefix itself (say so), or an anchor too long to travel: the exact prefix
         return tokens
 
+    def followed_by_context(i: int) -> bool:
+        return i == len(slots) - 1 or bool(_after_separator(texts[i + 1]).strip())
+
     for i, slot in enumerate(slots):
         between = _after_separator(texts[i]) if i else ""
         if between.strip():
             ids.extend(enc(between))  # context between spans, e.g. an instruction between two groups
-            padded += pad(ids)
+        padded += pad(ids)  # a span starts on a block (after a tail left as context, or context between)
         start = len(ids)
         known = None
         if generated_ids is not None and isinstance(slot.node, Assistant) and slot.node.source is not None:
@@ -349,18 +360,26 @@ def lower(
             anchor = anchor_len if tuple(ids[:anchor_len]) == known.prompt_ids else known.prompt_ids
         else:
             ids.extend(_span_tokens(tokenizer, slot.text) + sep_ids)
-            padded += pad(ids)
+            if not followed_by_context(i) or len(ids) - start < block_size:
+                padded += pad(ids)  # (a span shorter than a block has no whole block to keep: padded)
             anchor = anchor_for(slot)
+        # A text span that context follows keeps its last, partial block as context (no padding): computed by
+        # the request itself, after everything before it. Its whole blocks are the same as where it is padded.
+        end = start + (len(ids) - start) // block_size * block_size
         anchor_size = anchor if isinstance(anchor, int) else len(anchor)
-        key = (anchor, tuple(ids[start:]))
-        if key not in seen:
+        tail = (*ids[end:], *[pad_token_id] * ((start - len(ids)) % block_size))
+        key = (anchor, tuple(ids[start:end]) + tail)  # the span as its prepare request computes it
+        if end > start and key not in seen:
             seen.add(key)
-            spans.append((start, len(ids)))
+            if tail:
+                tails[len(spans)] = tail
+            spans.append((start, end))
             anchors.append(anchor)
             span_texts.append(slot.text)
-        if max_model_len is not None and len(ids) - start + anchor_size >= max_model_len:
+        size = end - start + len(tail)  # as its prepare request computes it
+        if end > start and max_model_len is not None and size + anchor_size >= max_model_len:
             raise ContextLengthError(
-                f"span {i} ({len(ids) - start} tokens with its {anchor_size}-token anchor) does not fit the "
+                f"span {i} ({size} tokens with its {anchor_size}-token anchor) does not fit the "
                 f"model's context window of {max_model_len} tokens"
             )
     if slots:  # without spans, texts[0] was the whole prompt
@@ -373,6 +392,7 @@ def lower(
         table=table,
         span_texts=span_texts,
         padded_tokens=padded,
+        prepare_tails=tails,
         generated_spans=generated_spans,
         generated_as_text=generated_as_text,
     )

@@ -172,4 +172,5 @@ def plan_recompute(lowered: LoweredPrompt, blocks: Iterable[tuple[int, int]]) ->
     last_span_end = spans[-1][1] if spans else 0
     ends = tuple(hi for _, hi in runs if hi < last_span_end)
     pairs = tuple(sorted((i, b) for i, bs_ in chosen.items() for b in bs_))
-    return RecomputePlan(replace(lowered, table=new_table), pairs, ends)
+    # (The prepare requests ran on `lowered`; this layout's spans are other pieces: no prepare tails.)
+    return RecomputePlan(replace(lowered, table=new_table, prepare_tails={}), pairs, ends)

@@ -151,7 +151,9 @@ def test_eight_orders_in_one_batch_match_solo_runs_and_the_reference(tiny_backen
     for order, (t_tok, t_lp, t_cached), (a_tok, a_lp, a_cached) in zip(order_list, together, alone):
         assert t_tok == a_tok, order
         assert max(abs(x - y) for x, y in zip(t_lp, a_lp)) < 1e-4, order
-        assert t_cached == a_cached > 0
+        # Every span read from the cache in the batch (a run alone, later, may also find the context blocks
+        # the batch computed: the last document's tail and the question).
+        assert a_cached >= t_cached >= engine.lower(rag_query(order)).table.spans[-1][1], order
     # Not only consistent with itself: each batched output is span attention, by the independent reference.
     hf = hf_model
     for order, (t_tok, t_lp, _) in zip(order_list, together):

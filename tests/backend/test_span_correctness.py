@@ -69,8 +69,9 @@ def test_reordered_spans_hit_cache_and_match_reference(engine, hf_model):
     assert out2.num_cached_tokens >= lw2.table.anchor_len + span_tokens, (
         f"cached {out2.num_cached_tokens} tokens; anchor + spans are {lw2.table.anchor_len + span_tokens}"
     )
-    # The same fragment has the same tokens wherever it sits.
-    assert [lw2.span_ids(i) for i in range(4)] == [lw1.span_ids(3 - i) for i in range(4)]
+    # The same fragment is the same prepared span wherever it sits (last, its tail is read as context).
+    assert [lw2.prepare_prompt(i) for i in range(4)] == [lw1.prepare_prompt(3 - i) for i in range(4)]
+    assert [lw2.span_ids(i) for i in (1, 2)] == [lw1.span_ids(3 - i) for i in (1, 2)]  # neither last
 
     for lowered, tokens, lps in ((lw1, tok1, lp1), (lw2, tok2, lp2)):
         ref = span_reference_logprobs(hf_model, lowered.token_ids, lowered.table, tokens).double()
