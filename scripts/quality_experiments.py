@@ -4,9 +4,10 @@
     python scripts/quality_experiments.py criteria [--items 10] [--filler 12] [--model default]
         argmax agreement with full attention along the gold answer, and KL, for recompute block choices:
         none, each span's first / last block, spanq's share criterion, question overlap alone, block position.
-    python scripts/quality_experiments.py padding [--items 20] [--filler 0] [--model default]
+    python scripts/quality_experiments.py padding [--items 20] [--filler 0] [--model default] [--layouts A,B]
         what the span layout's padding costs under full attention (the layout alone, against the plain prompt):
-        newline padding after each span (spanq's), before it, split around it, other pad tokens, none.
+        newline padding after each span (spanq's: the last span's tail unpadded), after every span (before
+        that), before it, split around it, other pad tokens, none. `--layouts`: names starting so, only.
 """
 
 from __future__ import annotations
@@ -100,6 +101,18 @@ def _relaid(low: LoweredPrompt, pad: int, how: str) -> list[int]:
     return out + list(ids[table.spans[-1][1] :])
 
 
+def _every_span_padded(low: LoweredPrompt, pad: int) -> list[int]:
+    """The layout as it was before a span that context follows kept its tail as context: that span padded too
+    (its prepare request's tokens, the tail then padding, in place of its tail)."""
+    ids, out, at = low.token_ids, [], 0
+    for i, (_, e) in enumerate(low.table.spans):
+        tail = list(low.prepare_tails.get(i, ()))
+        real = next(k for k in range(len(tail), -1, -1) if tail[:k] == ids[e : e + k] and set(tail[k:]) <= {pad})
+        out += ids[at:e] + tail
+        at = e + real
+    return out + ids[at:]
+
+
 def padding(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> None:
     tokens = {"newline": pad, "space": tokenizer.encode(" ", add_special_tokens=False)[-1],
               "end of text": tokenizer.eos_token_id, "full stop": tokenizer.encode(".", add_special_tokens=False)[-1]}
@@ -113,7 +126,10 @@ def padding(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> N
         low = lower(query.input, tokenizer, 32, pad)
         for how in ("before", "split", "none"):
             layouts[f"newline, {how}"] = _relaid(low, pad, how)
+        layouts["newline after every span"] = _every_span_padded(low, pad)
         for name, ids in layouts.items():
+            if args.layouts and not any(name.startswith(w) for w in args.layouts.split(",")):
+                continue
             lp = hf_span.full_attention_next_token_logprobs(model, ids, gold)
             results.setdefault(name, []).append((
                 float(hf_span.kl_divergence(ref, lp).mean()),
@@ -132,6 +148,7 @@ def main() -> int:
     parser.add_argument("--items", type=int, default=None)
     parser.add_argument("--filler", type=int, default=None)
     parser.add_argument("--model", default="default")
+    parser.add_argument("--layouts", default="", help="padding: only the layouts whose names start so (comma list)")
     args = parser.parse_args()
     args.items = args.items or (10 if args.experiment == "criteria" else 20)
     args.filler = args.filler if args.filler is not None else (12 if args.experiment == "criteria" else 0)
