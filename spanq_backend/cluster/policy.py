@@ -21,7 +21,7 @@ from spanq_backend.serving.lowering import span_digest
 
 UNKNOWN_QUEUE = 1 << 20  # a replica whose queue length could not be read: ranked last
 
-__all__ = ["Recent", "ReplicaView", "is_failing", "mark_failing", "query_span_digests", "rank_replicas"]
+__all__ = ["Recent", "ReplicaView", "footprint", "is_failing", "mark_failing", "query_span_digests", "rank_replicas"]
 
 
 @dataclass
@@ -60,6 +60,13 @@ def _rendezvous(key: str, replica_id: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{key}|{replica_id}".encode()).digest()[:8], "big")
 
 
+def footprint(r: ReplicaView) -> int:
+    """About how many spans a replica holds or was sent: the larger of its report and this router's sends (one
+    is mostly a subset of the other; the sends also count spans its cache has since evicted, which are still
+    placed there). O(1)."""
+    return max(len(r.cached), len(r.recent))
+
+
 def rank_replicas(spans: Sequence[str], replicas: Sequence[ReplicaView], max_imbalance: int) -> list[list[str]]:
     """Replica ids, best first: each replica in a rank of its own.
 
@@ -67,6 +74,12 @@ def rank_replicas(spans: Sequence[str], replicas: Sequence[ReplicaView], max_imb
     of `spans` (held or recently sent) comes first; ties go to the shorter queue, then to the replica a hash of
     the query's spans picks (rendezvous hashing), so a query on new documents goes where the next query on the
     same documents will go too. Busier replicas follow, least busy first; with no spans, least busy first.
+
+    A query none of whose spans any eligible replica holds places them for good (the next queries on them follow
+    them there): it goes to the replica holding the fewest spans in all (`footprint`), then to the shorter queue.
+    A queue length is a moment's; where documents are placed decides what each cache must hold from then on, so
+    placing them by queue length alone gave one replica 5 of 8 topics, more than its cache held, and the other 3
+    (`spanq bench cluster`: 125 spans prepared for 64 documents; 70 placing by footprint).
     """
     if not replicas:
         return []
@@ -79,7 +92,8 @@ def rank_replicas(spans: Sequence[str], replicas: Sequence[ReplicaView], max_imb
         return sum(1 for s in wanted if s in r.cached or s in r.recent)
 
     eligible = [r for r in healthy if r.queue_len - shortest <= max_imbalance] if wanted else []
-    eligible.sort(key=lambda r: (-held(r), r.queue_len, -_rendezvous(key, r.id)))
+    placing = not any(held(r) for r in eligible)  # new spans: balance what the caches hold, not the queues
+    eligible.sort(key=lambda r: (-held(r), footprint(r) if placing else 0, r.queue_len, -_rendezvous(key, r.id)))
     chosen = {r.id for r in eligible}
     rest = sorted((r for r in replicas if r.id not in chosen), key=lambda r: (r.failing, r.queue_len, r.id))
     return [[r.id] for r in (*eligible, *rest)]

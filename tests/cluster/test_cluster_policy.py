@@ -95,3 +95,29 @@ def test_affinity_prepares_each_span_once_where_round_robin_does_not():
     round_robin = _simulate(lambda spans, views, i: f"r{i % 2}", queries, 2)
     assert affinity == len({s for q in queries for s in q})
     assert round_robin > affinity
+
+
+def test_new_spans_are_placed_on_the_replica_holding_fewest_not_on_the_shorter_queue():
+    """Where a query's documents first go, the next queries on them follow: placing them by a moment's queue
+    length gave one replica 5 of 8 topics (more than its cache held) and the other 3 (`spanq bench cluster`)."""
+    held = {span_digest(f"held {i}") for i in range(40)}
+    few = {span_digest(f"few {i}") for i in range(8)}
+    new = [span_digest(f"new {i}") for i in range(4)]
+    replicas = [ReplicaView("full", 0, cached=held), ReplicaView("roomy", 2, recent=few)]
+    assert rank_replicas(new, replicas, max_imbalance=4)[0] == ["roomy"]
+    # spans a replica holds still go there, busier or not (within the bound)
+    assert rank_replicas([*new, next(iter(held))], replicas, max_imbalance=4)[0] == ["full"]
+    # and beyond the bound the roomy replica is passed over
+    replicas = [ReplicaView("full", 0, cached=held), ReplicaView("roomy", 5, recent=few)]
+    assert rank_replicas(new, replicas, max_imbalance=4)[0] == ["full"]
+
+
+def test_topics_placed_while_one_replica_is_busy_end_up_split_evenly():
+    """A model of the cluster benchmark's start: the replica that took the hot topic reads as busy, yet the
+    other topics are spread so that each replica is sent half of them."""
+    topics = [[span_digest(f"topic {t} doc {d}") for d in range(4)] for t in range(8)]
+    recent = Recent()
+    for t, spans in enumerate(topics):
+        views = [ReplicaView(f"r{k}", (1 if t % 3 else 0) if k == 0 else 0, recent=recent.of(f"r{k}")) for k in range(2)]
+        recent.note(spans, rank_replicas(spans, views, 4)[0][0])
+    assert len(recent.of("r0")) == len(recent.of("r1")) == 16
