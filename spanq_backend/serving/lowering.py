@@ -367,9 +367,9 @@ def lower(
         # the request itself, after everything before it. Its whole blocks are the same as where it is padded.
         end = start + (len(ids) - start) // block_size * block_size
         anchor_size = anchor if isinstance(anchor, int) else len(anchor)
-        tail = (*ids[end:], *[pad_token_id] * ((start - len(ids)) % block_size))
+        tail = (*ids[end:], *[pad_token_id] * ((-len(ids)) % block_size))  # empty where padded above
         key = (anchor, tuple(ids[start:end]) + tail)  # the span as its prepare request computes it
-        if end > start and key not in seen:
+        if key not in seen:
             seen.add(key)
             if tail:
                 tails[len(spans)] = tail
@@ -377,7 +377,7 @@ def lower(
             anchors.append(anchor)
             span_texts.append(slot.text)
         size = end - start + len(tail)  # as its prepare request computes it
-        if end > start and max_model_len is not None and size + anchor_size >= max_model_len:
+        if max_model_len is not None and size + anchor_size >= max_model_len:
             raise ContextLengthError(
                 f"span {i} ({size} tokens with its {anchor_size}-token anchor) does not fit the "
                 f"model's context window of {max_model_len} tokens"
