@@ -97,7 +97,13 @@ def choose_blocks(lowered: LoweredPrompt, setting: Recompute, pad_token_id: int 
         return []
     total = sum(sizes)
     budget = max(1, math.floor(share * total + 1e-9))
-    after = set(lowered.token_ids[table.spans[-1][1] :])
+    # What the question reads: the tokens after the last span, less that span's own tail where the prompt keeps
+    # it as context (its prepare tail without the padding: the last document's words are not the question's).
+    tail = lowered.prepare_tails.get(len(table.spans) - 1, ())
+    kept = len(tail)
+    while kept and tail[kept - 1] == pad_token_id:
+        kept -= 1
+    after = set(lowered.token_ids[table.spans[-1][1] + kept :])
     after.discard(pad_token_id)
     blocks = []
     for i in spans:

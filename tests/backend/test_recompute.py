@@ -99,6 +99,17 @@ def test_choices_first_last_and_a_share():
     assert len(choose_blocks(low, 1.0)) == 5
 
 
+def test_the_last_spans_tail_left_as_context_is_not_read_as_the_question():
+    low = _lowered([(8, 20), (20, 28)], n=40)
+    pad = 999
+    # span 1's tail (3 tokens, kept as context after its whole blocks), prepared as tail + padding to a block
+    low.prepare_tails[1] = (*low.token_ids[16:19], pad)
+    low.token_ids[28:31] = low.token_ids[16:19]  # the tail repeats span 0's third block…
+    assert choose_blocks(low, 0.6, pad) == [(0, 0), (0, 1), (1, 0)]  # …no reason to recompute it: ties to (0, 1)
+    low.token_ids[36:39] = low.token_ids[16:19]  # the question (after the tail) repeats it: now it is chosen
+    assert choose_blocks(low, 0.6, pad) == [(0, 0), (0, 2), (1, 0)]
+
+
 def test_settings_are_read_and_refused_by_name():
     assert recompute_setting("none") == 0.0
     assert recompute_setting("0.25") == 0.25
