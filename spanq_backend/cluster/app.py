@@ -38,7 +38,7 @@ from fastapi import Request  # module level: FastAPI resolves the route's annota
 
 from spanq_integrations.backends.span import EXECUTE_PATH
 
-__all__ = ["ForwardedRequest", "SpanReplica", "build_app", "free_port", "serve_cluster", "split_cluster_args"]
+__all__ = ["ForwardedRequest", "SpanReplica", "build_app", "free_port", "serve_cluster", "split_cluster_args", "split_cores"]
 
 log = logging.getLogger("spanq.cluster")
 
@@ -91,9 +91,17 @@ def _tail(path: Path, lines: int = 30) -> str:
 class SpanReplica:
     """One span engine of the cluster: a `spanq serve` process it owns, proxied (a Ray Serve deployment)."""
 
-    def __init__(self, serve_args: Sequence[str], start_timeout_s: float = 900.0):
+    def __init__(self, serve_args: Sequence[str], core_lists: Sequence[str] = (), start_timeout_s: float = 900.0):
         import httpx
+        from ray import serve
 
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.to_full_id_str()
+        env = dict(os.environ)
+        if core_lists:  # this replica's share of the machine's cores, by its rank on the node
+            rank = getattr(context.rank, "local_rank", 0) or 0
+            env["VLLM_CPU_OMP_THREADS_BIND"] = core_lists[rank % len(core_lists)]
+        self.cores = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkdtemp(prefix="spanq-replica-")) / "serve.log"
@@ -102,7 +110,7 @@ class SpanReplica:
                    sys.executable, "-m", "spanq_integrations.cli", "serve", *serve_args,
                    "--host", "127.0.0.1", "--port", str(self.port)]  # fmt: skip
         with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + start_timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -115,10 +123,7 @@ class SpanReplica:
                 raise RuntimeError(f"spanq serve did not answer within {start_timeout_s:.0f} s:\n{_tail(self.log_path)}")
             time.sleep(0.5)
         self.client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(None, connect=10))
-        from ray import serve
-
-        self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
-        log.info("replica ready: spanq serve on %s (log %s)", self.url, self.log_path)
+        log.info("replica ready: spanq serve on %s, cores %s (log %s)", self.url, self.cores, self.log_path)
 
     async def forward(self, request: ForwardedRequest) -> AsyncIterator[Any]:
         """Relay one request: first `{"status", "content_type"}` (or `{"unavailable": reason}` if the server
@@ -246,11 +251,36 @@ def _make_ingress(retries: int) -> Any:
     return SpanIngress
 
 
+def split_cores(replicas: int, cores: Sequence[int] | None = None) -> list[str]:
+    """The machine's cores (those this process may use) in `replicas` contiguous shares, as vLLM's CPU binding
+    lists ("0-3"), one per replica on this node; [] (each engine binds as vLLM decides) if the user set
+    `VLLM_CPU_OMP_THREADS_BIND`, or there are fewer cores than replicas. Replicas on one machine that all bind
+    the same cores compute in turn (vLLM's own choice, `auto`, binds every engine to the same ones)."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return []
+    ids = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if replicas < 1 or len(ids) < replicas:
+        return []
+    share, extra = divmod(len(ids), replicas)
+    lists, start = [], 0
+    for r in range(replicas):
+        n = share + (r < extra)
+        part = ids[start : start + n]
+        start += n
+        contiguous = part == list(range(part[0], part[-1] + 1))
+        if len(part) == 1:
+            lists.append(str(part[0]))
+        else:
+            lists.append(f"{part[0]}-{part[-1]}" if contiguous else ",".join(map(str, part)))
+    return lists
+
+
 def build_app(
     serve_args: Sequence[str],
     replicas: int,
     routing: str = "affinity",
     *,
+    core_lists: Sequence[str] = (),
     max_imbalance: int = 4,
     stats_period_s: float = 1.0,
     retries: int = 2,
@@ -281,7 +311,7 @@ def build_app(
         health_check_period_s=2,
         health_check_timeout_s=30,
         request_router_config=router,
-    ).bind(list(serve_args))
+    ).bind(list(serve_args), list(core_lists))
     ingress = serve.deployment(
         _make_ingress(retries), name="SpanIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=10_000,
@@ -351,10 +381,13 @@ def serve_cluster(argv: Sequence[str]) -> int:
         return 2
     stop = asyncio.Event()
     serve.start(http_options={"host": cluster.host, "port": cluster.port})
-    app = build_app(rest, cluster.replicas, cluster.routing, max_imbalance=cluster.max_imbalance)
+    # on a local Ray every replica runs on this machine: each gets its own cores (a remote cluster's nodes are
+    # not known here; there each engine binds as vLLM decides, or as VLLM_CPU_OMP_THREADS_BIND says)
+    cores = split_cores(cluster.replicas) if not cluster.ray_address else []
+    app = build_app(rest, cluster.replicas, cluster.routing, core_lists=cores, max_imbalance=cluster.max_imbalance)
     print(
         f"spanq serve: starting {cluster.replicas} replica(s), {cluster.routing} routing, on "
-        f"http://{cluster.host}:{cluster.port}",
+        f"http://{cluster.host}:{cluster.port}" + (f"; their engines' cores: {' | '.join(cores)}" if cores else ""),
         file=sys.stderr,
         flush=True,
     )

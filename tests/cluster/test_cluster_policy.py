@@ -121,3 +121,15 @@ def test_topics_placed_while_one_replica_is_busy_end_up_split_evenly():
         views = [ReplicaView(f"r{k}", (1 if t % 3 else 0) if k == 0 else 0, recent=recent.of(f"r{k}")) for k in range(2)]
         recent.note(spans, rank_replicas(spans, views, 4)[0][0])
     assert len(recent.of("r0")) == len(recent.of("r1")) == 16
+
+
+def test_replicas_on_one_machine_get_their_own_cores(monkeypatch):
+    from spanq_backend.cluster.app import split_cores
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert split_cores(2, [0, 1]) == ["0", "1"]  # not both engines on core 0 (vLLM's `auto` on this machine)
+    assert split_cores(3, range(8)) == ["0-2", "3-5", "6-7"]
+    assert split_cores(2, [0, 2, 3, 5]) == ["0,2", "3,5"]
+    assert split_cores(4, [0, 1]) == []  # fewer cores than replicas: left to vLLM
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    assert split_cores(2, [0, 1]) == []  # the user's binding is kept
