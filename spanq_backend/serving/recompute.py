@@ -17,8 +17,9 @@ that cached span blocks follow is computed by a request of its own over the prom
 Which blocks (`choose_blocks`): `"first"` (each span's first block: the tokens that, computed alone, saw the
 least), `"last"` (each span's last block: what the text after the spans reads first), or a share in (0, 1] of all
 span blocks, picked by a cheap criterion that needs no model pass: first the spans' first blocks, then the other
-blocks; within each, those that share the most with the text after the spans (the question), each shared token
-weighted by its rarity among the span blocks (an inverse document frequency); ties to the earlier block.
+blocks; within each, those that share the most with the text after the spans (the question, not the last span's
+tail left as context), each shared token weighted by its rarity among the span blocks (an inverse document
+frequency); ties to the earlier block.
 """
 
 from __future__ import annotations
