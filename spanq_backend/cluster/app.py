@@ -267,11 +267,12 @@ def split_cores(replicas: int, cores: Sequence[int] | None = None) -> list[str]:
         n = share + (r < extra)
         part = ids[start : start + n]
         start += n
-        contiguous = part == list(range(part[0], part[-1] + 1))
         if len(part) == 1:
             lists.append(str(part[0]))
+        elif part == list(range(part[0], part[-1] + 1)):
+            lists.append(f"{part[0]}-{part[-1]}")
         else:
-            lists.append(f"{part[0]}-{part[-1]}" if contiguous else ",".join(map(str, part)))
+            lists.append(",".join(map(str, part)))
     return lists
 
 
