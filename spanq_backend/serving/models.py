@@ -110,6 +110,18 @@ def resolve_model(name_or_path: str) -> Path:
     )
 
 
+def served_names(name_or_path: str, path: Path) -> list[str]:
+    """The names a server started on `name_or_path` (resolved to `path`) answers to: the name it reports first
+    (the Hugging Face id for a hub model, else the folder's name), then the name it was started with (`tiny`,
+    `default`, a folder as written) and, for a folder, its resolved path. A client may send any of them, or none."""
+    is_folder = Path(name_or_path).expanduser().is_dir()
+    hub = not is_folder and _looks_like_hub_id(name_or_path) and not name_or_path.startswith((".", "/", "~"))
+    names = [name_or_path if hub else path.name, name_or_path]
+    if is_folder:
+        names.append(str(path))
+    return list(dict.fromkeys(n for n in names if n))
+
+
 def _looks_like_hub_id(name: str) -> bool:
     import re
 

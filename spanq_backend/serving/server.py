@@ -556,7 +556,7 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     from vllm.platforms import current_platform
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from spanq_backend.serving.models import resolve_model
+    from spanq_backend.serving.models import resolve_model, served_names
 
     parser = make_arg_parser(
         FlexibleArgumentParser(
@@ -592,7 +592,8 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         raise ValueError(
             "spanq serve runs one HTTP API server: --headless, --grpc and --api-server-count are not supported"
         )
-    path = resolve_model(args.model_tag or args.model)
+    spec = args.model_tag or args.model
+    path = resolve_model(spec)
     from spanq_backend.serving.families import check_loadable, check_spans
     from spanq_backend.vllm_integration.kv_layout import has_sliding_window_layers
 
@@ -602,7 +603,9 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         args.disable_hybrid_kv_cache_manager = True  # one KV cache group: the one spans are moved in
     args.model, args.model_tag = str(path), None
     if not args.served_model_name:
-        args.served_model_name = [path.name]
+        # Answer to the name the server was started with (`tiny`, a folder, a hub id) as well as the folder's:
+        # /v1/models lists them all, the query route and the OpenAI routes accept any (or none).
+        args.served_model_name = served_names(spec, path)
     if args.kv_events_config is None:
         # vLLM's KV cache events on a private socket: the query route follows the prefix cache through them
         # and skips prepare requests for spans already cached (`cache_probe.KVEventsMirror`).

@@ -82,7 +82,8 @@ class Server:
 def server(tiny_model: Path, tmp_path_factory, request) -> Iterator[Server]:
     port = free_port()
     log = tmp_path_factory.mktemp("spanq-serve") / "server.log"
-    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", str(tiny_model), "--port", str(port),
+    # Started as a new user starts it: by the model's spanq name.
+    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", "tiny", "--port", str(port),
                "--max-calls", "64",
                # compact JSON for the random model's constrained answers (a vLLM option, passed through)
                "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
@@ -116,7 +117,20 @@ def test_stock_chat_completions_still_work(server: Server):
     assert isinstance(body["choices"][0]["message"]["content"], str)
     assert body["usage"]["completion_tokens"] == 4
     models = httpx.get(f"{server.url}/v1/models", timeout=10).json()
-    assert [m["id"] for m in models["data"]] == [server.served_name]
+    assert [m["id"] for m in models["data"]] == [server.served_name, "tiny"]
+
+
+@pytest.mark.parametrize("name", ["tiny", "listed first", ""])
+def test_a_client_names_the_model_as_the_server_was_started_as_listed_or_not_at_all(server: Server, name):
+    """`spanq serve --model tiny`: "tiny", the name /v1/models lists first, or no name, on every route."""
+    model = server.served_name if name == "listed first" else name
+    query = generate(user("Hi"), model=model, max_tokens=2, temperature=0)
+    executed = httpx.post(f"{server.url}{EXECUTE}", json=to_json(query), timeout=60)
+    assert executed.status_code == 200, executed.text
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **({"model": model} if model else {})}
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["model"] == server.served_name  # answers name the model as /v1/models lists it first
 
 
 def test_reordered_fragments_are_served_from_the_span_cache(server: Server, tiny_model: Path):
