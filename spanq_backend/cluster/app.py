@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -36,13 +37,13 @@ from typing import Any
 
 from fastapi import Request  # module level: FastAPI resolves the route's annotations here
 
+from spanq_backend.serving.server import ROUTINGS, add_cluster_arguments
 from spanq_integrations.backends.span import EXECUTE_PATH
 
 __all__ = ["ForwardedRequest", "SpanReplica", "build_app", "free_port", "serve_cluster", "split_cluster_args", "split_cores"]
 
 log = logging.getLogger("spanq.cluster")
 
-ROUTINGS = ("affinity", "default")
 ROUTER_CLASS = "spanq_backend.cluster.routing:SpanAffinityRouter"
 RETRY_PAUSE_S = 0.5  # between tries of a request whose replica failed
 CLUSTER_HINT = "spanq serve --replicas needs Ray Serve: pip install 'spanq[cluster]'"
@@ -323,19 +324,19 @@ def build_app(
 def split_cluster_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """`spanq serve`'s cluster options, and the rest (each replica's own `spanq serve` options; --host and
     --port are the cluster's address)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--replicas", type=int, default=None)
-    parser.add_argument("--routing", choices=ROUTINGS, default="affinity")
-    parser.add_argument("--ray-address", default=None)
-    parser.add_argument("--max-imbalance", type=int, default=4)
+    parser = _RaisingParser(add_help=False)
+    add_cluster_arguments(parser)  # the same definitions `spanq serve --help` shows
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     cluster, rest = parser.parse_known_args(list(argv))
-    if cluster.replicas is not None and cluster.replicas < 1:
-        raise ValueError(f"--replicas must be at least 1, got {cluster.replicas}")
-    if cluster.max_imbalance < 0:
-        raise ValueError(f"--max-imbalance must be >= 0, got {cluster.max_imbalance}")
     return cluster, rest
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """A bad value is a ValueError naming it (the command prints it in one line), not argparse's exit."""
+
+    def error(self, message: str) -> Any:
+        raise ValueError(re.sub(r"^argument (\S+?)(/\S+)?: ", r"\1 ", message))  # "--replicas must be ..."
 
 
 def connect(address: str | None) -> None:

@@ -274,3 +274,26 @@ def test_serve_refuses_a_bad_recompute_setting_before_vllm_starts(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--recompute" in err and "recompute must be" in err and "Traceback" not in err
+
+
+def test_serve_help_shows_every_flag_of_the_command(capsys):
+    """The cluster's flags (they take effect with --replicas) are in `spanq serve --help` too."""
+    pytest.importorskip("vllm")
+    from spanq_backend.serving.server import serve_main
+
+    with pytest.raises(SystemExit) as exit_:
+        serve_main(["--help"])
+    assert exit_.value.code == 0
+    shown = capsys.readouterr().out
+    for flag in ("--replicas", "--routing", "--ray-address", "--max-imbalance", "--recompute", "--span-anchor",
+                 "--max-body-bytes", "--model"):
+        assert flag in shown, flag
+
+
+def test_serve_refuses_a_cluster_flag_without_replicas(capsys):
+    pytest.importorskip("vllm")
+    from spanq_backend.serving.server import serve_main
+
+    assert serve_main(["--model", "tiny", "--routing", "default"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spanq serve: error: --routing needs --replicas") and "Traceback" not in err
