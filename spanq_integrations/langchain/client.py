@@ -405,6 +405,11 @@ class SpanQueryClient(BaseModel):
             "max_tokens": self.max_tokens,
             "stop": self.stop,
             "seed": self.seed,
+            # What changes an answer is part of LangChain's cache key: two models that differ only in how spans
+            # are computed (or whether documents are sent as spans at all) must not share cached answers.
+            "span_anchor": self.span_anchor,
+            "recompute": self.recompute,
+            "recover_documents": self.recover_documents,
         }
 
     def _spanq_ls_params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
