@@ -377,19 +377,19 @@ class SpanQueryLLM(FunctionCallingLLM):
         tree_reduction_combine: str | None = None,
         tree_reduction_combine_options: dict[str, Any] | None = None,
     ) -> ExecutionResult:
-        backend = self.get_backend()
-        plan = query
-        if tree_reduction_k is not None:
-            from spanq_integrations.optimizer import optimize
+        from spanq_integrations.optimizer import optimize
 
-            plan = optimize(
-                query,
-                backend.capabilities,
-                tree_reduction_k=tree_reduction_k,
-                tree_reduction_instruction=tree_reduction_instruction,
-                tree_reduction_combine=tree_reduction_combine,
-                tree_reduction_combine_options=tree_reduction_combine_options,
-            )
+        backend = self.get_backend()
+        # Optimized as `execute` optimizes (sugar such as `chat` and `retrieve` lowered, spans laid out for this
+        # backend), with tree reduction only when asked for.
+        plan = optimize(
+            query,
+            backend.capabilities,
+            tree_reduction_k=tree_reduction_k,
+            tree_reduction_instruction=tree_reduction_instruction,
+            tree_reduction_combine=tree_reduction_combine,
+            tree_reduction_combine_options=tree_reduction_combine_options,
+        )
         return await aexecute(plan, backend, optimize=False, on_token=on_token)
 
     def run_query(self, query: Node, **options: Any) -> ExecutionResult:
@@ -398,7 +398,8 @@ class SpanQueryLLM(FunctionCallingLLM):
         `tree_reduction_k` (>= 2) rewrites wide judges into a k-ary tree first (the optimizer's rule 5), with
         `tree_reduction_instruction` for the inner judges; `tree_reduction_combine` (a reducer name, with
         `tree_reduction_combine_options`) combines the leaf judges' answers in code instead of by model calls.
-        Without `tree_reduction_k` the query runs exactly as written."""
+        The query is optimized as `execute` does it (`chat` and other sugar lowered); without `tree_reduction_k`
+        no judge is rewritten into a tree."""
         return background_loop().run(self._execute(query, **options))
 
     async def arun_query(self, query: Node, **options: Any) -> ExecutionResult:

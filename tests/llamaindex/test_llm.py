@@ -129,6 +129,16 @@ def test_chat_and_complete_report_usage(span_llm):
 
 
 @pytest.mark.vllm
+def test_run_query_runs_what_execute_runs(span_llm, tiny_backend):
+    """`run_query` takes any span query `execute` takes, sugar included (`chat` is lowered first)."""
+    from spanq_integrations import chat, execute, system, user
+
+    query = chat(system("You answer in one word."), user("Name a colour."), max_tokens=4, temperature=0)
+    result = span_llm.run_query(query)
+    assert result.answer == execute(query, tiny_backend).answer and len(result.calls) == 1
+
+
+@pytest.mark.vllm
 def test_streaming_chat_and_completion(span_llm):
     full = span_llm.chat(CONVERSATION).message.content
     chunks = list(span_llm.stream_chat(CONVERSATION))
