@@ -63,6 +63,7 @@ def compact_tiny(tiny_model):
 
 
 STOCK_SERVED_MODEL_NAME = "tiny"
+STOCK_API_KEY = "spanq-test-key"
 
 
 @pytest.fixture(scope="session")
@@ -71,6 +72,10 @@ def stock_vllm_server(tiny_model, tmp_path_factory) -> Iterator[str]:
 
     Prefix caching is on and usage reports cached tokens (`--enable-prompt-tokens-details`). Plugins are off
     (`VLLM_PLUGINS=`), so even with spanq installed this is the stock server. One per test session.
+
+    It wants an API key, as a hosted server does; the tests set it where a user sets it, `SPANQ_API_KEY`, so
+    every test that calls this server through spanq (execute, judge, `spanq run`, LangChain, LlamaIndex) shows the
+    key reaching it. A call without the key is refused (401).
     """
     pytest.importorskip("vllm")
     from tests.servers import free_port, running_server
@@ -81,7 +86,7 @@ def stock_vllm_server(tiny_model, tmp_path_factory) -> Iterator[str]:
         "--model", str(tiny_model), "--served-model-name", STOCK_SERVED_MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--block-size", "32", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-        "--max-model-len", "4096",
+        "--max-model-len", "4096", "--api-key", STOCK_API_KEY,
         "--enforce-eager",  # no torch.compile warm-up: the server starts in seconds instead of a minute
         # compact JSON under constrained decoding: the random tiny model would otherwise fill max_tokens with
         # whitespace (a vLLM setting, as a user would pass it; nothing of spanq's)
@@ -91,5 +96,6 @@ def stock_vllm_server(tiny_model, tmp_path_factory) -> Iterator[str]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_PLUGINS": ""}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server keeps vLLM's default engine mode
     log_path = tmp_path_factory.mktemp("stock-vllm") / "server.log"
-    with running_server(command, log_path, "the stock vLLM server", env):
+    os.environ["SPANQ_API_KEY"] = STOCK_API_KEY  # read by spanq's one backend resolver (and LangChain's model)
+    with running_server(command, log_path, "the stock vLLM server", env, api_key=STOCK_API_KEY):
         yield f"http://127.0.0.1:{port}"

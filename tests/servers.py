@@ -33,10 +33,11 @@ def log_tail(path: Path, lines: int = 60) -> str:
         return "(no log)"
 
 
-def models_answer(url: str) -> list[str] | None:
+def models_answer(url: str, api_key: str | None = None) -> list[str] | None:
     """The model ids the server at `url` serves, or None while it does not answer."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as response:
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models", headers=headers), timeout=2) as response:
             return [m["id"] for m in json.load(response)["data"]]
     except (OSError, urllib.error.URLError, ValueError, KeyError):
         return None
@@ -60,10 +61,12 @@ def stop(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def running_server(
-    command: Sequence[str], log_path: Path, what: str, env: Mapping[str, str] | None = None
+    command: Sequence[str], log_path: Path, what: str, env: Mapping[str, str] | None = None,
+    api_key: str | None = None,
 ) -> Iterator[subprocess.Popen]:
     """Start `command` (an OpenAI-compatible server) in its own process group, wait until `/v1/models`
-    answers on the `--port` it was given, and stop it afterwards. Fails the test with the log's tail."""
+    answers on the `--port` it was given (with `api_key`, for a server that wants one), and stop it afterwards.
+    Fails the test with the log's tail."""
     port = command[list(command).index("--port") + 1]
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
@@ -73,7 +76,7 @@ def running_server(
         )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while models_answer(url) is None:
+        while models_answer(url, api_key) is None:
             if proc.poll() is not None:
                 pytest.fail(f"{what} exited with {proc.returncode}:\n{log_tail(log_path)}")
             if time.monotonic() > deadline:

@@ -231,6 +231,11 @@ def error_from_payload(body: Any, *, status: int | None, where: str) -> SpanQuer
         return _MESSAGE_ERRORS[error_type](f"{where}: {message}")
     if status in (502, 503, 504):
         return BackendUnavailableError(f"{where} is unavailable (HTTP {status}): {message}")
+    if status in (401, 403):
+        return BackendError(
+            f"{where} refused the call (HTTP {status}: {message}): it wants an API key; pass api_key= or set "
+            "SPANQ_API_KEY"
+        )
     label = f"HTTP {status}" if status is not None else "an error in the stream"
     return BackendError(f"{where} answered {label}: {message}")
 

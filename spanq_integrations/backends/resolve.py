@@ -1,18 +1,38 @@
-"""The one place a backend is chosen from what a user wrote: None, "embedded", or a URL."""
+"""The one place a backend is chosen from what a user wrote: None, "embedded", or a URL.
+
+Every entry point (`execute`, `judge`, `spanq run`, the LangChain and LlamaIndex adapters) resolves its backend
+here, so what a URL means, which environment variables apply and how a bad spec is reported are the same
+everywhere.
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from spanq_integrations.backends.protocol import Backend
 from spanq_integrations.query.errors import SpanQueryError
 
-__all__ = ["EMBEDDED", "default_backend", "resolve_backend"]
+__all__ = [
+    "API_KEY_ENV",
+    "BACKEND_URL_SCHEMES",
+    "EMBEDDED",
+    "check_backend_spec",
+    "default_backend",
+    "resolve_backend",
+]
 
 # The embedded span-aware engine lives in the server package; the client side reaches it by name only (the
 # package stays importable without torch or vLLM, and the layers stay one-way).
 EMBEDDED = "spanq_backend.serving.embedded"
+
+API_KEY_ENV = "SPANQ_API_KEY"  # the bearer token sent to URL backends when the caller passes none
+SPAN_SCHEMES = ("spanq+http://", "spanq+https://")
+BACKEND_URL_SCHEMES = ("http://", "https://", *SPAN_SCHEMES)
+
+DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_MAX_RETRIES = 2
 
 
 def embedded(attr: str) -> Any:
@@ -26,26 +46,54 @@ def default_backend(model: str | None = None) -> Backend:
     return embedded("shared_embedded_backend")(model)
 
 
-def resolve_backend(spec: Backend | str | None, model: str | None = None) -> tuple[Backend, bool]:
+def unknown_backend(spec: Any) -> str:
+    return (
+        f"unknown backend {spec!r}: use an http(s):// URL of an OpenAI-compatible server, "
+        "spanq+http://host:port for a `spanq serve` server, 'embedded' (or None), or a spanq Backend"
+    )
+
+
+def check_backend_spec(spec: Any) -> Any:
+    """`spec` if it names a backend (None, "embedded", a URL, a `Backend`); a `SpanQueryError` saying what is
+    accepted otherwise. Checked without opening anything (adapters check at construction)."""
+    if spec is None or isinstance(spec, Backend):
+        return spec
+    if isinstance(spec, str) and (spec == "embedded" or spec.startswith(BACKEND_URL_SCHEMES)):
+        return spec
+    raise SpanQueryError(unknown_backend(spec))
+
+
+def resolve_backend(
+    spec: Backend | str | None,
+    model: str | None = None,
+    *,
+    timeout: float | None = None,
+    max_retries: int | None = None,
+    api_key: str | None = None,
+) -> tuple[Backend, bool]:
     """A backend for `spec`, and whether the caller owns it (must close it).
 
     A `Backend`: itself (not owned). `None` or `"embedded"`: the shared embedded engine on `model` (the default
-    model when None; not owned).
-    `"spanq+http://host:port"`: a `spanq serve` server. Any other `http(s)://` URL: an OpenAI-compatible server.
+    model when None; not owned). `"spanq+http://host:port"`: a `spanq serve` server; any other `http(s)://` URL:
+    an OpenAI-compatible server — both owned, with `model` as the model of calls that name none, `timeout`
+    seconds per request (default 600), `max_retries` retries of a connection that failed (default 2) and
+    `api_key` as the bearer token (default: `$SPANQ_API_KEY`, if set).
     """
+    check_backend_spec(spec)
     if isinstance(spec, Backend):
         return spec, False
     if spec is None or spec == "embedded":
-        return default_backend(model), False
-    if isinstance(spec, str) and spec.startswith(("spanq+http://", "spanq+https://")):
+        return default_backend(model or None), False
+    options: dict[str, Any] = {
+        "model": model or None,
+        "timeout": DEFAULT_TIMEOUT_S if timeout is None else timeout,
+        "max_retries": DEFAULT_MAX_RETRIES if max_retries is None else max_retries,
+        "api_key": api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None),
+    }
+    if spec.startswith(SPAN_SCHEMES):
         from spanq_integrations.backends.span import SpanBackend
 
-        return SpanBackend(spec.removeprefix("spanq+")), True
-    if isinstance(spec, str) and spec.startswith(("http://", "https://")):
-        from spanq_integrations.backends.openai import OpenAIBackend
+        return SpanBackend(spec.removeprefix("spanq+"), **options), True
+    from spanq_integrations.backends.openai import OpenAIBackend
 
-        return OpenAIBackend(spec), True
-    raise SpanQueryError(
-        f"unknown backend {spec!r}: use an http(s):// URL of an OpenAI-compatible server, "
-        "spanq+http://host:port for a `spanq serve` server, or 'embedded'"
-    )
+    return OpenAIBackend(spec, **options), True

@@ -39,8 +39,6 @@ from spanq_integrations.runtime.tools import ToolSpec, check_choice, reply_schem
 
 __all__ = ["CallOutcome", "CallSettings", "PreparedPrompt", "SpanQueryClient"]
 
-BACKEND_URL_SCHEMES = ("http://", "https://", "spanq+http://", "spanq+https://")
-
 
 @dataclass
 class PreparedPrompt:
@@ -206,18 +204,17 @@ class SpanQueryClient(BaseModel):
     @field_validator("backend")
     @classmethod
     def _check_backend(cls, value: Any) -> Any:
-        if value is None or isinstance(value, Backend):
-            return value
-        if isinstance(value, str):
-            if value == "embedded" or value.startswith(BACKEND_URL_SCHEMES):
-                return value
-            raise ValueError(
-                f"unknown backend {value!r}: use an http(s):// URL of an OpenAI-compatible server, "
-                "spanq+http://host:port for a `spanq serve` server, 'embedded', or a spanq Backend"
+        from spanq_integrations.backends.resolve import check_backend_spec
+        from spanq_integrations.query.errors import SpanQueryError
+
+        if value is not None and not isinstance(value, (str, Backend)):
+            raise TypeError(
+                f"backend must be None (the embedded default), a URL, or a spanq Backend, got {type(value).__name__}"
             )
-        raise TypeError(
-            f"backend must be None (the embedded default), a URL, or a spanq Backend, got {type(value).__name__}"
-        )
+        try:
+            return check_backend_spec(value)
+        except SpanQueryError as e:
+            raise ValueError(str(e)) from None
 
     def model_post_init(self, context: Any) -> None:
         super().model_post_init(context)
@@ -235,26 +232,10 @@ class SpanQueryClient(BaseModel):
     def _make_backend(self) -> tuple[Backend, bool]:
         from spanq_integrations.backends import resolve_backend
 
-        spec = self.backend
-        if isinstance(spec, Backend):
-            return spec, False
         key = self.api_key.get_secret_value() if self.api_key is not None else None
-        options = {
-            "model": self.model,
-            "timeout": self.timeout or 600,
-            "max_retries": self.max_retries,
-            "api_key": key,
-        }
-        if isinstance(spec, str) and spec.startswith(("spanq+http://", "spanq+https://")):
-            from spanq_integrations.backends.span import SpanBackend
-
-            return SpanBackend(spec.removeprefix("spanq+"), **options), True
-        if isinstance(spec, str) and spec.startswith(("http://", "https://")):
-            from spanq_integrations.backends.openai import OpenAIBackend
-
-            return OpenAIBackend(spec, **options), True
-        # None/"embedded": the shared embedded engine on `model` (the default model if None); else a clear error
-        return resolve_backend(spec, self.model)
+        return resolve_backend(
+            self.backend, self.model or None, timeout=self.timeout or 600, max_retries=self.max_retries, api_key=key
+        )
 
     def _get_backend(self) -> Backend:
         """The backend, created on first use (the embedded default starts its engine then)."""

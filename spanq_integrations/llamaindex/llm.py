@@ -36,9 +36,10 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 
 from spanq_integrations.backends import Backend, resolve_backend
+from spanq_integrations.backends.resolve import check_backend_spec
 from spanq_integrations.llamaindex.run_nodes import current_record, install_tracker
 from spanq_integrations.llamaindex.usage import METADATA_KEY, usage_of
-from spanq_integrations.query.errors import QueryValidationError, SpanQueryError
+from spanq_integrations.query.errors import QueryValidationError
 from spanq_integrations.query.ir import (
     Assistant,
     Generate,
@@ -77,7 +78,6 @@ DEFAULT_CONTEXT_WINDOW = 4096
 
 _SYSTEM_ROLES = (MessageRole.SYSTEM, MessageRole.DEVELOPER)
 _ASSISTANT_ROLES = (MessageRole.ASSISTANT, MessageRole.CHATBOT, MessageRole.MODEL)
-_BACKEND_SCHEMES = ("http://", "https://", "spanq+http://", "spanq+https://")
 _CALL_OPTIONS = ("max_tokens", "temperature", "stop", "seed")
 _BACKEND_LOCK = threading.Lock()  # guards resolving a backend (rare); module-level so LLMs stay copyable
 _LLAMAINDEX_FIX = "answer with SpanQuerySynthesizer, which sends every node as a span"
@@ -145,17 +145,6 @@ def messages_to_nodes(messages: Sequence[ChatMessage]) -> list[Node]:
     return nodes
 
 
-def _check_backend_spec(spec: Any) -> None:
-    if spec is None or isinstance(spec, Backend):
-        return
-    if isinstance(spec, str) and (spec == "embedded" or spec.startswith(_BACKEND_SCHEMES)):
-        return
-    raise SpanQueryError(
-        f"unknown backend {spec!r}: pass None (the embedded span-aware engine), a spanq Backend, "
-        "'spanq+http://host:port' for a `spanq serve` server, or an http(s):// URL of an OpenAI-compatible server"
-    )
-
-
 class SpanQueryLLM(FunctionCallingLLM):
     """A LlamaIndex LLM on spanq.
 
@@ -197,7 +186,7 @@ class SpanQueryLLM(FunctionCallingLLM):
     _owns_backend: bool = PrivateAttr(default=False)
 
     def __init__(self, backend: str | Backend | None = None, **kwargs: Any) -> None:
-        _check_backend_spec(backend)
+        check_backend_spec(backend)
         super().__init__(backend=backend, **kwargs)
 
     @classmethod
@@ -216,19 +205,11 @@ class SpanQueryLLM(FunctionCallingLLM):
             return self._backend
 
     def _open_backend(self) -> tuple[Backend, bool]:
-        spec = self.backend
-        if isinstance(spec, Backend):
-            return spec, False
-        if isinstance(spec, str) and spec.startswith(_BACKEND_SCHEMES):
-            options = {"timeout": self.timeout, "max_retries": self.max_retries, "api_key": self.api_key}
-            if spec.startswith("spanq+"):
-                from spanq_integrations.backends.span import SpanBackend
-
-                return SpanBackend(spec.removeprefix("spanq+"), **options), True
-            from spanq_integrations.backends.openai import OpenAIBackend
-
-            return OpenAIBackend(spec, **options), True
-        return resolve_backend(spec, self.model or None)  # embedded: an engine on `model` (default if '')
+        # The embedded default runs an engine on `model` ('' : the default model); a URL backend sends `model`
+        # with calls that name none; `api_key` defaults to $SPANQ_API_KEY (the one resolver reads it).
+        return resolve_backend(
+            self.backend, self.model or None, timeout=self.timeout, max_retries=self.max_retries, api_key=self.api_key
+        )
 
     def close(self) -> None:
         """Close the HTTP client this LLM opened (the embedded default and passed-in backends stay open)."""

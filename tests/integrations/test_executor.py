@@ -32,6 +32,7 @@ from spanq_integrations import (
 from spanq_integrations.backends.openai import OpenAIBackend
 from spanq_integrations.query.flatten import block_text
 from spanq_integrations.query.ir import walk
+from tests.conftest import STOCK_API_KEY
 
 
 class ScriptedBackend(Backend):
@@ -172,7 +173,7 @@ def judge_query(max_tokens: int = 8) -> Generate:
 
 @pytest.mark.vllm
 async def test_judge_over_three_generations_closes_the_tree(stock_vllm_server):
-    async with OpenAIBackend(stock_vllm_server, model="tiny") as backend:
+    async with OpenAIBackend(stock_vllm_server, model="tiny", api_key=STOCK_API_KEY) as backend:
         result = await aexecute(judge_query(), backend, optimize=False)
     tree = result.tree
     assert isinstance(tree, Assistant) and tree.text and tree.source is not None

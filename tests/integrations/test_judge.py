@@ -44,6 +44,7 @@ from spanq_integrations.runtime.reducers import (
     SelectReducer,
     Vote,
 )
+from tests.conftest import STOCK_API_KEY
 
 CANDIDATES = [f"Note {i}: the cat called Name{i} sleeps on the mat." for i in range(8)]
 INSTRUCTION = "Tell me the names of the cats mentioned."
@@ -109,7 +110,7 @@ def assert_four_leaves_combined_in_code(result) -> None:
 
 @pytest.mark.vllm
 async def test_eight_candidates_take_seven_pairwise_calls_in_three_levels_on_stock_vllm(stock_vllm_server):
-    async with OpenAIBackend(stock_vllm_server, model="tiny") as backend:
+    async with OpenAIBackend(stock_vllm_server, model="tiny", api_key=STOCK_API_KEY) as backend:
         result = await ajudge(
             CANDIDATES, INSTRUCTION, k=2, reducer="extract", backend=backend, max_tokens=8, combine="model"
         )
@@ -120,7 +121,7 @@ async def test_eight_candidates_take_seven_pairwise_calls_in_three_levels_on_sto
 
 @pytest.mark.vllm
 async def test_eight_candidates_combined_in_code_take_four_leaf_calls_on_stock_vllm(stock_vllm_server):
-    async with OpenAIBackend(stock_vllm_server, model="tiny") as backend:
+    async with OpenAIBackend(stock_vllm_server, model="tiny", api_key=STOCK_API_KEY) as backend:
         result = await ajudge(CANDIDATES, INSTRUCTION, k=2, reducer="extract", backend=backend, max_tokens=8)
     assert_four_leaves_combined_in_code(result)
 

@@ -32,6 +32,7 @@ from spanq_integrations.backends._http import (
 )
 from spanq_integrations.backends.openai import OpenAIBackend, server_model_name
 from spanq_integrations.backends.span import SpanBackend
+from tests.conftest import STOCK_API_KEY
 
 
 def long_prompt(words: int = 700) -> str:
@@ -313,7 +314,7 @@ async def test_span_backend_executes_a_whole_query_remotely():
 
 @pytest.fixture
 async def backend(stock_vllm_server) -> AsyncIterator[OpenAIBackend]:
-    async with OpenAIBackend(f"{stock_vllm_server}/v1", model="tiny") as b:
+    async with OpenAIBackend(f"{stock_vllm_server}/v1", model="tiny", api_key=STOCK_API_KEY) as b:
         yield b
 
 
@@ -367,10 +368,28 @@ async def test_on_token_pieces_concatenate_to_the_text(backend):
 
 @pytest.mark.vllm
 async def test_provider_prefix_and_default_model(stock_vllm_server):
-    async with OpenAIBackend(stock_vllm_server) as backend:  # no model: the server's first
+    async with OpenAIBackend(stock_vllm_server, api_key=STOCK_API_KEY) as backend:  # no model: the server's first
         plain = await backend.generate(generate(user("Hi"), max_tokens=2))
         prefixed = await backend.generate(generate(user("Hi"), model="vllm/tiny", max_tokens=2))
     assert plain.metrics.model == prefixed.metrics.model == "tiny"
+
+
+@pytest.mark.vllm
+def test_the_api_key_reaches_a_server_that_wants_one(stock_vllm_server, monkeypatch):
+    """The stock server wants a key (`STOCK_API_KEY`): `execute` on its URL sends $SPANQ_API_KEY, or `api_key=`
+    of the one resolver; without either the call is refused, saying what is missing."""
+    from spanq_integrations import execute, resolve_backend
+
+    query = generate(user("Hi"), model="tiny", max_tokens=2, temperature=0)
+    assert execute(query, stock_vllm_server).answer  # the key from the environment
+    monkeypatch.delenv("SPANQ_API_KEY")
+    with pytest.raises(BackendError, match="HTTP 401.*wants an API key; pass api_key= or set SPANQ_API_KEY"):
+        execute(query, stock_vllm_server)
+    backend, owned = resolve_backend(stock_vllm_server, api_key=STOCK_API_KEY)
+    try:
+        assert execute(query, backend).answer
+    finally:
+        asyncio.run(backend.aclose())
 
 
 @pytest.mark.vllm
