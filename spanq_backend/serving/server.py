@@ -260,28 +260,6 @@ def parse_query(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> Node:
     return query
 
 
-class _StreamedAnswer(Backend):
-    """Wraps the route's backend for one query: remembers the completion whose tokens were streamed."""
-
-    def __init__(self, inner: EngineClientBackend):
-        self.inner = inner
-        self.capabilities = inner.capabilities
-        self.completion: Completion | None = None
-
-    async def generate(
-        self,
-        call: Generate,
-        *,
-        path: str = "$",
-        on_token: TokenCallback | None = None,
-        span_output: bool = False,
-    ) -> Completion:
-        completion = await self.inner.generate(call, path=path, on_token=on_token, span_output=span_output)
-        if on_token is not None:
-            self.completion = completion
-        return completion
-
-
 _END = object()
 
 
@@ -294,11 +272,10 @@ class QueryRun:
         self.wire = wire  # "spanq": chat.completion.chunk events; "spnl": text_completion chunks (spnl_wire)
         self.id = f"{'cmpl' if wire == 'spnl' else 'chatcmpl'}-spanq-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.answer = _StreamedAnswer(backend)
         self.pieces: asyncio.Queue[Any] = asyncio.Queue()
         self.streamed = False
         self.task = asyncio.ensure_future(
-            aexecute(query, self.answer, optimize=True, on_token=self.pieces.put_nowait)
+            aexecute(query, backend, optimize=True, on_token=self.pieces.put_nowait)
         )
         self.task.add_done_callback(lambda _: self.pieces.put_nowait(_END))
         self.first: Any = None
@@ -330,18 +307,18 @@ class QueryRun:
         return self._chunk([{"index": 0, "delta": {"content": piece}, "finish_reason": None}])
 
     def _final(self, result: ExecutionResult) -> str:
-        completion = self.answer.completion
+        call = result.answer_call
         if self.wire == "spnl":  # every choice whole, except the text of choice 0 already streamed
-            choices = choices_of(result, completion)
+            choices = choices_of(result)
             rest = [(k, "" if k == 0 and self.streamed else text, reason) for k, (text, reason) in enumerate(choices)]
             return spnl_chunk(self.id, self.created, self.model, rest, usage=usage_of(result))
-        if completion is None:  # the answer is not one call's output (a top-level plus, say): send it whole
+        if call is None:  # the answer is not one call's output (a top-level plus, say): send it whole
             delta = {"content": result.answer} if result.answer and not self.streamed else {}
             choices = [{"index": 0, "delta": delta, "finish_reason": "stop"}]
         else:  # choice 0 streamed already; the other choices (n > 1) come whole
             choices = [
                 {"index": k, "delta": {"content": text} if k and text else {}, "finish_reason": reason}
-                for k, (text, reason) in enumerate(zip(completion.texts, completion.finish_reasons))
+                for k, (text, reason) in enumerate(zip(call.choices, call.finish_reasons))
             ]
         return self._chunk(choices, usage=usage_of(result))
 
@@ -487,9 +464,8 @@ def build_query_router(
         except SpanQueryError as e:
             return error_response(e)
         if not stream and wire == "spnl":
-            answer = _StreamedAnswer(backend)
-            try:  # a no-op token callback makes the answering call known (its choices and finish reasons)
-                result = await aexecute(query, answer, optimize=True, on_token=lambda _piece: None)
+            try:
+                result = await aexecute(query, backend, optimize=True)
             except Exception as e:  # noqa: BLE001 - every failure becomes an error answer
                 return error_response(e)
             finally:
@@ -498,7 +474,6 @@ def build_query_router(
                 spnl_response(
                     query,
                     result,
-                    answer.completion,
                     request_id=f"{'cmpl' if isinstance(query, Map) else 'chatcmpl'}-spanq-{uuid.uuid4().hex}",
                     created=int(time.time()),
                     model=served_model_names[0],
@@ -621,8 +596,14 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         "--verbose", dest="spanq_verbose", action="store_true",
         help="show vLLM's INFO log lines (by default its warnings and errors only; or set SPANQ_LOG_LEVEL)",
     )  # fmt: skip
+    add_cluster_arguments(parser)  # shown in --help; they take effect only with --replicas (the cluster)
     parser.set_defaults(**SERVE_DEFAULTS, **(CPU_SERVE_DEFAULTS if current_platform.is_cpu() else {}))
     args = parser.parse_args(list(argv))
+    given = [flag for flag in CLUSTER_ONLY if any(a == flag or a.startswith(f"{flag}=") for a in argv)]
+    if given and args.replicas is None:
+        raise ValueError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --replicas N (several engines)")
+    if args.replicas is not None:
+        raise ValueError("--replicas needs the cluster extra: pip install 'spanq[cluster]'")
     if args.headless or args.grpc or (args.api_server_count or 1) != 1:
         raise ValueError(
             "spanq serve runs one HTTP API server: --headless, --grpc and --api-server-count are not supported"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from spanq_integrations.backends.protocol import Completion, ExecutionResult
+from spanq_integrations.backends.protocol import ExecutionResult
 from spanq_integrations.query.errors import QueryValidationError
 from spanq_integrations.query.ir import Assistant, Map, Node, Plus
 
@@ -45,12 +45,13 @@ def _finish(reason: str | None) -> str | None:
     return reason if reason in _FINISH_REASONS else None
 
 
-def choices_of(result: ExecutionResult, completion: Completion | None) -> list[tuple[str, str | None]]:
+def choices_of(result: ExecutionResult) -> list[tuple[str, str | None]]:
     """(text, finish reason) per answer: the answering call's choices when one call answers; the answers of a
     bulk node (a `plus` of generated messages: `repeat`, `map`, a top-level `plus` of `g`s) in order; else the
     query's answer."""
-    if completion is not None:
-        return [(text, _finish(reason)) for text, reason in zip(completion.texts, completion.finish_reasons)]
+    call = result.answer_call
+    if call is not None and call.choices:
+        return [(text, _finish(reason)) for text, reason in zip(call.choices, call.finish_reasons)]
     tree = result.tree
     if isinstance(tree, Plus) and tree.children and all(isinstance(c, Assistant) for c in tree.children):
         return [(c.text, None) for c in tree.children]
@@ -64,14 +65,13 @@ def _usage(result: ExecutionResult) -> dict[str, Any]:
 def spnl_response(
     query: Node,
     result: ExecutionResult,
-    completion: Completion | None,
     *,
     request_id: str,
     created: int,
     model: str,
 ) -> dict[str, Any]:
     """The non-streamed answer spnl's client reads: `text_completion` for a `map`, `chat.completion` otherwise."""
-    choices = choices_of(result, completion)
+    choices = choices_of(result)
     if isinstance(query, Map):
         return {
             "id": request_id,

@@ -42,7 +42,17 @@ class CallMetrics(BaseModel):
     # block of each output a judge will read as a span (sealed when the output is done).
     prepared_tokens: int = 0
     fallback: str | None = None  # why the call's spans were sent as ordinary prompt text, when they were
+    # The call's answers (one per choice, `n` of them) and why each ended, as the engine reported it: "stop" (an
+    # end of sequence or a stop string), "length" (max_tokens), None where the backend did not say. Filled by the
+    # executor from the backend's `Completion`.
+    choices: list[str] = Field(default_factory=list)
+    finish_reasons: list[str | None] = Field(default_factory=list)
     extra: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Why the first choice ended (None: not reported)."""
+        return self.finish_reasons[0] if self.finish_reasons else None
 
 
 class Completion(BaseModel):
@@ -107,6 +117,15 @@ class ExecutionResult(BaseModel):
     calls: list[CallMetrics] = Field(default_factory=list)
     wall_s: float = 0.0
     plan: Any = None  # the optimized tree that was executed
+    answer_path: str | None = None  # the path of the call whose output is the answer (None: no one call's)
+
+    @property
+    def answer_call(self) -> CallMetrics | None:
+        """The metrics of the call that answered (its choices and finish reasons); None when the answer is not
+        one call's output (a top-level `plus`, a query that generates nothing)."""
+        if self.answer_path is None:
+            return None
+        return next((c for c in reversed(self.calls) if c.path == self.answer_path), None)
 
     @property
     def answer(self) -> str:

@@ -91,9 +91,9 @@ class CallOutcome:
         return self.metrics.model or self.settings.model or self.backend
 
     @property
-    def finish_reason(self) -> str:
-        limit = self.settings.max_tokens
-        return "length" if limit and self.metrics.generated_tokens >= limit else "stop"
+    def finish_reason(self) -> str | None:
+        """Why the answer ended, as the engine said: "stop", "length" (max_tokens), ...; None if not reported."""
+        return self.metrics.finish_reason
 
     def usage_metadata(self) -> dict[str, Any]:
         m = self.metrics
@@ -327,7 +327,7 @@ class SpanQueryClient(BaseModel):
             ) from e
         except ContextLengthError as e:
             raise self._explain_context_length(e, prepared) from e
-        metrics = result.calls[-1] if result.calls else CallMetrics()
+        metrics = result.answer_call or (result.calls[-1] if result.calls else CallMetrics())
         return CallOutcome(
             text=result.answer,
             metrics=metrics,

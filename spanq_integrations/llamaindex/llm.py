@@ -411,7 +411,11 @@ class SpanQueryLLM(FunctionCallingLLM):
             "prepared_spans": usage["prepared_spans"],
             "ttft_s": usage["ttft_s"],
         }
-        return additional, {METADATA_KEY: usage}
+        # Why the answer ended, as the engine said ("stop", "length" at max_tokens), where one call answered.
+        call = result.answer_call
+        if call is not None and call.finish_reason is not None:
+            additional["finish_reason"] = call.finish_reason
+        return additional, {METADATA_KEY: usage, "finish_reason": call.finish_reason if call is not None else None}
 
     def _chat_response(self, result: ExecutionResult, tools: Sequence[ToolSpec] = ()) -> ChatResponse:
         self._note_call(result)

@@ -192,7 +192,9 @@ class _Run:
                 raise
             except Exception as e:
                 raise GenerationError(path, e) from e
-        metrics = completion.metrics.model_copy(update={"path": path})
+        metrics = completion.metrics.model_copy(
+            update={"path": path, "choices": list(completion.texts), "finish_reasons": list(completion.finish_reasons)}
+        )
         self.calls.append(metrics)
         outs = [Assistant(text=t, source=closed) for t in completion.texts]
         return outs[0] if len(outs) == 1 else Plus(children=tuple(outs))
@@ -233,7 +235,9 @@ async def aexecute(
         run = _Run(be, max(1, limit), on_token, _answer_path(plan), dict(reducers or {}))
         t0 = time.perf_counter()
         tree = await run.eval(plan, "$")
-        return ExecutionResult(tree=tree, calls=run.calls, wall_s=time.perf_counter() - t0, plan=plan)
+        return ExecutionResult(
+            tree=tree, calls=run.calls, wall_s=time.perf_counter() - t0, plan=plan, answer_path=run.stream_path
+        )
     finally:
         if owned:
             await be.aclose()

@@ -1,4 +1,5 @@
-"""What a chat model's settings do: LangChain's cache key holds every one that changes an answer."""
+"""What a chat model's settings do: LangChain's cache key holds every one that changes an answer; the finish
+reason is the engine's, not a guess."""
 
 from __future__ import annotations
 
@@ -35,3 +36,29 @@ def test_models_that_differ_only_in_how_spans_are_computed_do_not_share_cached_a
     again = ChatSpanQuery(backend=tiny_backend, max_tokens=3, temperature=0, cache=cache, **setting).invoke(_prompt())
     assert len(cache._cache) == 2 and again.content == second.content
 
+
+@pytest.mark.vllm
+def test_the_finish_reason_is_the_engines(tiny_backend):
+    # max_tokens unset: the engine's own default (256) ends the random model's answer. A reason guessed from
+    # max_tokens said "stop" here.
+    unset = ChatSpanQuery(backend=tiny_backend, temperature=0).invoke("Count to a thousand.")
+    assert unset.response_metadata["finish_reason"] == "length"
+    assert unset.usage_metadata["output_tokens"] == 256
+    capped = ChatSpanQuery(backend=tiny_backend, temperature=0, max_tokens=3).invoke("Count to a thousand.")
+    assert capped.response_metadata["finish_reason"] == "length"
+
+
+@pytest.mark.vllm
+def test_an_answer_that_ends_itself_finishes_with_stop(compact_tiny):
+    from pydantic import BaseModel
+
+    class Flag(BaseModel):
+        ok: bool
+
+    # Constrained to a closed JSON object, the answer ends when the object does, well before max_tokens.
+    raw = ChatSpanQuery(backend=compact_tiny, temperature=0, max_tokens=64).with_structured_output(
+        Flag, include_raw=True
+    ).invoke("Is the sky blue?")
+    assert raw["parsed"] is not None
+    assert raw["raw"].response_metadata["finish_reason"] == "stop"
+    assert raw["raw"].usage_metadata["output_tokens"] < 64

@@ -126,6 +126,9 @@ def test_chat_and_complete_report_usage(span_llm):
 
     completion = span_llm.complete("Name a colour.", max_tokens=3)
     assert completion.text and completion.additional_kwargs["completion_tokens"] == 3
+    # Why the answers ended, as the engine said: both were cut at max_tokens.
+    assert chat.additional_kwargs["finish_reason"] == completion.additional_kwargs["finish_reason"] == "length"
+    assert chat.raw["finish_reason"] == "length"
 
 
 @pytest.mark.vllm
