@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 
 # For every vLLM the tests start, servers included: in-process engine core (init ~5 s instead of ~30 s), both
-# cores, a 1 GiB KV cache. (`SpanEngine` sets the same defaults where they are unset, for the embedded engine's
-# users; nothing is set on import.)
+# cores. (`SpanEngine` sets the same defaults where they are unset, for the embedded engine's users; nothing is
+# set on import.) Each engine sizes its own KV cache (1 GiB unless a test says otherwise).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 @pytest.fixture(scope="session")

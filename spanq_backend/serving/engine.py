@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -53,7 +54,9 @@ class EngineConfig:
     model: str = "default"
     block_size: int = 32
     max_model_len: int | None = 4096
-    kv_cache_gib: float = 1.0
+    # The KV cache's size, this engine's own (several engines in one process may differ). None: vLLM's
+    # VLLM_CPU_KVCACHE_SPACE where the user set it, else DEFAULT_KV_CACHE_GIB.
+    kv_cache_gib: float | None = None
     dtype: str = "float32"
     spans: bool = True  # False: a stock engine (prefix caching only), for side-by-side measurements
     max_num_seqs: int = 16
@@ -68,14 +71,40 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", recompute_setting(self.recompute))  # refused here, before any engine
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be a positive number of GiB, got {self.kv_cache_gib!r}")
+
+    def kv_cache_bytes(self) -> int | None:
+        """The KV cache size this engine asks vLLM for; None: vLLM's own setting (VLLM_CPU_KVCACHE_SPACE)."""
+        if self.kv_cache_gib is not None:
+            return int(self.kv_cache_gib * (1 << 30))
+        return None if os.environ.get(KV_CACHE_ENV) else int(DEFAULT_KV_CACHE_GIB * (1 << 30))
 
 
-def _cpu_env_defaults(kv_cache_gib: float) -> None:
+DEFAULT_KV_CACHE_GIB = 1.0
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU platform reads it at every engine's config and lets it win
+
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _kv_cache_size_of_its_own(config: EngineConfig) -> Iterator[None]:
+    """While an engine with its own KV cache size is configured: vLLM's CPU platform would replace that size by
+    VLLM_CPU_KVCACHE_SPACE (whole GiB, the same for every engine of the process); it does not see it then."""
+    with _ENV_LOCK:
+        hidden = os.environ.pop(KV_CACHE_ENV, None) if config.kv_cache_gib is not None else None
+        try:
+            yield
+        finally:
+            if hidden is not None:
+                os.environ[KV_CACHE_ENV] = hidden
+
+
+def _cpu_env_defaults() -> None:
     """vLLM's CPU settings that suit an engine embedded in a user's process, where the user left them unset:
-    the engine core in this process, a KV cache of the configured size, every core bound. vLLM reads them only
-    from the environment; they are set when an engine starts, never on import."""
+    the engine core in this process, every core bound. vLLM reads them only from the environment; they are set
+    when an engine starts, never on import. (The KV cache's size is each engine's own: `EngineConfig`.)"""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
 
 
@@ -113,7 +142,7 @@ class SpanEngine:
                 check_spans(self.model_path)
             except RelocationError as e:
                 raise BackendError(f"spans are refused for this model: {e}") from e
-        _cpu_env_defaults(self.config.kv_cache_gib)
+        _cpu_env_defaults()
         from spanq_backend.serving import logs
 
         try:
@@ -175,11 +204,13 @@ class SpanEngine:
             seed=c.seed,
             enforce_eager=c.enforce_eager,
             num_gpu_blocks_override=c.num_blocks,
+            kv_cache_memory_bytes=c.kv_cache_bytes(),
             # Sliding-window layers in the same KV cache group as the others: the group spans are moved in.
             disable_hybrid_kv_cache_manager=True if c.spans and has_sliding_window_layers(self.model_path) else None,
             **({"structured_outputs_config": StructuredOutputsConfig(**COMPACT_JSON)} if c.compact_json else {}),
         )
-        engine = self.llm_engine = LLMEngine.from_engine_args(args)  # stepped by the engine thread only
+        with _kv_cache_size_of_its_own(c):
+            engine = self.llm_engine = LLMEngine.from_engine_args(args)  # stepped by the engine thread only
         self.max_model_len = engine.model_config.max_model_len
         self.span_support = SpanSupport(False, "a stock engine (spans=False)")
         if c.spans:
