@@ -386,6 +386,7 @@ def test_the_api_key_reaches_a_server_that_wants_one(stock_vllm_server, monkeypa
     with pytest.raises(BackendError, match="HTTP 401.*wants an API key; pass api_key= or set SPANQ_API_KEY"):
         execute(query, stock_vllm_server)
     backend, owned = resolve_backend(stock_vllm_server, api_key=STOCK_API_KEY)
+    assert owned
     try:
         assert execute(query, backend).answer
     finally:
