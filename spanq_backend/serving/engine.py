@@ -10,6 +10,7 @@ shared with `spanq serve`; this module only drives the engine.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import itertools
@@ -108,6 +109,9 @@ def _cpu_env_defaults() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
 
 
+BATCH_WAIT_S = 5.0  # the most the engine thread waits for the rest of a batch (its caller submits in a loop)
+
+
 @dataclass
 class _Request:
     rid: str
@@ -115,6 +119,37 @@ class _Request:
     params: Any
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
+    added_at_step: int = -1  # the engine's step count when it was added (its first step is the next)
+    first_output_step: int = -1  # the step that produced its first output
+
+
+class _Outputs:
+    """A submitted request's outputs (deltas), in order; closing it before the end aborts the request in the
+    engine (also when it was never read: a request submitted in a batch whose other reader failed)."""
+
+    def __init__(self, engine: SpanEngine, req: _Request):
+        self.engine = engine
+        self.req = req
+        self.done = False
+
+    def __aiter__(self) -> _Outputs:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.done:
+            raise StopAsyncIteration
+        item = await self.req.out.get()
+        if isinstance(item, BaseException):
+            self.done = True  # refused or failed in the engine: nothing left to abort
+            raise item
+        if item.finished:
+            self.done = True
+        return item
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self.done = True
+            self.engine._cmds.put(("abort", self.req))
 
 
 class SpanEngine:
@@ -162,6 +197,10 @@ class SpanEngine:
         self._start_error: BaseException | None = None
         self._closed = False
         self._active: dict[str, _Request] = {}
+        self.steps = 0  # engine steps taken (each one forward pass over the scheduled batch)
+        # The last requests added, with the steps they were added at and first answered in (what a test or a
+        # profile reads to see how many rounds a call took).
+        self.recent: collections.deque[_Request] = collections.deque(maxlen=256)
         self._thread = threading.Thread(target=self._run, name="spanq-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -179,6 +218,7 @@ class SpanEngine:
             fallback=self.span_support.reason if self.config.spans and not self.span_support.enabled else None,
             default_anchor=self.config.span_anchor,
             default_recompute=self.config.recompute,
+            batch=self.batch,
         )
         self.pad_token_id = self.generator.pad_token_id
         log.info("%s ready in %.1f s", self.model_name, time.perf_counter() - started)
@@ -232,6 +272,7 @@ class SpanEngine:
             self._ready.set()
             return
         self._ready.set()
+        held = 0  # inside a batch (`batch`): everything up to its release is added before the next step
         try:
             while True:
                 busy = engine.has_unfinished_requests()
@@ -242,12 +283,18 @@ class SpanEngine:
                 while cmd is not None:
                     if cmd[0] == "stop":
                         return
-                    self._handle(engine, cmd)
+                    if cmd[0] == "hold":
+                        held += 1
+                    elif cmd[0] == "release":
+                        held = max(0, held - 1)
+                    else:
+                        self._handle(engine, cmd)
                     try:
-                        cmd = self._cmds.get_nowait()
+                        cmd = self._cmds.get(timeout=BATCH_WAIT_S) if held > 0 else self._cmds.get_nowait()
                     except queue.Empty:
                         cmd = None
                 if engine.has_unfinished_requests():
+                    self.steps += 1
                     for out in engine.step():
                         self._deliver(engine, out)
         except BaseException as e:
@@ -280,12 +327,16 @@ class SpanEngine:
         except Exception as e:  # noqa: BLE001  (any refusal goes back to the request's caller)
             self._send(req, engine_error(e))
             return
+        req.added_at_step = self.steps
         self._active[req.rid] = req
+        self.recent.append(req)
 
     def _deliver(self, engine: Any, out: Any) -> None:
         req = self._active.get(out.request_id)
         if req is None:
             return
+        if req.first_output_step < 0:
+            req.first_output_step = self.steps
         self._send(req, out)
         if out.finished:
             self._active.pop(req.rid, None)
@@ -306,25 +357,22 @@ class SpanEngine:
         self._cmds.put(("add", req))
         return req
 
-    async def _outputs(self, req: _Request):
-        """Yield the request's outputs; abort it in the engine if the caller stops early or is cancelled."""
-        finished = False
-        try:
-            while True:
-                item = await req.out.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self._cmds.put(("abort", req))
-
     def _stream(self, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
-        """`SpanGenerator`'s way onto this engine: submit to the engine thread."""
-        return self._outputs(self._submit(prompt_ids, params))
+        """`SpanGenerator`'s way onto this engine: submitted to the engine thread at once (in a `batch`, before
+        its next step); the outputs come from the returned iterator, which aborts the request when closed early."""
+        return _Outputs(self, self._submit(prompt_ids, params))
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Requests submitted inside reach the engine in one step: the engine thread adds them and steps only
+        when the block is left."""
+        if self._closed:
+            raise BackendUnavailableError("the embedded engine is closed")
+        self._cmds.put(("hold", None))
+        try:
+            yield
+        finally:
+            self._cmds.put(("release", None))
 
     async def run_tokens(
         self, prompt_ids: list[int], params: Any, table: SpanTable | None = None,

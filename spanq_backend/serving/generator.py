@@ -10,11 +10,12 @@ running request reads elsewhere (invariant 6 of docs/design.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from contextlib import AbstractContextManager, aclosing, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -133,6 +134,22 @@ def structured_outputs(call: Generate) -> Any:
     return StructuredOutputsParams(json_object=True) if schema == {} else StructuredOutputsParams(json=schema)
 
 
+async def _gather_or_abort(aws: list[Any], opened: list[AsyncIterator[Any]]) -> list[Any]:
+    """Await the readers of `opened` requests together; if one fails or the caller is cancelled, stop the others
+    and close every request (aborted in the engine, also one whose reader never started)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for o in opened:
+            with contextlib.suppress(Exception):
+                await o.aclose()  # type: ignore[attr-defined]
+        raise
+
+
 class SpanProbe(Protocol):
     """What the generator asks of an engine's prefix cache (`cache_probe.BlockPoolProbe`, `KVEventsMirror`)."""
 
@@ -161,8 +178,12 @@ class SpanGenerator:
         fallback: str | None = None,
         default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
         default_recompute: Recompute = 0.0,
+        batch: Callable[[], AbstractContextManager[Any]] | None = None,
     ):
         self.stream = stream
+        # Requests opened inside `with batch():` reach the engine together, in order, before its next step (the
+        # embedded engine holds its thread; elsewhere they are submitted back to back and usually share a step).
+        self.batch = batch or nullcontext
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -282,6 +303,13 @@ class SpanGenerator:
         except (VLLMClientError, ValueError) as e:  # parameters vLLM refuses: the client's to fix
             raise engine_error(e) from e
 
+    def open(self, prompt_ids: list[int], params: Any, table: SpanTable | None = None) -> AsyncIterator[Any]:
+        """Submit one token request, with `table` attached out of band; its outputs come from the iterator (a
+        host that submits eagerly, `SpanEngine`, has queued it when this returns). Close the iterator to abort."""
+        if table is not None and table.spans:
+            params.extra_args = {**(params.extra_args or {}), EXTRA_ARGS_KEY: table.to_extra_args()}
+        return self.stream(prompt_ids, params)
+
     async def run(
         self,
         prompt_ids: list[int],
@@ -290,11 +318,13 @@ class SpanGenerator:
         on_text: TokenCallback | None = None,
     ) -> TokenRun:
         """Run one token request to the end, with `table` attached out of band; stream its text to `on_text`."""
-        if table is not None and table.spans:
-            params.extra_args = {**(params.extra_args or {}), EXTRA_ARGS_KEY: table.to_extra_args()}
+        return await self.consume(self.open(prompt_ids, params, table), on_text)
+
+    async def consume(self, opened: AsyncIterator[Any], on_text: TokenCallback | None = None) -> TokenRun:
+        """Read an opened request to its end; stream its text to `on_text`. Aborts it if cancelled."""
         outputs: list[Any] = []
         first: float | None = None
-        async with aclosing(self.stream(prompt_ids, params)) as stream:
+        async with aclosing(opened) as stream:
             async for out in stream:
                 outputs.append(out)
                 piece = "".join(c.text for c in out.outputs[:1])
@@ -317,28 +347,51 @@ class SpanGenerator:
 
         Returns how many spans had to be computed (the others were cached) and how many tokens that took."""
         self._note_spans(lowered)
-        spans = [self.compute(lowered.prepare_prompt(i)) for i in range(len(lowered.table.spans))]
+        prompts = [lowered.prepare_prompt(i) for i in range(len(lowered.table.spans))]
         # Spans anchored elsewhere than this prompt's prefix are found only past a cached prefix (vLLM looks the
         # cache up contiguously from the first block): the prefix is computed as ordinary context, beside them.
-        prefix = [self.compute(lowered.prefix_prompt())] if lowered.reads_after_another_prefix else []
-        computed = await asyncio.gather(*spans, *prefix)
-        return sum(1 for c in computed[: len(spans)] if c > 0), sum(computed)
+        if lowered.reads_after_another_prefix:
+            prompts.append(lowered.prefix_prompt())
+        computed = await self.compute_all(prompts)
+        n = len(lowered.table.spans)
+        return sum(1 for c in computed[:n] if c > 0), sum(computed)
+
+    async def compute_all(self, prompts: list[list[int]]) -> list[int]:
+        """`compute` each prompt (no table), in one engine step; the tokens each took (0: cached already)."""
+        opened: dict[int, AsyncIterator[Any]] = {}
+        with self.batch():
+            for i, prompt in enumerate(prompts):
+                if not prompt:
+                    continue
+                if self.span_cached is not None and self.span_cached(prompt):
+                    metrics.count_saved_prepare()
+                    continue
+                opened[i] = self.open_compute(prompt)
+        done = await _gather_or_abort([self._computed(len(prompts[i]), o) for i, o in opened.items()], list(opened.values()))
+        taken = dict(zip(opened, done))
+        return [taken.get(i, 0) for i in range(len(prompts))]
 
     async def compute(self, prompt: list[int], table: SpanTable | None = None) -> int:
         """Put `prompt` (whole blocks, laid out by `table`) in the cache; the tokens it took (0: it was cached
         already)."""
-        from vllm import SamplingParams
-
         if not prompt:
             return 0
         if table is None and self.span_cached is not None and self.span_cached(prompt):
             metrics.count_saved_prepare()
             return 0
+        return await self._computed(len(prompt), self.open_compute(prompt, table))
+
+    def open_compute(self, prompt: list[int], table: SpanTable | None = None) -> AsyncIterator[Any]:
+        """Submit the request that puts `prompt` (whole blocks, laid out by `table`) in the cache."""
+        from vllm import SamplingParams
+
         # One token past the span: vLLM always recomputes a prompt's last token, and this way that is all it
         # recomputes when the span is cached already (not the span's whole last block).
-        ids = prompt + [self.pad_token_id]
-        run = await self.run(ids, SamplingParams(max_tokens=1, temperature=0.0), table)
-        return max(0, len(ids) - 1 - run.cached_tokens)
+        return self.open(prompt + [self.pad_token_id], SamplingParams(max_tokens=1, temperature=0.0), table)
+
+    async def _computed(self, length: int, opened: AsyncIterator[Any]) -> int:
+        run = await self.consume(opened)
+        return max(0, length - run.cached_tokens)
 
     def recompute_plan(self, call: Generate, lowered: LoweredPrompt) -> RecomputePlan:
         """Which of the prompt's span blocks the call recomputes in context, and the layout that does it."""
@@ -347,14 +400,25 @@ class SpanGenerator:
             return RecomputePlan(lowered, (), ())
         return plan_recompute(lowered, choose_blocks(lowered, setting, self.pad_token_id))
 
-    async def recompute(self, plan: RecomputePlan) -> int:
-        """Compute the plan's recomputed blocks in context, one run after another (each reads the ones before);
-        the tokens that took."""
+    def open_recompute(self, plan: RecomputePlan) -> list[tuple[int, AsyncIterator[Any]]]:
+        """Submit the requests that compute the plan's recomputed runs in context, all at once, in prompt order
+        (the caller submits the call's own request right after them, in the same batch): `(run's end, request)`.
+
+        They run in one engine step. vLLM registers a block's hash when it schedules the request that computes
+        it, and every layer writes the step's K/V before attending: run k finds runs j < k's blocks in the
+        cache and attends to their in-context K/V as computed in this same step, exactly what one request after
+        another computed. Where a step cannot hold them all (`max_num_seqs`, the token budget) the rest follow
+        in the next, still exact."""
         ids, table = plan.lowered.token_ids, plan.lowered.table
-        total = 0
-        for end in plan.ends:
-            total += await self.compute(ids[:end], table.truncated(end))
-        return total
+        return [(end, self.open_compute(ids[:end], table.truncated(end))) for end in plan.ends]
+
+    async def recompute(self, plan: RecomputePlan) -> int:
+        """Compute the plan's recomputed blocks in context (in one engine step, `open_recompute`); the tokens
+        that took."""
+        with self.batch():
+            opened = self.open_recompute(plan)
+        done = await _gather_or_abort([self._computed(end, o) for end, o in opened], [o for _, o in opened])
+        return sum(done)
 
     async def seal(self, lowered: LoweredPrompt, runs: list[TokenRun]) -> tuple[int, int]:
         """Make each run's output a span a judge reads on this prompt: remember its ids, and compute its last
@@ -388,19 +452,17 @@ class SpanGenerator:
         lowered, flattened = self._lower(call, align_output=span_output)
         prepared, prepare_tokens = await self.prepare_detail(lowered) if lowered.has_spans else (0, 0)
         redo = self.recompute_plan(call, lowered)
-        recompute_tokens = await self.recompute(redo) if redo.ends else 0
+        # One round: the recompute runs and the call's own requests go to the engine together (`open_recompute`).
+        params = [self.sampling_params(call, seed=None if call.seed is None else call.seed + k) for k in range(call.n)]
+        with self.batch():
+            redone = self.open_recompute(redo)
+            answers = [self.open(lowered.token_ids, p, redo.lowered.table) for p in params]
+        consumed = [self._computed(end, o) for end, o in redone]
+        consumed += [self.consume(o, on_token if k == 0 else None) for k, o in enumerate(answers)]
+        done = await _gather_or_abort(consumed, [o for _, o in redone] + answers)
+        recompute_tokens = sum(done[: len(redone)])
+        runs = done[len(redone) :]
         prepare_tokens += recompute_tokens
-        runs = await asyncio.gather(
-            *(
-                self.run(
-                    lowered.token_ids,
-                    self.sampling_params(call, seed=None if call.seed is None else call.seed + k),
-                    redo.lowered.table,
-                    on_token if k == 0 else None,
-                )
-                for k in range(call.n)
-            )
-        )
         sealed, sealed_new, seal_tokens = (0, 0, 0)
         if span_output and self.spans and not lowered.has_spans:
             sealed, sealed_new, seal_tokens = await self.seal(lowered, runs)

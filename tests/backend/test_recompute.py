@@ -206,3 +206,47 @@ def test_recompute_zero_keeps_todays_results_bit_for_bit(engine):
     for texts_k, n_k, (c_k, t_k, l_k) in rest:
         assert texts_k == texts and n_k == 0 and c_k == c0 and t_k == t0
         assert torch.equal(l_k, l0)
+
+
+@pytest.mark.vllm
+def test_every_recomputed_run_and_the_answer_are_computed_in_one_engine_step(engine, hf_model):
+    """The recompute requests and the call's own request go to the engine together: the answer's first token
+    comes out of the call's first engine step, each run computes only its own block (the runs before it are
+    cache hits registered in that same step), and the answer, which reads the runs' K/V computed in that step,
+    equals the HF reference built the same way."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    d = docs("oneround")
+    gen = engine.generator
+
+    async def scenario():
+        await engine.generate(query(d, "ABCD", "Which shelf holds 4 jars?"))  # spans cached
+        second = query(d, "DBAC", "Which shelf holds 8 jars?", recompute="first")
+        lowered = engine.lower(second)
+        plan = gen.recompute_plan(second, lowered)
+        params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
+        with engine.batch():
+            runs = gen.open_recompute(plan)
+            answer = gen.open(lowered.token_ids, params, plan.lowered.table)
+        computed = await asyncio.gather(*(gen._computed(end, o) for end, o in runs))
+        out = await gen.consume(answer)
+        # The call itself, in another order (nothing recomputed is cached): which steps its requests ran in.
+        third = query(d, "CDBA", "Which shelf holds 9 jars?", recompute="first")
+        engine.recent.clear()
+        done = await engine.generate(third)
+        return lowered, plan, computed, out, list(engine.recent), done.metrics, gen.recompute_plan(third, engine.lower(third))
+
+    lowered, plan, computed, out, requests, metrics, plan3 = asyncio.run(scenario())
+    assert len(plan.ends) >= 3 and len(plan3.ends) >= 3, "several runs that span blocks follow"
+    assert computed == [32] * len(plan.ends), "each run computed its own block only"
+    assert len(requests) == len(plan3.ends) + 1  # nothing prepared: the runs and the answer
+    first_steps = {r.first_output_step - r.added_at_step for r in requests}
+    assert first_steps == {1}, f"steps from submission to first output: {first_steps} (one round: 1 for every request)"
+    assert len({r.added_at_step for r in requests}) == 1, "all submitted before the same step"
+    assert metrics.prepared_tokens == 32 * len(plan3.ends), "no run computed more than its block"
+    toks = out.token_ids
+    lps = torch.tensor([lp[t].logprob for o in out.outputs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+                       dtype=torch.float64)
+    ref = span_reference_logprobs(hf_model, lowered.token_ids, plan.lowered.table, toks).double()
+    assert (lps - ref).abs().max().item() < TOL
