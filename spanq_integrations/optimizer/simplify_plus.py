@@ -2,23 +2,26 @@
 keyword), drop empty joins from their parent join, and replace a single-child join by its child.
 
 These keep the meaning of the query: `plus` is associative and commutative, `cross` associative. An empty join
-at the root, as a generate's input or inside a monad has no parent join to leave, so it stays.
+at the root, as a generate's input or inside a monad has no parent join to leave, so it stays. For a span-aware
+backend a `plus` of one document stays too: it says the document is a span, computed once and reused after any
+prefix (a question over one long document, a retriever's one hit), which its bare text would not be.
 """
 
 from __future__ import annotations
 
 from spanq_integrations.optimizer.context import OptimizerContext
-from spanq_integrations.query.ir import Cross, Node, Plus, transform, with_children
+from spanq_integrations.query.ir import Cross, Fragment, Node, Plus, transform, with_children
 
 __all__ = ["simplify_plus"]
 
 
 def simplify_plus(node: Node, ctx: OptimizerContext) -> Node:
-    """The tree with flat, non-empty, multi-child joins."""
-    return transform(node, _simplify_join)
+    """The tree with flat, non-empty, multi-child joins (a one-document `plus` kept for a span-aware backend)."""
+    keep_lone_spans = ctx.capabilities.span_aware
+    return transform(node, lambda n: _simplify_join(n, keep_lone_spans))
 
 
-def _simplify_join(node: Node) -> Node:
+def _simplify_join(node: Node, keep_lone_spans: bool = False) -> Node:
     if not isinstance(node, (Plus, Cross)):
         return node
     children: list[Node] = []
@@ -30,6 +33,8 @@ def _simplify_join(node: Node) -> Node:
         else:
             children.append(child)
     if len(children) == 1:
+        if keep_lone_spans and isinstance(node, Plus) and isinstance(children[0], Fragment):
+            return node if tuple(children) == node.children else with_children(node, children)
         return children[0]
     return with_children(node, children)
 

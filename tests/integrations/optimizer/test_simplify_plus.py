@@ -38,6 +38,16 @@ def test_single_child_joins_are_replaced_by_their_child() -> None:
     assert simplify(q) == Generate(input=Cross(children=(S, A, Plus(children=(B, C)), U)))
 
 
+def test_a_lone_document_stays_a_span_for_a_span_aware_backend() -> None:
+    """One document in a `plus` is still a span to reuse after another question; elsewhere it is just text."""
+    from spanq_integrations.optimizer.context import BackendCapabilities
+
+    q = Generate(input=Cross(children=(S, Plus(children=(A,)), Cross(children=(Plus(children=(Plus(children=(B,)),)),)), U)))
+    span_aware = OptimizerContext(capabilities=BackendCapabilities(name="span", span_aware=True))
+    assert simplify_plus(q, span_aware) == Generate(input=Cross(children=(S, Plus(children=(A,)), Plus(children=(B,)), U)))
+    assert simplify(q) == Generate(input=Cross(children=(S, A, B, U)))
+
+
 def test_joins_emptied_by_simplification_disappear_in_one_pass() -> None:
     q = Cross(children=(S, Plus(children=(Plus(children=()), Cross(children=()))), U))
     assert simplify(q) == Cross(children=(S, U))
