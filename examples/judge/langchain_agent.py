@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     verdict = result["verdict"]
     chosen = verdict.selection.index if verdict.selection else None
     for i, r in enumerate(result["runs"]):
-        spans = [(c.get("spans", 0), c.get("prepared_spans", 0)) for c in r["calls"]]
+        spans = [(c.get("spans", 0), c.get("prepared_spans", 0) + c.get("deferred_spans", 0)) for c in r["calls"]]
         mark = "*" if i == chosen else " "
         print(f"{mark} agent {i}: {r['answer'].strip()!r}  (searched: {r['searched']}; spans, computed per call: {spans})")
     print(f"\nverdict: {verdict.verdict.strip()}")

@@ -1,9 +1,9 @@
 """The main job: a RAG query on the embedded default model (SmolLM2-135M-Instruct), showing the span cache.
 
 Two questions over the same eight documents, retrieved in different orders. With spans, each document is a
-commutative span: its KV is computed once, on its own, and reused at any position, so the second question
-reuses all of it. The same two queries run on a stock vLLM engine (prefix caching on) beside it: there the
-reordered documents miss the prefix cache.
+commutative span: the first question computes each new document's KV once, on its own (after a lead-in: the start
+of the first document), and reads them together; the second question reuses all of it, at a new position. The same two queries run on a stock vLLM engine (prefix caching on) beside it: there the reordered
+documents miss the prefix cache. Both engines' answers are printed side by side.
 
     make demo            # or: .venv/bin/python examples/rag/demo.py [--model default|tiny|PATH]
 """
@@ -52,34 +52,45 @@ def main(argv: list[str] | None = None) -> int:
         engines.append(("stock", EmbeddedBackend(args.model, spans=False)))
 
     rows = []
+    answers: dict[tuple[str, str], str] = {}
     for name, backend in engines:
         execute(generate(user("Hello"), max_tokens=1, temperature=0.0), backend)  # warm-up, not measured
         for question, order in zip(QUESTIONS, orders):
             result = execute(rag_query(order, question, args.max_tokens), backend)
             call = result.calls[-1]
-            rows.append((name, question, call, result.answer.strip()))
-            print(f"[{name}] {question}\n  -> {result.answer.strip()}")
+            rows.append((name, question, call))
+            answers[(name, question)] = result.answer.strip()
+            # Under --cold-spans context the span engine reads Q1's new documents in context, as stock does, and
+            # prepares them as spans once it is idle; a user's next question comes seconds later: wait for that.
+            if name == "spans":
+                backend.engine.settle()
         backend.close()
 
+    for question in QUESTIONS:
+        print(question)
+        for name, _ in engines:
+            print(f"  [{name}] {answers[(name, question)]}")
     print()
-    print(f"{'engine':<7} {'query':<6} {'TTFT s':>8} {'prompt':>7} {'cached':>7} {'padded':>7} {'prepared':>9}")
-    for i, (name, question, call, _answer) in enumerate(rows):
+    print(f"{'engine':<7} {'query':<6} {'TTFT s':>8} {'prompt':>7} {'cached':>7} {'padded':>7} {'new docs':>9}")
+    for i, (name, _question, call) in enumerate(rows):
         ttft = f"{call.ttft_s:.2f}" if call.ttft_s is not None else "-"
+        new_docs = call.prepared_spans + call.deferred_spans
         print(
             f"{name:<7} {'Q' + str(i % 2 + 1):<6} {ttft:>8} {call.prompt_tokens:>7} {call.cached_tokens:>7} "
-            f"{call.padded_tokens:>7} {call.prepared_spans:>9}"
+            f"{call.padded_tokens:>7} {new_docs:>9}"
         )
-    spans_q2 = rows[1][2]
+    spans_q1, spans_q2 = rows[0][2], rows[1][2]
     print(
-        f"\nWith spans, Q2 (documents reordered) reused {spans_q2.cached_tokens} of {spans_q2.prompt_tokens} prompt "
-        "tokens from the cache."
+        f"\nWith spans, Q1 read its {spans_q1.deferred_spans or spans_q1.prepared_spans} new documents "
+        f"{'in context, as stock does, and prepared them as spans afterwards' if spans_q1.deferred_spans else 'as spans'}; "
+        f"Q2 (documents reordered) reused {spans_q2.cached_tokens} of {spans_q2.prompt_tokens} prompt tokens from the cache."
     )
     if len(rows) == 4:
-        stock_q2 = rows[3][2]
+        stock_q1, stock_q2 = rows[2][2], rows[3][2]
         print(f"Stock vLLM reused {stock_q2.cached_tokens} of {stock_q2.prompt_tokens} for the same reordered query.")
-        if spans_q2.ttft_s and stock_q2.ttft_s:
-            print(f"TTFT of Q2: spans {spans_q2.ttft_s:.2f} s vs stock {stock_q2.ttft_s:.2f} s "
-                  f"({stock_q2.ttft_s / spans_q2.ttft_s:.1f}x)")
+        for label, s, t in (("Q1", spans_q1, stock_q1), ("Q2", spans_q2, stock_q2)):
+            if s.ttft_s and t.ttft_s:
+                print(f"TTFT of {label}: spans {s.ttft_s:.2f} s vs stock {t.ttft_s:.2f} s ({t.ttft_s / s.ttft_s:.1f}x)")
     return 0
 
 

@@ -122,7 +122,7 @@ def run(llm, docs: list[Document], k: int, questions: list[str] = QUESTIONS) -> 
                     "prompt": usage["input_tokens"],
                     "cached": usage["input_token_details"]["cache_read"],
                     "spans": meta["spanq"]["spans"],
-                    "prepared": meta["spanq"]["prepared_spans"],
+                    "prepared": meta["spanq"]["prepared_spans"] + meta["spanq"]["deferred_spans"],  # computed now
                     "ttft_s": meta["spanq"]["ttft_s"],
                 }
             )

@@ -125,13 +125,13 @@ def main(argv: list[str] | None = None, backend: Any = None) -> list[dict[str, A
         print(
             f"{row['synthesizer']:<12} {'Q' + str(QUESTIONS.index(row['question']) + 1):<6} {row.get('calls', 0):>5} "
             f"{(f'{ttft:.2f}' if ttft else '-'):>7} {row.get('prompt_tokens', 0):>7} "
-            f"{row.get('cached_tokens', 0):>7} {row.get('prepared_spans', 0):>9}"
+            f"{row.get('cached_tokens', 0):>7} {row.get('prepared_spans', 0) + row.get('deferred_spans', 0):>9}"
         )
     second = rows[1]
     shared = set(rows[0]["sources"]) & set(second["sources"])
     print(
         f"\nWith spans, Q2 shared {len(shared)} of its {len(second['sources'])} nodes with Q1: it computed "
-        f"{second['prepared_spans']} new spans and read {second['cached_tokens']} of {second['prompt_tokens']} "
+        f"{second['prepared_spans'] + second.get('deferred_spans', 0)} new spans and read {second['cached_tokens']} of {second['prompt_tokens']} "
         "prompt tokens from the cache."
     )
     compact = [r for r in rows if r["synthesizer"] == "compact"]

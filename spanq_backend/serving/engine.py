@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any, Self
 
 from spanq_backend.kv.span_table import SpanTable
-from spanq_backend.serving.generator import SpanGenerator, engine_error, load_chat_tokenizer
+from spanq_backend.serving.generator import (
+    COLD_SPAN_POLICIES,
+    ISOLATE_MIN_TOKENS,
+    LEAD_IN_NEUTRAL,
+    SpanGenerator,
+    engine_error,
+    load_chat_tokenizer,
+)
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR, LoweredPrompt
 from spanq_backend.serving.recompute import recompute_setting
 from spanq_backend.vllm_integration.cache_probe import BlockPoolProbe
@@ -67,11 +74,16 @@ class EngineConfig:
     enforce_eager: bool = True  # no torch.compile warm-up: starts in seconds instead of about a minute here
     num_blocks: int | None = None  # KV blocks (vLLM's num_gpu_blocks_override); None: from kv_cache_gib
     span_anchor: AnchorPolicy = DEFAULT_ANCHOR  # the anchor policy of a `plus` that names none
+    span_lead_in: str = LEAD_IN_NEUTRAL  # what a canonical anchor reads before each span: "neutral", "auto", a text, "none"
+    cold_spans: str = "isolate"  # spans not cached: "isolate", "context" or "auto" (`SpanGenerator.cold_policy`)
+    isolate_min_tokens: int = ISOLATE_MIN_TOKENS  # "auto": cold span tokens from which they are isolated
     compact_json: bool = False  # JSON answers without whitespace (for models that pad them with it)
     recompute: Recompute = 0.0  # span blocks recomputed in context when a call says nothing (docs/design.md)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", recompute_setting(self.recompute))  # refused here, before any engine
+        if self.cold_spans not in COLD_SPAN_POLICIES:
+            raise ValueError(f"cold_spans must be one of {', '.join(COLD_SPAN_POLICIES)}, got {self.cold_spans!r}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be a positive number of GiB, got {self.kv_cache_gib!r}")
 
@@ -108,6 +120,11 @@ def _cpu_env_defaults() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
 
+
+# In-process engines of one process step one at a time: two forward passes at once on the CPU backend (one
+# oneDNN/OpenMP runtime per process) abort the process, and they would share the same cores anyway. An engine that
+# works on its own (deferred prepares while idle) may otherwise step beside another engine's call.
+_STEP_LOCK = threading.Lock()
 
 BATCH_WAIT_S = 5.0  # the most the engine thread waits for the rest of a batch (its caller submits in a loop)
 
@@ -198,6 +215,11 @@ class SpanEngine:
         self._closed = False
         self._active: dict[str, _Request] = {}
         self.steps = 0  # engine steps taken (each one forward pass over the scheduled batch)
+        # Prompts to compute when the engine has nothing else to do (deferred span prepares), and those running.
+        self._idle: collections.deque[tuple[list[int], concurrent.futures.Future[int]]] = collections.deque()
+        # request id -> (prompt tokens less the pad token, the future its computed tokens go to)
+        self._idle_running: dict[str, tuple[int, concurrent.futures.Future[int]]] = {}
+        self._settle_waiters: list[concurrent.futures.Future[bool]] = []
         # The last requests added, with the steps they were added at and first answered in (what a test or a
         # profile reads to see how many rounds a call took).
         self.recent: collections.deque[_Request] = collections.deque(maxlen=256)
@@ -219,6 +241,10 @@ class SpanEngine:
             default_anchor=self.config.span_anchor,
             default_recompute=self.config.recompute,
             batch=self.batch,
+            default_lead_in=self.config.span_lead_in,
+            cold_spans=self.config.cold_spans,
+            isolate_min_tokens=self.config.isolate_min_tokens,
+            background=self.run_when_idle,
         )
         self.pad_token_id = self.generator.pad_token_id
         log.info("%s ready in %.1f s", self.model_name, time.perf_counter() - started)
@@ -275,7 +301,7 @@ class SpanEngine:
         held = 0  # inside a batch (`batch`): everything up to its release is added before the next step
         try:
             while True:
-                busy = engine.has_unfinished_requests()
+                busy = engine.has_unfinished_requests() or bool(self._idle)
                 try:
                     cmd = self._cmds.get(block=not busy)
                 except queue.Empty:
@@ -293,26 +319,96 @@ class SpanEngine:
                         cmd = self._cmds.get(timeout=BATCH_WAIT_S) if held > 0 else self._cmds.get_nowait()
                     except queue.Empty:
                         cmd = None
+                if not engine.has_unfinished_requests() and self._idle:
+                    self._start_idle(engine)
+                self._answer_settled()
                 if engine.has_unfinished_requests():
                     self.steps += 1
-                    for out in engine.step():
+                    with _STEP_LOCK:  # one forward pass at a time in this process
+                        outputs = engine.step()
+                    for out in outputs:
                         self._deliver(engine, out)
+                    self._answer_settled()  # the step may have finished the last deferred prepare
         except BaseException as e:
             log.exception("the engine failed")
             self._closed = True
             for req in list(self._active.values()):
                 self._send(req, BackendUnavailableError(f"the embedded engine failed: {e}"))
         finally:
+            for _, done in [*self._idle, *self._idle_running.values()]:
+                done.cancel()
+            self._idle.clear()
+            self._idle_running.clear()
+            for waiter in self._settle_waiters:
+                if not waiter.done():
+                    waiter.set_result(False)
             try:
                 in_process_engines.retire(engine)
                 del engine
             except UnboundLocalError:
                 pass
 
+    IDLE_BATCH_TOKENS = 2048  # deferred prepares added at once (a call arriving meanwhile waits at most for them)
+
+    def _start_idle(self, engine: Any) -> None:
+        """Add deferred prepares while nothing else runs: up to `IDLE_BATCH_TOKENS`, those not cached by now."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        budget = self.IDLE_BATCH_TOKENS
+        while self._idle and budget > 0:
+            ids, done = self._idle.popleft()
+            if self._probe is not None and self._probe.cached(ids[:-1]):
+                done.set_result(0)
+                continue
+            rid = f"spanq-idle-{next(self._ids)}"
+            try:
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), SamplingParams(max_tokens=1, temperature=0.0))
+            except Exception as e:  # noqa: BLE001  (a deferred prepare is an optimisation, never an error)
+                log.warning("a deferred span prepare was refused: %s", e)
+                done.cancel()
+                continue
+            self._idle_running[rid] = (len(ids) - 1, done)
+            budget -= len(ids)
+
+    def _answer_settled(self) -> None:
+        """Tell `settle` callers once no deferred prepare is waiting or running."""
+        if self._settle_waiters and not self._idle and not self._idle_running:
+            for waiter in self._settle_waiters:
+                if not waiter.done():
+                    waiter.set_result(True)
+            self._settle_waiters.clear()
+
+    def run_when_idle(self, items: list[tuple[list[int], concurrent.futures.Future[int]]]) -> None:
+        """Compute these prompts (each `max_tokens=1`) when the engine has no other request, each future set to
+        the tokens it computed (cancelled if the engine closes first): deferred span prepares
+        (`SpanGenerator.defer`)."""
+        if not items:
+            return
+        if self._closed:
+            for _, done in items:
+                done.cancel()
+            return
+        self._cmds.put(("idle", items))
+
+    def settle(self, timeout: float = 600.0) -> bool:
+        """Wait until every deferred prepare handed to this engine so far is done (benchmarks and tests measure
+        a warm query after it); False if `timeout` passed first."""
+        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._cmds.put(("settle", done))
+        try:
+            return done.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+
     def _handle(self, engine: Any, cmd: tuple) -> None:
         kind, req = cmd
         if kind == "add":
             self._start(engine, req)
+        elif kind == "idle":
+            self._idle.extend(req)
+        elif kind == "settle":
+            self._settle_waiters.append(req)
         elif kind == "reset":
             req.set_result(bool(engine.reset_prefix_cache()))
         elif kind == "abort" and req.rid in self._active:
@@ -332,6 +428,11 @@ class SpanEngine:
         self.recent.append(req)
 
     def _deliver(self, engine: Any, out: Any) -> None:
+        if out.request_id in self._idle_running:
+            if out.finished:
+                length, done = self._idle_running.pop(out.request_id)
+                done.set_result(max(0, length - (out.num_cached_tokens or 0)))  # counted by its generator
+            return
         req = self._active.get(out.request_id)
         if req is None:
             return
@@ -414,6 +515,9 @@ class SpanEngine:
         if m.prepared_spans:
             log.info("prepared %d span%s (%d tokens) for %s", m.prepared_spans, "" if m.prepared_spans == 1 else "s",
                      m.prepared_tokens, path)  # fmt: skip
+        if m.deferred_spans:
+            log.info("read %d new document%s in context for %s; preparing them as spans when idle", m.deferred_spans,
+                     "" if m.deferred_spans == 1 else "s", path)  # fmt: skip
         return completion
 
     def close(self) -> None:

@@ -10,13 +10,15 @@ running request reads elsewhere (invariant 6 of docs/design.md).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import inspect
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager, aclosing, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,6 +26,7 @@ from spanq_backend.kv.span_table import EXTRA_ARGS_KEY, SpanTable
 from spanq_backend.serving import metrics
 from spanq_backend.serving.lowering import (
     DEFAULT_ANCHOR,
+    NEUTRAL_LEAD_IN,
     GeneratedSpan,
     LoweredPrompt,
     Tokenizer,
@@ -32,6 +35,7 @@ from spanq_backend.serving.lowering import (
     lower,
     render_chat,
     span_digest,
+    spans_first,
 )
 from spanq_backend.serving.recompute import RecomputePlan, choose_blocks, plan_recompute
 from spanq_integrations.backends.protocol import CallMetrics, Completion, TokenCallback
@@ -41,7 +45,16 @@ from spanq_integrations.query.errors import (
     RequestRejectedError,
     SpanQueryError,
 )
-from spanq_integrations.query.ir import AnchorPolicy, Assistant, Generate, Plus, Recompute, walk
+from spanq_integrations.query.ir import (
+    AnchorPolicy,
+    Assistant,
+    Fragment,
+    Generate,
+    Plus,
+    Recompute,
+    User,
+    walk,
+)
 
 __all__ = [
     "RequestStream",
@@ -57,6 +70,9 @@ RequestStream = Callable[[list[int], Any], AsyncIterator[Any]]
 
 It aborts the request in the engine when the iterator is closed early or its consumer is cancelled (so its KV
 blocks are freed)."""
+
+
+log = logging.getLogger("spanq.generator")
 
 
 def load_chat_tokenizer(model_path: str | Path) -> Any:
@@ -134,6 +150,21 @@ def structured_outputs(call: Generate) -> Any:
     return StructuredOutputsParams(json_object=True) if schema == {} else StructuredOutputsParams(json=schema)
 
 
+@dataclass
+class CallLayout:
+    """A call's prompt as it runs now (`SpanGenerator.layout`): "warm" (every span cached), "isolate" (the cold
+    spans' `[anchor][span]` prompts computed first), or "context" (the cold spans computed in context by the
+    answer, their prepares `deferred` until the engine is idle)."""
+
+    lowered: LoweredPrompt
+    flattened: bool
+    mode: str
+    isolate: list[list[int]] = field(default_factory=list)
+    deferred: list[list[int]] = field(default_factory=list)
+    also: list[list[int]] = field(default_factory=list)  # deferred beside the spans: the span layout's prefix
+    spans: int = 0  # the call's spans, wherever they are read from (cache, prepares, or in context)
+
+
 async def _gather_or_abort(aws: list[Any], opened: list[AsyncIterator[Any]]) -> list[Any]:
     """Await the readers of `opened` requests together; if one fails or the caller is cancelled, stop the others
     and close every request (aborted in the engine, also one whose reader never started)."""
@@ -148,6 +179,21 @@ async def _gather_or_abort(aws: list[Any], opened: list[AsyncIterator[Any]]) -> 
             with contextlib.suppress(Exception):
                 await o.aclose()  # type: ignore[attr-defined]
         raise
+
+
+ISOLATE_MIN_TOKENS = 1024
+"""`cold_spans="auto"`: cold span tokens from which a call prepares its cold spans alone first (a round of its own)
+instead of computing them in context: below it, attention over the whole prompt costs less than the extra round
+and the padding (`spanq bench rag --grid --cold-spans isolate|context`, docs/benchmarks.md, "Cold spans": the two
+cross near 1k cold tokens on tiny and SmolLM2)."""
+
+COLD_SPAN_POLICIES = ("auto", "context", "isolate")
+
+LEAD_IN_AUTO = "auto"  # the lead-in setting that takes the start of the first document given (`lead_in_for`)
+LEAD_IN_NEUTRAL = "neutral"  # the default: `lowering.NEUTRAL_LEAD_IN`, the same on every engine
+LEAD_IN_SETTINGS = (LEAD_IN_NEUTRAL, LEAD_IN_AUTO, "none")  # or any other text: that text
+LEAD_IN_MIN_TOKENS = 64
+LEAD_IN_MAX_TOKENS = 256
 
 
 class SpanProbe(Protocol):
@@ -179,6 +225,10 @@ class SpanGenerator:
         default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
         default_recompute: Recompute = 0.0,
         batch: Callable[[], AbstractContextManager[Any]] | None = None,
+        default_lead_in: str = LEAD_IN_NEUTRAL,
+        cold_spans: str = "isolate",
+        isolate_min_tokens: int = ISOLATE_MIN_TOKENS,
+        background: Callable[[list[tuple[list[int], concurrent.futures.Future[int]]]], None] | None = None,
     ):
         self.stream = stream
         # Requests opened inside `with batch():` reach the engine together, in order, before its next step (the
@@ -195,6 +245,19 @@ class SpanGenerator:
         self.fallback = fallback
         self.default_anchor = default_anchor  # the anchor policy of a `plus` that names none
         self.default_recompute = default_recompute  # span blocks recomputed in context, for a call that says nothing
+        self.default_lead_in = default_lead_in  # what a canonical anchor reads before the span (`lead_in_for`)
+        self.corpus_lead_in: str | None = None  # "auto": the document picked, once
+        # Spans not in the cache: computed alone first ("isolate"), in context by the answer ("context"), or as
+        # `cold_policy` decides ("auto"). `background` runs deferred prepares when the engine is idle (the host's
+        # own way; by default a task on the caller's loop waits until no call of this generator runs).
+        self.cold_spans = cold_spans
+        self.isolate_min_tokens = isolate_min_tokens
+        self.background = background
+        self.active_calls = 0
+        self._deferred_waiters: list[asyncio.Future[None]] = []
+        self._background_tasks: set[asyncio.Task[None]] = set()
+        # Deferred prepares handed to the engine and not done yet: prompt -> done (tokens computed)
+        self._pending: dict[tuple[int, ...], concurrent.futures.Future[int]] = {}
         # Whether a `[anchor][span]` prompt is wholly in the prefix cache (the engine's probe tells): its
         # prepare request would compute nothing, so it is skipped.
         self.span_probe = span_probe
@@ -262,17 +325,55 @@ class SpanGenerator:
         out = self._generated.get((tuple(lowered.token_ids), node.text))
         return None if out is None else GeneratedSpan(tuple(lowered.token_ids), out)
 
+    def lead_in_for(self, call: Generate) -> str:
+        """The lead-in of this call's canonical anchors. "neutral" (the default): `NEUTRAL_LEAD_IN`, the same text
+        on every engine, so replicas and restarts compute the same span KV and give the same answers. "none" (or
+        ""): nothing. "auto": the start of the first document this generator was given (`LEAD_IN_MIN_TOKENS` or
+        more; its first `LEAD_IN_MAX_TOKENS`), kept for its lifetime so every span shares one anchor (a neutral
+        one until then): closer to full attention (docs/benchmarks.md, "The lead-in"), but an engine's answers
+        then depend on which document it read first. Any other text is itself."""
+        setting = self.default_lead_in
+        if setting == LEAD_IN_NEUTRAL:
+            return NEUTRAL_LEAD_IN
+        if setting in ("none", ""):
+            return ""
+        if setting != LEAD_IN_AUTO:
+            return setting
+        if self.corpus_lead_in is None:
+            picked = self._first_document(call)
+            if picked is not None:
+                self.corpus_lead_in = picked
+                log.info("spans read %d tokens of the first document given as their lead-in (--span-lead-in)",
+                         len(self.tokenizer.encode(picked, add_special_tokens=False)))
+        return self.corpus_lead_in if self.corpus_lead_in is not None else NEUTRAL_LEAD_IN
+
+    def _first_document(self, call: Generate) -> str | None:
+        for _, node in walk(call.input):
+            if not isinstance(node, Plus):
+                continue
+            for child in node.children:
+                if not isinstance(child, (Fragment, User)):  # documents, not generated outputs or messages
+                    continue
+                ids = self.tokenizer.encode(child.text, add_special_tokens=False)
+                if len(ids) >= LEAD_IN_MIN_TOKENS:
+                    return self.tokenizer.decode(ids[:LEAD_IN_MAX_TOKENS]).strip()
+        return None
+
     def lower(self, call: Generate) -> LoweredPrompt:
         return self._lower(call)[0]
 
-    def _lower(self, call: Generate, align_output: bool = False) -> tuple[LoweredPrompt, bool]:
-        """The call's prompt, and whether its spans were flattened (a stock engine's layout)."""
-        if not self.spans and any(isinstance(n, Plus) for _, n in walk(call.input)):
+    def _lower(
+        self, call: Generate, align_output: bool = False, as_context: frozenset[str] = frozenset(),
+        stock: bool = False,
+    ) -> tuple[LoweredPrompt, bool]:
+        """The call's prompt, and whether its spans were flattened (a stock engine's layout; `stock`: laid out as a
+        stock engine lays it out, on a span engine too)."""
+        if (stock or not self.spans) and any(isinstance(n, Plus) for _, n in walk(call.input)):
             # A stock engine: the same messages, flattened, without span layout or padding (never laid out as
             # spans first: the padding would count against the context window).
             ids = flattened_prompt_ids(self.tokenizer, call.input)
             check_fits(ids, 0, self.max_model_len, call.max_tokens or 1)
-            return LoweredPrompt(token_ids=ids, table=SpanTable(self.block_size, ())), True
+            return LoweredPrompt(token_ids=ids, table=SpanTable(self.block_size, ())), not stock
         lowered = lower(
             call.input,
             self.tokenizer,
@@ -283,6 +384,8 @@ class SpanGenerator:
             generated_ids=self.generated_ids,
             default_anchor=self.default_anchor,
             align_output=align_output and self.spans,
+            lead_in=self.lead_in_for(call),
+            as_context=as_context,
         )
         return lowered, False
 
@@ -381,6 +484,66 @@ class SpanGenerator:
             return 0
         return await self._computed(len(prompt), self.open_compute(prompt, table))
 
+    def defer(self, prompts: list[list[int]], also: list[list[int]] = ()) -> None:
+        """Compute these prompts (span prepares: `[anchor][span]`; `also`: other prompts of the span layout, its
+        padded prefix) when the engine is idle, off every call's path: through the host's `background` hook, or
+        on this loop once no call of this generator is running. A call that needs one of them before it is done
+        waits for it (`_await_pending`) instead of computing the span in context again. Each is counted when
+        done (`metrics.count_prepared`: spans and their tokens; `also`, tokens only)."""
+        items = []
+        for prompt, is_span in [*((p, True) for p in prompts), *((p, False) for p in also)]:
+            key = tuple(prompt)
+            if key in self._pending:
+                continue
+            done: concurrent.futures.Future[int] = concurrent.futures.Future()
+            self._pending[key] = done
+            done.add_done_callback(lambda f, key=key, is_span=is_span: self._deferred_done(key, f, is_span))
+            items.append((prompt, done))
+        if not items:
+            return
+        if self.background is not None:
+            self.background([(p + [self.pad_token_id], f) for p, f in items])
+            return
+        task = asyncio.get_running_loop().create_task(self._when_idle(items))
+        self._background_tasks.add(task)
+        task.add_done_callback(self._background_tasks.discard)
+
+    def _deferred_done(self, key: tuple[int, ...], done: concurrent.futures.Future[int], is_span: bool) -> None:
+        self._pending.pop(key, None)
+        if not done.cancelled() and done.exception() is None:
+            computed = done.result()
+            metrics.count_prepared(1 if is_span and computed else 0, computed)
+
+    async def _when_idle(self, items: list[tuple[list[int], concurrent.futures.Future[int]]]) -> None:
+        try:
+            while self.active_calls:
+                waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                self._deferred_waiters.append(waiter)
+                await waiter
+            computed = await self.compute_all([p for p, _ in items])
+            for (_, done), c in zip(items, computed):
+                done.set_result(c)
+        except BaseException as e:  # a deferred prepare is an optimisation: never an error of a call
+            if not isinstance(e, asyncio.CancelledError):
+                log.warning("a deferred span prepare failed: %s", e)
+            for _, done in items:
+                if not done.done():
+                    done.cancel()
+            if isinstance(e, asyncio.CancelledError):
+                raise
+
+    PENDING_WAIT_S = 60.0  # the most a call waits for deferred prepares of its spans that are under way
+
+    async def _await_pending(self, prompts: list[list[int]]) -> None:
+        """Wait (at most `PENDING_WAIT_S`) for the deferred prepares of these prompts that are still to finish."""
+        futures = [f for p in prompts if (f := self._pending.get(tuple(p))) is not None]
+        if not futures:
+            return
+        with contextlib.suppress(asyncio.TimeoutError, concurrent.futures.CancelledError, asyncio.CancelledError):
+            await asyncio.wait_for(
+                asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True), self.PENDING_WAIT_S
+            )
+
     def open_compute(self, prompt: list[int], table: SpanTable | None = None) -> AsyncIterator[Any]:
         """Submit the request that puts `prompt` (whole blocks, laid out by `table`) in the cache."""
         from vllm import SamplingParams
@@ -449,29 +612,120 @@ class SpanGenerator:
         `span_output`: an outer generate reads this call's output as a span. Its prompt is laid out so the
         output starts on a block boundary, and each output is sealed (`seal`) as soon as it is done."""
         t0 = time.perf_counter()
+        self.active_calls += 1
+        try:
+            return await self._generate(call, path, on_token, span_output, t0)
+        finally:
+            self.active_calls -= 1
+            if not self.active_calls and self._deferred_waiters:
+                for waiter in self._deferred_waiters:
+                    if not waiter.done():
+                        waiter.set_result(None)
+                self._deferred_waiters.clear()
+
+    def cold_policy(self, lowered: LoweredPrompt, cold: list[int]) -> str:
+        """How this call computes its spans that are not cached: "isolate" (a prepare round: each alone after its
+        anchor, then the answer reads them from the cache) or "context" (the answer's own request computes them
+        in context, after the cached ones, as a stock prompt would; they are prepared alone later, when the
+        engine is idle). Isolating pays where attention over the whole prompt costs more than a round trip: many
+        cold tokens (`isolate_min_tokens`, measured in docs/benchmarks.md, `rag --grid`)."""
+        if self.span_cached is None:
+            return "isolate"  # nothing says which spans are cached: prepare each (cheap where it is)
+        if self.cold_spans != "auto":
+            return self.cold_spans
+        table = lowered.table
+        cold_tokens = sum(table.spans[i][1] - table.spans[i][0] for i in cold)
+        return "isolate" if cold_tokens >= self.isolate_min_tokens else "context"
+
+    def cold_span_indices(self, lowered: LoweredPrompt, count: bool = True) -> list[int]:
+        """The spans whose `[anchor][span]` the cache does not hold wholly (all of them where it cannot be asked)."""
+        n = len(lowered.table.spans)
+        if self.span_cached is None:
+            return list(range(n))
+        cold = [i for i in range(n) if not self.span_cached(lowered.prepare_prompt(i))]
+        for _ in range(n - len(cold) if count else 0):
+            metrics.count_saved_prepare()  # a span the cache holds: no prepare request
+        return cold
+
+    async def layout(self, call: Generate, span_output: bool = False) -> CallLayout:
+        """How a call is laid out now, given what the cache holds: its prompt, and what it computes where.
+
+        Cold spans (not cached) follow `cold_policy`: under "isolate" they are prepared alone first (`isolate`);
+        under "context" the `plus` groups are reordered so cached spans come first, and the cold ones become
+        context after them, computed by the answer's own request (their prepares are `deferred`). A cold span
+        whose deferred prepare (of an earlier call) is under way is waited for: it is cached then."""
         lowered, flattened = self._lower(call, align_output=span_output)
-        prepared, prepare_tokens = await self.prepare_detail(lowered) if lowered.has_spans else (0, 0)
+        if not lowered.has_spans:
+            return CallLayout(lowered, flattened, "warm")
+        spans = len(lowered.table.spans)
+        self._note_spans(lowered)
+        cold = self.cold_span_indices(lowered)
+        if cold and self._pending:
+            await self._await_pending([lowered.prepare_prompt(i) for i in cold])
+            cold = self.cold_span_indices(lowered, count=False)
+        if not cold:
+            return CallLayout(lowered, flattened, "warm", spans=spans)
+        mode = self.cold_policy(lowered, cold)
+        prompts = [lowered.prepare_prompt(i) for i in cold]
+        if mode == "isolate":
+            return CallLayout(lowered, flattened, mode, isolate=prompts, spans=spans)
+        # The span layout's prefix (padded to a block, unlike the stock prompt's): prepared with the spans, so the
+        # next call that reads them finds everything before its own question cached.
+        extra = [lowered.prefix_prompt()] if lowered.reads_after_another_prefix else []
+        if len(cold) == len(lowered.table.spans) and not lowered.generated_spans and not span_output:
+            # Nothing to read from the cache: the prompt a stock engine reads (no padding, its own tokenization).
+            return CallLayout(
+                self._lower(call, stock=True)[0], flattened, mode, deferred=prompts, also=extra, spans=spans
+            )
+        texts = {lowered.span_texts[i] for i in cold}
+        relaid, _ = self._lower(
+            call.model_copy(update={"input": spans_first(call.input, lambda t: t not in texts)}),
+            align_output=span_output, as_context=frozenset(texts),
+        )
+        return CallLayout(relaid, flattened, mode, deferred=prompts, also=extra, spans=spans)
+
+    async def _generate(
+        self, call: Generate, path: str, on_token: TokenCallback | None, span_output: bool, t0: float
+    ) -> Completion:
+        layout = await self.layout(call, span_output)
+        lowered, flattened, mode, deferred = layout.lowered, layout.flattened, layout.mode, layout.deferred
+        t_lowered = time.perf_counter()
+        prepared, prepare_tokens = 0, 0
+        if layout.isolate:  # round 1: each cold span alone after its anchor
+            computed = await self.compute_all(layout.isolate)
+            prepared, prepare_tokens = sum(1 for c in computed if c > 0), sum(computed)
+        t_prepared = time.perf_counter()
         redo = self.recompute_plan(call, lowered)
-        # One round: the recompute runs and the call's own requests go to the engine together (`open_recompute`).
+        # One round: the prompt's prefix (where no span is anchored on it and it is not cached), the recompute
+        # runs and the call's own requests go to the engine together. Each reads what the ones before it compute
+        # at the same positions, in the same step (`open_recompute`). Not the cold spans' prepares: the answer
+        # reads them at other positions, and keys are moved there before the step computes them.
         params = [self.sampling_params(call, seed=None if call.seed is None else call.seed + k) for k in range(call.n)]
+        prefix = lowered.prefix_prompt() if lowered.has_spans and lowered.reads_after_another_prefix else []
+        if prefix and self.span_cached is not None and self.span_cached(prefix):
+            prefix = []
         with self.batch():
-            redone = self.open_recompute(redo)
+            head = [(len(prefix), self.open_compute(prefix))] if prefix else []
+            redone = head + self.open_recompute(redo)
             answers = [self.open(lowered.token_ids, p, redo.lowered.table) for p in params]
+        t_submitted = time.perf_counter()
         consumed = [self._computed(end, o) for end, o in redone]
         consumed += [self.consume(o, on_token if k == 0 else None) for k, o in enumerate(answers)]
         done = await _gather_or_abort(consumed, [o for _, o in redone] + answers)
-        recompute_tokens = sum(done[: len(redone)])
+        prepare_tokens += sum(done[: len(redone)])
         runs = done[len(redone) :]
-        prepare_tokens += recompute_tokens
+        if deferred:
+            self.defer(deferred, layout.also)
         sealed, sealed_new, seal_tokens = (0, 0, 0)
         if span_output and self.spans and not lowered.has_spans:
             sealed, sealed_new, seal_tokens = await self.seal(lowered, runs)
         first = runs[0].first_text_at
         metrics.count_call(
-            spans=len(lowered.table.spans),
+            spans=layout.spans,
             prepared=prepared + sealed_new,
             prepared_tokens=prepare_tokens + seal_tokens,
             padding_tokens=lowered.padded_tokens,
+            deferred=len(deferred),
         )
         call_metrics = CallMetrics(
             path=path,
@@ -487,13 +741,27 @@ class SpanGenerator:
             padded_tokens=lowered.padded_tokens,
             prepared_spans=prepared + sealed_new,
             prepared_tokens=prepare_tokens + seal_tokens,
+            deferred_spans=len(deferred),
             fallback=self.fallback if flattened else None,
             extra={
-                "spans": len(lowered.table.spans),
+                # the call's spans: read from the cache, prepared by it, or (cold, "context") read in context
+                "spans": layout.spans,
+                # Cold spans: "isolate" (prepared alone first), "context" (computed in context by the answer,
+                # prepared alone when the engine is idle: `deferred_spans`), "warm" (all cached)
+                "cold_spans": mode,
                 "generated_spans": lowered.generated_spans,
                 "generated_as_text": lowered.generated_as_text,
                 "sealed_outputs": sealed,
                 "recomputed_tokens": redo.tokens,
+                # Where the time to first token went: lowering (templates, tokenizing, probing the cache for
+                # cold spans), the prepare round (cold spans computed alone), planning and submitting the
+                # answer's round, and that round until the first token (recompute runs, the answer's prefill).
+                "phases_s": {
+                    "lower": t_lowered - t0,
+                    "prepare": t_prepared - t_lowered,
+                    "submit": t_submitted - t_prepared,
+                    "answer": (first - t_submitted) if first is not None else None,
+                },
             },
         )
         return Completion(

@@ -54,6 +54,8 @@ from spanq_integrations.query.ir import (
 
 __all__ = [
     "DEFAULT_ANCHOR",
+    "DEFAULT_LEAD_IN",
+    "NEUTRAL_LEAD_IN",
     "GeneratedSpan",
     "LoweredPrompt",
     "Tokenizer",
@@ -61,10 +63,45 @@ __all__ = [
     "generated_span_ids",
     "lower",
     "render_chat",
+    "spans_first",
 ]
 
 DEFAULT_ANCHOR: AnchorPolicy = "template"
 """The anchor policy of a `plus` that names none: reuse after any prefix (docs/design.md, "Anchors")."""
+
+_NEUTRAL_PASSAGES = (
+    (
+        "The water cycle describes how water moves between the land, the oceans and the air. Heat from the sun "
+        "evaporates water from lakes and seas; the vapour rises, cools and condenses into clouds. When the "
+        "droplets grow heavy they fall as rain or snow, which feeds rivers and soaks into the ground, and in time "
+        "the water returns to the sea."
+    ),
+    (
+        "Bread has been baked for thousands of years. A simple dough of flour, water, salt and yeast is kneaded, "
+        "left to rise, shaped and baked in a hot oven. The yeast turns sugars into gas, which makes the loaf light, "
+        "and the crust browns as it bakes."
+    ),
+    (
+        "The city library opens at nine on weekdays and at ten on Saturdays. Members may borrow up to six books "
+        "for three weeks, and the reading room on the first floor keeps newspapers from the last ten years. A small "
+        "cafe near the entrance sells tea and sandwiches."
+    ),
+    (
+        "Mount Arden rises 2,300 metres above the valley and is covered in snow for most of the year. The first "
+        "recorded climb was in 1854 by a party of four guides. Today a cable car carries visitors to a viewpoint "
+        "near the summit, and marked trails lead down through pine forest."
+    ),
+)
+NEUTRAL_LEAD_IN = BLOCK_SEPARATOR.join(_NEUTRAL_PASSAGES)
+"""A neutral lead-in (four short passages on unrelated subjects, ~260 tokens): what a canonical anchor reads
+before a span when no document of the corpus is known yet (`SpanGenerator`'s "auto" lead-in) or asked for."""
+
+DEFAULT_LEAD_IN = NEUTRAL_LEAD_IN
+"""What a span reads before itself in its canonical anchor ("template", "system"), after the chat template's
+opening, as if other documents came first. In a prompt a document follows others; computed right after the
+opening, its tokens attend as if they started the text, and what reads the span later sees one such start per
+document. A lead-in recovers much of what span attention costs, at no cost per query: it is part of the anchor,
+computed once and cached (docs/design.md, "Lead-in"; measured in docs/benchmarks.md, `quality`). "" turns it off."""
 
 
 class Tokenizer(Protocol):
@@ -231,16 +268,23 @@ _ANCHORS: weakref.WeakKeyDictionary[Any, OrderedDict[tuple, tuple[int, ...]]] = 
 
 
 def _anchor_tokens(
-    tokenizer: Tokenizer, policy: AnchorPolicy, systems: tuple[str, ...], block_size: int, pad_token_id: int
+    tokenizer: Tokenizer,
+    policy: AnchorPolicy,
+    systems: tuple[str, ...],
+    block_size: int,
+    pad_token_id: int,
+    lead_in: str = DEFAULT_LEAD_IN,
 ) -> tuple[int, ...]:
     """The tokens of a canonical anchor: the chat template's opening of a user turn (after the query's leading
-    system messages for "system"), padded to a block boundary. Remembered per tokenizer."""
+    system messages for "system"), then the lead-in and the separator spans end with, padded to a block
+    boundary. Remembered per tokenizer."""
     cache = _ANCHORS.setdefault(tokenizer, OrderedDict())
-    key = (policy, systems if policy == "system" else (), block_size, pad_token_id)
+    key = (policy, systems if policy == "system" else (), block_size, pad_token_id, lead_in)
     ids = cache.get(key)
     if ids is None:
         mark = f"\u27e6spanq:anchor:{secrets.token_hex(6)}\u27e7"
-        chat = [{"role": "system", "content": t} for t in key[1]] + [{"role": "user", "content": mark}]
+        content = f"{lead_in}{BLOCK_SEPARATOR}{mark}" if lead_in else mark
+        chat = [{"role": "system", "content": t} for t in key[1]] + [{"role": "user", "content": content}]
         rendered = render_chat(tokenizer, chat, add_generation_prompt=False)
         head, found, _ = str(rendered).partition(mark)
         if not found:
@@ -268,12 +312,17 @@ def lower(
     generated_ids: Callable[[Assistant], GeneratedSpan | None] | None = None,
     default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
     align_output: bool = False,
+    lead_in: str = DEFAULT_LEAD_IN,
+    as_context: frozenset[str] = frozenset(),
 ) -> LoweredPrompt:
     """Lower a closed generate input to tokens and a span table (no spans when there is no `plus`).
 
     `generated_ids(assistant)` returns what the engine knows of a generated assistant (None: nothing);
     `default_anchor` is the policy of a `plus` that names none; `align_output` pads a prompt without spans so
-    that its output starts on a block boundary (an inner generation whose output a judge reads as a span)."""
+    that its output starts on a block boundary (an inner generation whose output a judge reads as a span);
+    `lead_in` is what a canonical anchor holds after the template's opening (`DEFAULT_LEAD_IN`); a `plus` child
+    whose text is in `as_context` is laid out as context (its tokens as a span's, unpadded, in no span: computed in
+    context by the request, as a stock prompt's)."""
     messages, slots = _messages_with_slots(node)
     nonce = secrets.token_hex(6)
     sentinel = [f"\u27e6spanq:{i}:{nonce}\u27e7" for i in range(len(slots))]
@@ -317,7 +366,12 @@ def lower(
     tails: dict[int, tuple[int, ...]] = {}
     seen: set[tuple[int, ...]] = set()
     generated_spans = generated_as_text = 0
-    if slots:
+    def in_context(i: int) -> bool:
+        return slots[i].text in as_context and not (
+            generated_ids is not None and isinstance(slots[i].node, Assistant) and slots[i].node.source is not None
+        )
+
+    if any(not in_context(i) for i in range(len(slots))):  # spans follow: the prefix ends on a block
         padded += pad(ids)
     anchor_len = len(ids)
     # The "system" anchor: the prompt's own leading system message, as the template renders it (its text parts
@@ -325,22 +379,28 @@ def lower(
     first = messages[0] if messages and messages[0]["role"] == "system" else None
     systems = (BLOCK_SEPARATOR.join(p for p in first["parts"] if isinstance(p, str)),) if first else ()
 
-    def anchor_for(slot: _SpanSlot) -> int | tuple[int, ...]:
+    def anchor_for(slot: _SpanSlot, size: int) -> int | tuple[int, ...]:
         policy = slot.anchor or default_anchor
         if policy == "prefix":
             return anchor_len
-        tokens = _anchor_tokens(tokenizer, policy, systems, block_size, pad_token_id)
+        tokens = _anchor_tokens(tokenizer, policy, systems, block_size, pad_token_id, lead_in)
+        if lead_in and max_model_len is not None and len(tokens) + size + block_size >= max_model_len:
+            # a span too long to be prepared after the lead-in within the context window: without it
+            tokens = _anchor_tokens(tokenizer, policy, systems, block_size, pad_token_id, "")
         if tuple(ids[:anchor_len]) == tokens or len(tokens) > MAX_ANCHOR_TOKENS:
             return anchor_len  # the prefix itself (say so), or an anchor too long to travel: the exact prefix
         return tokens
 
     def followed_by_context(i: int) -> bool:
-        return i == len(slots) - 1 or bool(_after_separator(texts[i + 1]).strip())
+        return i == len(slots) - 1 or bool(_after_separator(texts[i + 1]).strip()) or in_context(i + 1)
 
     for i, slot in enumerate(slots):
         between = _after_separator(texts[i]) if i else ""
         if between.strip():
             ids.extend(enc(between))  # context between spans, e.g. an instruction between two groups
+        if in_context(i):  # read as a stock prompt reads it: computed in context, no padding, no span
+            ids.extend(_span_tokens(tokenizer, slot.text) + sep_ids)
+            continue
         padded += pad(ids)  # a span starts on a block (after a tail left as context, or context between)
         start = len(ids)
         known = None
@@ -362,7 +422,7 @@ def lower(
             ids.extend(_span_tokens(tokenizer, slot.text) + sep_ids)
             if not followed_by_context(i) or len(ids) - start < block_size:
                 padded += pad(ids)  # (a span shorter than a block has no whole block to keep: padded)
-            anchor = anchor_for(slot)
+            anchor = anchor_for(slot, len(ids) - start)
         # A text span that context follows keeps its last, partial block as context (no padding): computed by
         # the request itself, after everything before it. Its whole blocks are the same as where it is padded.
         end = start + (len(ids) - start) // block_size * block_size
@@ -396,6 +456,25 @@ def lower(
         generated_spans=generated_spans,
         generated_as_text=generated_as_text,
     )
+
+
+def spans_first(node: Node, first: Callable[[str], bool]) -> Node:
+    """`node` with the children of each `plus` reordered, stably: those whose text `first` holds first. A `plus`
+    says its children's order does not matter; the span engine reads cached documents first, so that the
+    documents it computes in context come last and every cached one before them is a cache hit."""
+    from spanq_integrations.query.ir import transform
+
+    def reorder(n: Node) -> Node:
+        if not isinstance(n, Plus) or len(n.children) < 2:
+            return n
+        texts = [block_text(c) if not isinstance(c, (Monad, Print)) else "" for c in n.children]
+        keys = [not first(t) for t in texts]
+        if keys == sorted(keys):
+            return n
+        order = sorted(range(len(n.children)), key=lambda k: keys[k])
+        return n.model_copy(update={"children": tuple(n.children[k] for k in order)})
+
+    return transform(node, reorder)
 
 
 def check_fits(ids: list[int], padded: int, max_model_len: int | None, max_new_tokens: int) -> None:

@@ -9,11 +9,12 @@ and readable in process (`snapshot()`).
 | `spanq_prepared_tokens_total`            | tokens computed to prepare spans                                      |
 | `spanq_padding_tokens_total`             | padding tokens laid out so spans start on a KV block                  |
 | `spanq_prepare_requests_saved_total`     | prepare requests skipped because the cache probe saw the span cached  |
+| `spanq_deferred_spans_total`             | cold spans a call computed in context, to be prepared alone when idle  |
 | `spanq_blocks_relocated_total`           | KV blocks whose keys were moved to a new position (ReRoPE)            |
 | `spanq_span_duplicates_total`            | private block copies planned for concurrent readers (CIDRA)           |
 | `spanq_relocation_seconds_total`         | host time spent moving keys (on a GPU: launching the moves)           |
 
-The first six are counted where prompts are laid out (the process of `spanq serve`'s API server, or of an
+The first seven are counted where prompts are laid out (the process of `spanq serve`'s API server, or of an
 embedded engine). The last three are counted by the engine core and its workers: read directly when they run
 in this process (an embedded engine), and through vLLM's `collective_rpc` after each query otherwise (`spanq
 serve`, whose engine core runs in a process of its own): a scrape shows them as of the last finished query.
@@ -27,7 +28,15 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["LayoutCounters", "count_call", "count_saved_prepare", "register", "set_engine_stats", "snapshot"]
+__all__ = [
+    "LayoutCounters",
+    "count_call",
+    "count_prepared",
+    "count_saved_prepare",
+    "register",
+    "set_engine_stats",
+    "snapshot",
+]
 
 
 @dataclass
@@ -38,6 +47,7 @@ class LayoutCounters:
     prepared_tokens: int = 0
     padding_tokens: int = 0
     prepare_requests_saved: int = 0
+    deferred_spans: int = 0
 
 
 _counters = LayoutCounters()
@@ -52,6 +62,7 @@ _HELP = {
     "prepared_tokens": "Tokens computed to prepare spans.",
     "padding_tokens": "Padding tokens laid out so that spans start on a KV block.",
     "prepare_requests_saved": "Prepare requests skipped because the cache probe saw the span cached.",
+    "deferred_spans": "Cold spans a call computed in context, prepared alone later when the engine was idle.",
 }
 _WORKER_HELP = {
     "blocks_relocated": ("moved_blocks", "KV blocks whose keys were moved to a new position (ReRoPE)."),
@@ -60,15 +71,26 @@ _WORKER_HELP = {
 }
 
 
-def count_call(*, spans: int, prepared: int, prepared_tokens: int, padding_tokens: int) -> None:
-    """Count one call: `spans` in its table, `prepared` of them computed by it (the rest were hits)."""
+def count_call(
+    *, spans: int, prepared: int, prepared_tokens: int, padding_tokens: int, deferred: int = 0
+) -> None:
+    """Count one call: `spans` it read, `prepared` of them it computed alone first and `deferred` cold ones it
+    computed in context (prepared alone later: `count_prepared`); the rest were hits."""
     with _lock:
         if spans:
             _counters.span_calls += 1
-            _counters.spans_hit += max(0, spans - prepared)
+            _counters.spans_hit += max(0, spans - prepared - deferred)
         _counters.spans_prepared += prepared
         _counters.prepared_tokens += prepared_tokens
         _counters.padding_tokens += padding_tokens
+        _counters.deferred_spans += deferred
+
+
+def count_prepared(spans: int, tokens: int) -> None:
+    """Count spans prepared alone off every call's path (deferred prepares, when the engine was idle)."""
+    with _lock:
+        _counters.spans_prepared += spans
+        _counters.prepared_tokens += tokens
 
 
 def count_saved_prepare() -> None:

@@ -26,7 +26,14 @@ from typing import Any
 
 from fastapi import Depends, Request  # module level: FastAPI resolves the route's annotations here
 
-from spanq_backend.serving.generator import SpanGenerator, engine_error, load_chat_tokenizer
+from spanq_backend.serving.generator import (
+    COLD_SPAN_POLICIES,
+    ISOLATE_MIN_TOKENS,
+    LEAD_IN_NEUTRAL,
+    SpanGenerator,
+    engine_error,
+    load_chat_tokenizer,
+)
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
 from spanq_backend.serving.processes import ExitGuard
 from spanq_backend.serving.recompute import recompute_arg
@@ -116,6 +123,9 @@ class EngineClientBackend(Backend):
         span_support: SpanSupport | None = None,
         default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
         default_recompute: Recompute = 0.0,
+        default_lead_in: str = LEAD_IN_NEUTRAL,
+        cold_spans: str = "isolate",
+        isolate_min_tokens: int = ISOLATE_MIN_TOKENS,
     ):
         """`span_probe`: the engine's prefix cache as this process sees it (`cache_probe.KVEventsMirror`); a span
         whose prepare prompt it holds wholly is not prepared again. `span_support`: what the engine's
@@ -135,6 +145,9 @@ class EngineClientBackend(Backend):
             fallback=None if support.enabled else support.reason,
             default_anchor=default_anchor,
             default_recompute=default_recompute,
+            default_lead_in=default_lead_in,
+            cold_spans=cold_spans,
+            isolate_min_tokens=isolate_min_tokens,
         )
         self.capabilities = BackendCapabilities(
             name="spanq-serve",
@@ -353,6 +366,9 @@ def build_query_router(
     limits: QueryLimits = DEFAULT_LIMITS,
     default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
     default_recompute: Recompute = 0.0,
+    default_lead_in: str = LEAD_IN_NEUTRAL,
+    cold_spans: str = "isolate",
+    isolate_min_tokens: int = ISOLATE_MIN_TOKENS,
 ) -> Any:
     """The FastAPI router of `POST /v1/query/execute`, for an app whose state holds vLLM's engine client."""
     from fastapi import APIRouter
@@ -386,6 +402,9 @@ def build_query_router(
                 span_support=support,
                 default_anchor=default_anchor,
                 default_recompute=default_recompute,
+                default_lead_in=default_lead_in,
+                cold_spans=cold_spans,
+                isolate_min_tokens=isolate_min_tokens,
             )
         return backend
 
@@ -588,6 +607,24 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         "prefix, the default), system (after the query's system prompt), prefix (exact, after the same prefix)",
     )
     parser.add_argument(
+        "--span-lead-in", dest="spanq_span_lead_in", default=LEAD_IN_NEUTRAL, metavar="neutral|auto|none|TEXT",
+        help="what a template or system anchor reads before each document, as if other documents came first: "
+        "neutral (the default: four short passages of plain prose, the same on every server), auto (the start of "
+        "the first document the server reads, kept: closer to full attention, but answers then depend on which "
+        "document came first, so replicas differ), none, or a text",
+    )
+    parser.add_argument(
+        "--cold-spans", dest="spanq_cold_spans", choices=COLD_SPAN_POLICIES, default="isolate",
+        help="documents not cached yet: prepared alone first, so the first answer is the one every later query "
+        "gets (isolate, the default); computed in context by the query as stock vLLM would, and prepared alone "
+        "when the engine is idle (context: a stock answer first, span answers after); or as their size says "
+        f"(auto: isolate from --isolate-min-tokens cold tokens, {ISOLATE_MIN_TOKENS} by default)",
+    )
+    parser.add_argument(
+        "--isolate-min-tokens", dest="spanq_isolate_min_tokens", type=_positive_int, default=ISOLATE_MIN_TOKENS,
+        metavar="N", help="--cold-spans auto: cold document tokens from which they are prepared alone first",
+    )
+    parser.add_argument(
         "--recompute", dest="spanq_recompute", type=recompute_arg, default=0.0, metavar="SETTING",
         help="span blocks recomputed in context for quality when a query says nothing: none (the default), first, "
         "last (each span's first / last block), or a share of span blocks such as 0.1",
@@ -701,7 +738,13 @@ def serve_main(argv: list[str]) -> int:
 
     limits = limits_of(args)
     anchor, redo = args.spanq_span_anchor, args.spanq_recompute
-    with query_route_mounted(lambda: build_query_router(tokenizer, args.served_model_name, limits, anchor, redo)):
+    lead_in = args.spanq_span_lead_in
+    with query_route_mounted(
+        lambda: build_query_router(
+            tokenizer, args.served_model_name, limits, anchor, redo, lead_in,
+            args.spanq_cold_spans, args.spanq_isolate_min_tokens,
+        )
+    ):
         guard.deadline_s += args.shutdown_timeout  # vLLM's drain (--shutdown-timeout) comes first
         uvloop.run(_run_server(args, guard))
     return 0

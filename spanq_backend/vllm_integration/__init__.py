@@ -159,4 +159,5 @@ def stats() -> dict[str, Any]:
         "compiled_runners": sum(rt.relocator.uses_compiled_kernel for rt in runtimes),
         "conflicts": sum(rt.tracker.conflicts for rt in runtimes),
         "duplicates": sum(m.planner.duplicates_planned for m in engine_core.manager_spans.values()),
+        "hashing_seconds": engine_core.HASHING["seconds"],
     }

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("spanq.vllm")
+
+HASHING = {"seconds": 0.0, "requests": 0}  # host time this process spent hashing span tables' blocks
 
 CONTEXT_TAG = "spanq-ctx"  # extra key of blocks re-keyed as context: never equal to a span's or a stock hash
 
@@ -118,7 +121,12 @@ class SpanBlockHasher:
         def extra_keys(start: int, end: int) -> Any:
             return self._extra_keys(request, start, end, 0)[0]
 
-        return span_block_hashes(request.all_token_ids, table, self._hash_block, request.block_hashes, extra_keys)
+        started = time.perf_counter()
+        try:
+            return span_block_hashes(request.all_token_ids, table, self._hash_block, request.block_hashes, extra_keys)
+        finally:
+            HASHING["seconds"] += time.perf_counter() - started
+            HASHING["requests"] += 1
 
     def _refusal(self, table: SpanTable, num_prompt_tokens: int) -> str | None:
         if not self.support.enabled:

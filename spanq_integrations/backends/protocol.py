@@ -41,6 +41,9 @@ class CallMetrics(BaseModel):
     # Tokens this call's own prepare requests computed (never counted as cached): its spans', and the last
     # block of each output a judge will read as a span (sealed when the output is done).
     prepared_tokens: int = 0
+    # Spans that were not cached and that this call computed in context, as a stock prompt does; they are prepared
+    # alone (for the next call) when the engine is idle, after this call.
+    deferred_spans: int = 0
     fallback: str | None = None  # why the call's spans were sent as ordinary prompt text, when they were
     # The call's answers (one per choice, `n` of them) and why each ended, as the engine reported it: "stop" (an
     # end of sequence or a stop string), "length" (max_tokens), None where the backend did not say. Filled by the
@@ -78,6 +81,7 @@ class Usage(BaseModel):
     padded_tokens: int = 0
     prepared_spans: int = 0
     prepared_tokens: int = 0
+    deferred_spans: int = 0
     fallback: str | None = None
 
     @classmethod
@@ -91,6 +95,7 @@ class Usage(BaseModel):
             padded_tokens=sum(c.padded_tokens for c in calls),
             prepared_spans=sum(c.prepared_spans for c in calls),
             prepared_tokens=sum(c.prepared_tokens for c in calls),
+            deferred_spans=sum(c.deferred_spans for c in calls),
             fallback=next((c.fallback for c in calls if c.fallback), None),
         )
 
@@ -104,6 +109,7 @@ class Usage(BaseModel):
             "padded_tokens": self.padded_tokens,
             "prepared_spans": self.prepared_spans,
             "prepared_tokens": self.prepared_tokens,
+            "deferred_spans": self.deferred_spans,
             "span_fallback": self.fallback,
         }
 

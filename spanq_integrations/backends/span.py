@@ -36,6 +36,7 @@ def _metrics_from_usage(usage: dict[str, Any], **fields: Any) -> CallMetrics:
         padded_tokens=int(usage.get("padded_tokens") or 0),
         prepared_spans=int(usage.get("prepared_spans") or 0),
         prepared_tokens=int(usage.get("prepared_tokens") or 0),
+        deferred_spans=int(usage.get("deferred_spans") or 0),
         fallback=usage.get("span_fallback") or None,
         **fields,
     )

@@ -121,6 +121,7 @@ class CallOutcome:
             "padded_tokens": m.padded_tokens,
             "prepared_spans": m.prepared_spans,
             "prepared_tokens": m.prepared_tokens,
+            "deferred_spans": m.deferred_spans,
             "ttft_s": m.ttft_s,
             "wall_s": m.wall_s,
             "spans": int(m.extra.get("spans", self.spans_sent if self.span_aware else 0)),

@@ -82,7 +82,7 @@ _CALL_OPTIONS = ("max_tokens", "temperature", "stop", "seed")
 _BACKEND_LOCK = threading.Lock()  # guards resolving a backend (rare); module-level so LLMs stay copyable
 _LLAMAINDEX_FIX = "answer with SpanQuerySynthesizer, which sends every node as a span"
 _ROLE_OF: dict[type, Role] = {System: "system", User: "user", Assistant: "assistant"}
-_RECORDED = ("prompt_tokens", "cached_tokens", "generated_tokens", "prepared_spans", "ttft_s")
+_RECORDED = ("prompt_tokens", "cached_tokens", "generated_tokens", "prepared_spans", "deferred_spans", "ttft_s")
 # What the current call's prompt did with the query's nodes (set when its query is built, read when it is done;
 # a context variable: concurrent calls in their own tasks each see their own).
 _split_note: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("spanq_node_spans", default=None)

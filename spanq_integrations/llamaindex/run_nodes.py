@@ -44,7 +44,8 @@ class QueryRecord:
 
     def summary(self) -> dict[str, Any]:
         totals = {k: sum(int(c.get(k) or 0) for c in self.calls)
-                  for k in ("spans", "prepared_spans", "cached_tokens", "prompt_tokens", "generated_tokens")}
+                  for k in ("spans", "prepared_spans", "deferred_spans", "cached_tokens", "prompt_tokens",
+                            "generated_tokens")}
         fallbacks = [c["fallback"] for c in self.calls if c.get("fallback")]
         return {**totals, "llm_calls": len(self.calls), "fallback": fallbacks[0] if fallbacks else None,
                 "calls": self.calls}

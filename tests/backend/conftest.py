@@ -11,6 +11,8 @@ def engine(tiny_model):
     spans stay with it)."""
     from spanq_backend.serving.engine import SpanEngine
 
-    eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=8)
+    # Documents not cached are prepared alone first ("isolate"): these modules check what reading prepared spans
+    # computes; computing cold documents in context instead is `test_cold_spans.py`'s subject.
+    eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=8, cold_spans="isolate")
     yield eng
     eng.close()

@@ -22,18 +22,33 @@ def rag(tag: str, order: str):
     )
 
 
-def test_a_cold_call_reads_nothing_from_the_cache_and_a_warm_one_reads_its_documents(tiny_backend):
+@pytest.fixture(params=["isolate", "context"])
+def cold_spans(request, tiny_backend):
+    """The shared engine under each way of computing cold spans (restored after the test)."""
+    generator = tiny_backend.engine.generator
+    kept, generator.cold_spans = generator.cold_spans, request.param
+    yield request.param
+    generator.cold_spans = kept
+
+
+def test_a_cold_call_reads_nothing_from_the_cache_and_a_warm_one_reads_its_documents(tiny_backend, cold_spans):
     engine = tiny_backend.engine
     tag = uuid.uuid4().hex[:8]  # a system prompt and documents no earlier call has seen
 
     async def scenario():
-        return await engine.generate(rag(tag, "ABCD")), await engine.generate(rag(tag, "DBCA"))
+        cold = await engine.generate(rag(tag, "ABCD"))
+        engine.settle()  # "context": the documents are prepared alone once the engine is idle
+        return cold, await engine.generate(rag(tag, "DBCA"))
 
     cold, warm = (c.metrics for c in asyncio.run(scenario()))
     lowered = engine.lower(rag(tag, "DBCA"))
     span_tokens = sum(e - s for s, e in lowered.table.spans)
-    assert cold.prepared_spans == 4 and cold.prepared_tokens >= span_tokens
+    if cold_spans == "isolate":  # prepared alone before the answer: its own prepare requests' tokens
+        assert cold.prepared_spans == 4 and cold.prepared_tokens >= span_tokens
+    else:  # computed in context by the answer, as any prompt token: neither prepared nor cached
+        assert cold.prepared_spans == 0 and cold.prepared_tokens == 0 and cold.deferred_spans == 4
     assert cold.cached_tokens == 0, f"a cold call reported {cold.cached_tokens} tokens as read from the cache"
+    # ("context": the cold call's stock prompt left the span layout's padded prefix to the deferred prepares)
     assert warm.prepared_spans == 0 and warm.prepared_tokens == 0
     assert warm.cached_tokens >= span_tokens, "the warm call read every document from the cache"
     for m in (cold, warm):
@@ -48,9 +63,13 @@ def test_span_counters_are_readable_in_process_and_agree_with_the_calls(tiny_bac
     engine = tiny_backend.engine
     tag = uuid.uuid4().hex[:8]
     before = metrics.snapshot()
+    kept, engine.generator.cold_spans = engine.generator.cold_spans, "isolate"  # prepared by the call itself
 
     async def scenario():
-        return await engine.generate(rag(tag, "ABCD")), await engine.generate(rag(tag, "DBCA"))
+        try:
+            return await engine.generate(rag(tag, "ABCD")), await engine.generate(rag(tag, "DBCA"))
+        finally:
+            engine.generator.cold_spans = kept  # the session's engine: leave it as found
 
     cold, warm = (c.metrics for c in asyncio.run(scenario()))
     after = metrics.snapshot()

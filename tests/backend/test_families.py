@@ -46,7 +46,8 @@ def query(order: str):
 def start(name: str, **options):
     from spanq_backend.serving.engine import SpanEngine
 
-    return SpanEngine(**{"model": f"tiny-{name}", "block_size": 32, "max_model_len": 2048, "max_num_seqs": 8, **options})
+    return SpanEngine(**{"model": f"tiny-{name}", "block_size": 32, "max_model_len": 2048, "max_num_seqs": 8,
+                         "cold_spans": "isolate", **options})  # documents prepared alone first: read as spans next
 
 
 @pytest.fixture(scope="module", params=EXACT)

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from spanq_backend.serving.lowering import LoweredPrompt, lower
+from spanq_backend.serving.lowering import NEUTRAL_LEAD_IN, LoweredPrompt, lower
 from spanq_integrations.query.errors import ContextLengthError, QueryValidationError
 from spanq_integrations.query.flatten import to_chat_messages
 from spanq_integrations.query.ir import (
@@ -185,16 +185,37 @@ def test_the_template_anchor_is_the_same_whatever_precedes_the_documents(tok, ne
         assert lp.prefix_prompt() == lp.token_ids[: lp.table.anchor_len]
     for c, seen in prompts.items():
         assert len(seen) >= 2 and all(p == seen[0] for p in seen), f"document {c} is prepared differently after another prefix"
+    # The opening of a user turn, then the lead-in (what each document reads first: other documents' kind of text).
     head = tok.decode(list(lower(rag(), tok, BS, newline).table.anchor_of(0))).rstrip("\n")
-    assert head.endswith("<|im_start|>user") and SYSTEM not in head
+    assert head.endswith(NEUTRAL_LEAD_IN) and SYSTEM not in head
+    assert head.removesuffix(NEUTRAL_LEAD_IN).rstrip("\n").endswith("<|im_start|>user")
+    bare = tok.decode(list(lower(rag(), tok, BS, newline, lead_in="").table.anchor_of(0))).rstrip("\n")
+    assert bare.endswith("<|im_start|>user") and SYSTEM not in bare
+
+
+def test_a_span_too_long_to_follow_the_lead_in_is_prepared_without_it(tok, newline):
+    """The lead-in must not make a document that fits the window unpreparable: such a span's anchor is the bare
+    opening."""
+    query = cross(system(SYSTEM), plus(fragment("word " * 300)), user(QUESTION))
+    n = len(lower(query, tok, BS, newline).token_ids)
+    lp = lower(query, tok, BS, newline, max_model_len=n + 40)
+    assert lp.prepare_prompt(0)[: len(lp.table.anchor_of(0))] == list(lp.table.anchor_of(0))
+    assert tok.decode(list(lp.table.anchor_of(0))).rstrip("\n").endswith("<|im_start|>user")
+    roomy = lower(query, tok, BS, newline, max_model_len=4096)
+    assert tok.decode(list(roomy.table.anchor_of(0))).rstrip("\n").endswith(NEUTRAL_LEAD_IN)
 
 
 def test_the_system_anchor_is_the_prompts_own_system_message(tok, newline):
     """Two system parts render as one system message in the prompt: the anchor is that message, so a prompt that
     opens with it and nothing else is anchored on its own prefix (no extra tokens, no extra prepare)."""
     lp = lower(cross(system("A."), system("B."), plus(*[fragment(DOCS[c]) for c in "AB"], anchor="system"),
-                     user("Q?")), tok, BS, newline)
+                     user("Q?")), tok, BS, newline, lead_in="")
     assert lp.table.anchors is None and not lp.reads_after_another_prefix
+    # With a lead-in (the default) the anchor is that message and the lead-in: explicit tokens, the prefix apart.
+    led = lower(cross(system("A."), system("B."), plus(*[fragment(DOCS[c]) for c in "AB"], anchor="system"),
+                      user("Q?")), tok, BS, newline)
+    assert led.table.anchors is not None and led.reads_after_another_prefix
+    assert list(led.table.anchor_of(0))[: len(lp.prefix_prompt()) - BS] == lp.prefix_prompt()[: len(lp.prefix_prompt()) - BS]
     long_system = "word " * 20000  # an anchor too long to travel as tokens falls back to the exact prefix
     lp = lower(cross(system(long_system), user("Q?"), plus(*[fragment(DOCS[c]) for c in "AB"], anchor="system")),
                tok, BS, newline)

@@ -1,0 +1,145 @@
+"""Cold spans (docs/design.md, "Cold spans"): a query whose documents are not cached yet computes them in context,
+as a stock prompt does — its answer is stock's — and prepares them alone when the engine is idle, so the next
+query reads them from the cache; documents that are cached are read first, the new ones after them.
+
+Checked on the engine against the HF reference: the cold answer is the stock answer on the same tokens; after the
+deferred prepares, a reordered query is all cache hits and matches the span reference (the in-context KV of the
+cold query never landed under a span's key); a query mixing cached and new documents reads the cached ones as
+spans and the new ones as context, and matches the reference of that layout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from benchmarks.hf_span import span_reference_logprobs
+from spanq_backend.serving.generator import flattened_prompt_ids
+from spanq_integrations import cross, fragment, generate, plus, system, user
+from tests.backend.logprobs import run_with_logprobs
+
+pytestmark = pytest.mark.vllm
+
+TOL = 2e-4
+
+
+def docs(tag: str) -> dict[str, str]:
+    return {c: f"Card {c}{tag}. " + " ".join(f"Drawer {c}{tag}-{i} keeps {i * 3 % 7} keys." for i in range(12))
+            for c in "ABCD"}
+
+
+def query(d: dict[str, str], order: str, question: str = "Which drawer keeps 5 keys?"):
+    return generate(
+        cross(system("Answer from the cards."), plus(*[fragment(d[c]) for c in order]), user(question)),
+        max_tokens=5, temperature=0.0,
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    from spanq_backend.serving.engine import SpanEngine
+
+    eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=8, cold_spans="context")
+    yield eng
+    eng.close()
+
+
+def test_a_cold_query_answers_as_stock_and_prepares_its_documents_when_idle(engine, hf_model):
+    d = docs("cold")
+    gen = engine.generator
+
+    async def scenario():
+        first = query(d, "ABCD")
+        layout = await gen.layout(first)
+        cold = await engine.generate(first)
+        stock = await run_with_logprobs(engine, layout.lowered, 5, with_table=False)
+        engine.settle()
+        second = query(d, "DBCA", "Which drawer keeps 2 keys?")
+        warm_layout = await gen.layout(second)
+        warm = await engine.generate(second)
+        return first, layout, cold, stock, warm_layout, warm, await run_with_logprobs(engine, warm_layout.lowered, 5)
+
+    first, layout, cold, (_, stock_toks, _), warm_layout, warm, (_, toks, lps) = asyncio.run(scenario())
+    m = cold.metrics
+    assert layout.mode == "context" and m.extra["cold_spans"] == "context"
+    assert m.prepared_spans == 0 and m.deferred_spans == 4 and m.padded_tokens == 0
+    # Nothing of the span layout is left: the prompt is the one a stock engine reads, and so is the answer.
+    assert layout.lowered.token_ids == flattened_prompt_ids(engine.tokenizer, first.input)
+    assert not layout.lowered.has_spans
+    assert cold.texts[0] == engine.tokenizer.decode(stock_toks)
+    # After the deferred prepares: every document a cache hit, read as an isolated span.
+    w = warm.metrics
+    assert warm_layout.mode == "warm" and w.extra["cold_spans"] == "warm" and w.prepared_spans == 0
+    assert w.cached_tokens >= sum(e - s for s, e in warm_layout.lowered.table.spans) > 0
+    ref = span_reference_logprobs(hf_model, warm_layout.lowered.token_ids, warm_layout.lowered.table, toks).double()
+    assert (lps - ref).abs().max().item() < TOL
+
+
+def test_cached_documents_are_read_first_and_new_ones_in_context_after_them(engine, hf_model):
+    d = docs("mixed")
+    gen = engine.generator
+
+    async def scenario():
+        await engine.generate(query(d, "AB"))
+        engine.settle()  # A and B are spans in the cache now
+        mixed = query(d, "CADB")
+        layout = await gen.layout(mixed)
+        result = await engine.generate(mixed)
+        return layout, result, await run_with_logprobs(engine, layout.lowered, 5)
+
+    layout, result, (_, toks, lps) = asyncio.run(scenario())
+    table = layout.lowered.table
+    assert layout.mode == "context" and len(layout.deferred) == 2
+    assert len(table.spans) == 2, "A and B are spans; C and D are context"
+    text = engine.tokenizer.decode(layout.lowered.token_ids)
+    assert text.index("Card Amixed") < text.index("Card Bmixed") < text.index("Card Cmixed") < text.index("Card Dmixed")
+    assert result.metrics.cached_tokens >= sum(e - s for s, e in table.spans)
+    assert result.texts[0] == engine.tokenizer.decode(toks)
+    ref = span_reference_logprobs(hf_model, layout.lowered.token_ids, table, toks).double()
+    assert (lps - ref).abs().max().item() < TOL
+    # The check can fail: reading C and D as spans too is another computation.
+    everything = gen._lower(query(d, "ABCD"))[0]
+    other = span_reference_logprobs(hf_model, everything.token_ids, everything.table, toks).double()
+    assert (other - ref).abs().max().item() > 2 * TOL
+
+
+def test_isolate_prepares_cold_spans_first_and_answers_as_the_warm_spans_do(engine, hf_model):
+    d = docs("iso")
+    gen = engine.generator
+    gen.cold_spans = "isolate"
+
+    async def scenario():
+        cold = await engine.generate(query(d, "ABCD"))
+        layout = await gen.layout(query(d, "ABCD"))  # all cached now
+        return cold, layout, await run_with_logprobs(engine, layout.lowered, 5)
+
+    try:
+        cold, layout, (_, toks, lps) = asyncio.run(scenario())
+    finally:
+        gen.cold_spans = "context"
+    m = cold.metrics
+    assert m.extra["cold_spans"] == "isolate" and m.prepared_spans == 4 and m.deferred_spans == 0
+    assert m.cached_tokens == 0 and m.prepared_tokens > 0
+    # The cold answer is the span answer: the one the same query gives warm, which is the HF span reference's.
+    assert layout.mode == "warm"
+    ref = span_reference_logprobs(hf_model, layout.lowered.token_ids, layout.lowered.table, toks).double()
+    assert (lps - ref).abs().max().item() < TOL
+    assert cold.texts[0] == engine.tokenizer.decode(toks)
+
+
+def test_a_query_right_after_a_cold_one_waits_for_its_documents_prepares_and_reads_them_as_spans(engine):
+    """No settling between the two: the second query finds its documents' deferred prepares under way and waits
+    for them rather than reading the documents in context again."""
+    d = docs("next")
+
+    async def scenario():
+        cold = await engine.generate(query(d, "ABCD"))
+        warm = await engine.generate(query(d, "CDAB", "Which drawer keeps 1 key?"))
+        return cold.metrics, warm.metrics
+
+    cold, warm = asyncio.run(scenario())
+    assert cold.deferred_spans == 4
+    assert warm.extra["cold_spans"] == "warm" and warm.deferred_spans == 0 and warm.prepared_spans == 0
+    lowered = engine.lower(query(d, "CDAB", "Which drawer keeps 1 key?"))
+    assert warm.cached_tokens >= sum(e - s for s, e in lowered.table.spans)
