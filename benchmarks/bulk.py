@@ -155,8 +155,10 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
 
 def setting_row(calls: list[Any], size: int, order: str, mode: str, rep: int, wall: float) -> dict[str, Any]:
     ttfts = [ttft_of(c) for c in calls]
-    spans = sum(c.extra.get("spans", 0) for c in calls)
-    prepared = sum(c.prepared_spans for c in calls)
+    # spans a call read: those in its table, and the cold ones it read in context (deferred); a miss is a span it
+    # prepared itself or read in context
+    spans = sum(c.extra.get("spans", 0) + c.deferred_spans for c in calls)
+    prepared = sum(c.prepared_spans + c.deferred_spans for c in calls)
     prompt = sum(c.prompt_tokens for c in calls)
     return {
         "bulk": size, "order": order, "mode": mode, "rep": rep, "calls": len(calls), "wall_s": wall,

@@ -183,6 +183,9 @@ def warm_up(backend: Any) -> None:
     docs = [fragment(f"Warm-up note {i}: " + " ".join(WORDS[i * 7 : i * 7 + 40])) for i in range(3)]
     for order in (docs, docs[::-1]):
         execute(generate(cross(system("Warm up."), plus(*order), user("Ready?")), max_tokens=2, temperature=0.0), backend)
+    generator = getattr(getattr(backend, "engine", None), "generator", None)
+    if generator is not None:
+        generator.corpus_lead_in = None  # the lead-in comes from the benchmark's own documents, not these
 
 
 @contextmanager

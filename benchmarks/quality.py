@@ -69,10 +69,19 @@ class QAItem:
     town: str
     color: str
     question: str
+    task: str = "qa"
+    gold_text: str = ""  # the gold answer, where it is not the QA item's sentence
+    expect: tuple[str, ...] = ()  # what a correct answer names (each, as a word or phrase); default: the colour
+    preamble: str = ""  # text of the user turn before the documents (a judge's source document)
+    system_text: str = ""  # the system prompt, where it is not SYSTEM
 
     @property
     def gold(self) -> str:
-        return f"The town hall of {self.town} is painted {self.color}."
+        return self.gold_text or f"The town hall of {self.town} is painted {self.color}."
+
+    def correct(self, answer: str) -> bool:
+        """Whether a greedy answer names what the gold answer names (exact match, by words)."""
+        return all(names_color(answer, x) for x in (self.expect or (self.color,)))
 
 
 FILLER = (
@@ -131,27 +140,96 @@ def qa_query(item: QAItem, max_tokens: int, anchor: str | None = None, recompute
     from spanq_integrations import cross, fragment, generate, plus, system, user
 
     docs = plus(*[fragment(d, id=f"doc{i}") for i, d in enumerate(item.docs)], anchor=anchor)
-    return generate(
-        cross(system(SYSTEM), docs, user(item.question)),
-        max_tokens=max_tokens,
-        temperature=0.0,
-        recompute=recompute,
-    )
+    parts = [system(item.system_text or SYSTEM), *([user(item.preamble)] if item.preamble else []), docs,
+             user(item.question)]
+    return generate(cross(*parts), max_tokens=max_tokens, temperature=0.0, recompute=recompute)
+
+
+TASKS = ("qa", "cross", "judge", "demo")
+
+
+def make_task_items(task: str, count: int, docs: int, *, seed: int, filler: int = 0) -> list[QAItem]:
+    """`count` items of one task shape:
+
+    - qa: one document holds the answer (`make_items`);
+    - cross: the answer needs two documents: the colours of two towns' halls, in one sentence;
+    - judge: four candidate answers to a QA question (one right) are the spans, the source document precedes them
+      in the user turn; the gold answer is the right candidate's number: does the span judge pick what the stock
+      judge picks;
+    - demo: the demo's two questions over its eight documents (`examples/rag/documents.json`), in `count` seeded
+      orders.
+    """
+    if task == "qa":
+        return make_items(count, docs, seed=seed, filler=filler)
+    rng = random.Random(f"spanq-quality-{task}:{seed}")
+    if task == "cross":
+        out = []
+        for item in make_items(count, docs, seed=seed, filler=filler):
+            other = rng.choice([i for i in range(len(item.docs)) if i != item.target])
+            town2 = item.docs[other].split(" is a small town")[0]
+            color2 = re.search(r"town hall is painted (\w+)", item.docs[other]).group(1)
+            out.append(QAItem(
+                item.docs, item.target, item.town, item.color,
+                f"What colours are the town halls of {item.town} and {town2} painted?", task="cross",
+                gold_text=f"The town hall of {item.town} is painted {item.color}, and the town hall of {town2} is "
+                f"painted {color2}.",
+                expect=(item.color, color2),
+            ))
+        return out
+    if task == "judge":
+        out = []
+        for item in make_items(count, 1, seed=seed, filler=filler):
+            wrong = rng.sample([c for c in COLORS if c != item.color], 3)
+            colors = [item.color, *wrong]
+            rng.shuffle(colors)
+            k = colors.index(item.color) + 1
+            cands = [f"Answer {i + 1}: The town hall of {item.town} is painted {c}." for i, c in enumerate(colors)]
+            out.append(QAItem(
+                cands, k - 1, item.town, item.color,
+                "Which answer is correct according to the document: 1, 2, 3 or 4? Reply with its number.",
+                task="judge", gold_text=str(k), expect=(str(k),),
+                preamble=f"Document: {item.docs[0]}\n\nQuestion: {item.question}\n\nCandidate answers:",
+                system_text="You judge answers against a document. Reply with the number of the correct answer.",
+            ))
+        return out
+    if task == "demo":
+        root = Path(__file__).resolve().parents[1] / "examples" / "rag"
+        documents = [d["text"] for d in json.loads((root / "documents.json").read_text())]
+        questions = (
+            ("What color is the town hall of Corrow Ridge?", "The town hall of Corrow Ridge is painted dark red.",
+             ("dark red",), "Corrow Ridge", "dark red"),
+            ("Which town can only be reached by ferry, and from where?",
+             "Hollin Isle can only be reached by ferry, from Lindale Harbor.", ("Hollin", "Lindale"), "Hollin Isle", ""),
+        )
+        out = []
+        for k in range(count):
+            question, gold, expect, town, color = questions[k % 2]
+            order = rng.sample(documents, len(documents))
+            target = next(i for i, d in enumerate(order) if town.split()[0] in d.split(".")[0])
+            out.append(QAItem(order, target, town, color, question, task="demo", gold_text=gold, expect=expect,
+                              system_text="Answer the question using only the documents. Be brief."))
+        return out
+    raise ValueError(f"unknown task {task!r}; one of {', '.join(TASKS)}")
 
 
 def names_color(answer: str, color: str) -> bool:
-    return re.search(rf"\b{re.escape(color)}\b", answer.lower()) is not None
+    return re.search(rf"\b{re.escape(color.lower())}\b", answer.lower()) is not None
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = base_parser("quality", __doc__.splitlines()[0], model="default", reps=None)
-    parser.add_argument("--items", type=int, default=100, help="QA items (default: 100)")
+    parser.add_argument("--items", type=int, default=100, help="items per task (default: 100)")
+    parser.add_argument("--tasks", type=_task_list, default=["qa"],
+                        help=f"task shapes (default: qa; any of {', '.join(TASKS)}; see make_task_items)")
     parser.add_argument("--docs", type=int, default=5, help="documents per item (default: 5)")
     parser.add_argument("--filler", type=int, default=12,
                         help="sentences of other facts per document (default: 12, about 7 KV blocks a document)")
     parser.add_argument("--max-tokens", type=int, default=16, help="answer length for exact match (default: 16)")
     parser.add_argument("--anchors", type=_anchor_list, default=["template"],
                         help="anchor policies to measure (default: template; any of template,system,prefix)")
+    parser.add_argument("--lead-ins", type=_lead_in_list, default=["neutral"],
+                        help="lead-ins of the template and system anchors to measure (default: neutral, spanq's: its "
+                        "neutral passages; auto: the start of the first document the engine reads; none)")
     parser.add_argument("--recompute", type=_recompute_list, default=_recompute_list(DEFAULT_RECOMPUTE),
                         help=f"recompute settings to measure (default: {DEFAULT_RECOMPUTE}; 0, first, last or a share)")
     parser.add_argument("--hf-check", type=int, default=5, metavar="N",
@@ -171,6 +249,36 @@ def _anchor_list(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown anchor policies {unknown}; choose from {', '.join(ANCHORS)}")
     return names
+
+
+LEAD_INS = ("neutral", "auto", "none")
+
+
+def _task_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in TASKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown tasks {unknown}; choose from {', '.join(TASKS)}")
+    return list(dict.fromkeys(names))
+
+
+def _lead_in_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in LEAD_INS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown lead-ins {unknown}; choose from {', '.join(LEAD_INS)}")
+    return list(dict.fromkeys(names))
+
+
+def anchor_label(anchor: str, lead_in: str) -> str:
+    """The anchor column of a setting: the policy, then its lead-in unless it is spanq's default ("neutral";
+    prefix anchors have none)."""
+    return anchor if lead_in == "neutral" or anchor == "prefix" else f"{anchor}-{lead_in}"
+
+
+def lead_in_setting(label: str) -> str:
+    """The generator's lead-in setting (`SpanGenerator.lead_in_for`) of an anchor column."""
+    return label.partition("-")[2] or "neutral"
 
 
 def _recompute_list(text: str) -> list[Any]:
@@ -223,14 +331,18 @@ async def measure_item(item: QAItem, k: int, stock: Any, spans: Any, args: argpa
     layout_only = compare(ref, lay)
     rows = []
     seen: dict[Any, tuple[dict[str, Any], str]] = {}
-    for anchor in args.anchors:
+    variants = list(dict.fromkeys(anchor_label(a, lead) for a in args.anchors for lead in args.lead_ins))
+    kept = gen.default_lead_in
+    for label in variants:
+        anchor = label.partition("-")[0]
+        gen.default_lead_in = lead_in_setting(label)
         for setting in args.recompute:
             call = qa_query(item, args.max_tokens, anchor, setting)
             lowered = gen.lower(call)
             await gen.prepare_detail(lowered)
             plan = gen.recompute_plan(call, lowered)
             await gen.recompute(plan)
-            key = plan.lowered.table
+            key = (plan.lowered.table, tuple(map(str, plan.lowered.table.anchors or ())))
             if key not in seen:
                 got = await on_engine(spans, "score", lowered.token_ids, gold, plan.lowered.table, TOP)
                 answer = await on_engine(spans, "greedy", lowered.token_ids, args.max_tokens, plan.lowered.table)
@@ -238,13 +350,13 @@ async def measure_item(item: QAItem, k: int, stock: Any, spans: Any, args: argpa
             got, answer = seen[key]
             span_tokens = sum(e - s for s, e in lowered.table.spans)
             row: dict[str, Any] = {
-                "item": k, "anchor": anchor, "recompute": setting_label(setting), "town": item.town,
+                "item": k, "task": item.task, "anchor": label, "recompute": setting_label(setting), "town": item.town,
                 "color": item.color, "target_doc": item.target,
                 "recomputed_share": plan.tokens / span_tokens if span_tokens else 0.0,
                 "stock_answer": ref_answer, "layout_answer": lay_answer, "spans_answer": answer,
-                "stock_correct": names_color(ref_answer, item.color),
-                "layout_correct": names_color(lay_answer, item.color),
-                "spans_correct": names_color(answer, item.color),
+                "stock_correct": item.correct(ref_answer),
+                "layout_correct": item.correct(lay_answer),
+                "spans_correct": item.correct(answer),
                 "prompt_tokens_stock": len(plain), "prompt_tokens_spans": len(lowered.token_ids),
                 "padded_tokens": lowered.padded_tokens,
                 "gold_lp_stock": sum(ref["own"]), "gold_lp_layout": sum(lay["own"]), "gold_lp_spans": sum(got["own"]),
@@ -260,6 +372,7 @@ async def measure_item(item: QAItem, k: int, stock: Any, spans: Any, args: argpa
                 row["hf_attention_kl"] = float(hf_span.kl_divergence(full, span).mean())
                 row["hf_attention_agreement"] = float((full.argmax(-1) == span.argmax(-1)).double().mean())
             rows.append(row)
+    gen.default_lead_in = kept
     return rows
 
 
@@ -307,7 +420,8 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
     if args.rows_from:
         _load_rows(report, args)
     else:
-        items = make_items(args.items, args.docs, seed=args.seed, filler=args.filler)
+        items = [it for task in args.tasks
+                 for it in make_task_items(task, args.items, args.docs, seed=args.seed, filler=args.filler)]
         hf_model = hf_span.load_hf_model(resolve_model(args.model)) if args.hf_check > 0 else None
         with engine_pair(args.model, backends=backends, max_model_len=8192, max_num_seqs=8) as (stock, spans):
             bar = progress(len(items), "quality", disable=args.no_progress)
@@ -317,6 +431,7 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
                     report.rows.extend(await measure_item(item, k, stock, spans, args, hf_model))
                     bar.update(1)
                 bar.close()
+                report.config["corpus_lead_in"] = spans.engine.generator.corpus_lead_in
                 if args.speed_docs > 0 and args.speed_reps > 0:
                     report.config["speed_rows"] = await measure_speed(stock, spans, args)
 
@@ -372,31 +487,34 @@ def summarize_rows(rows: list[dict[str, Any]], speed: list[dict[str, Any]], args
             }
         out["speed"] = {"docs": args.speed_docs, "tokens": args.speed_tokens, "stock_reordered_ttft_s": stock_ttft,
                         "settings": per_setting}
-    for anchor in args.anchors:
-        for setting in labels:
-            at = [r for r in rows if r["anchor"] == anchor and r["recompute"] == setting]
-            if not at:
-                continue
-            entry: dict[str, Any] = {
-                "exact_match": {name: bootstrap([r[f"{name}_correct"] for r in at]) for name in ("stock", "layout", "spans")},
-                "recomputed_share": summarize([r["recomputed_share"] for r in at])["mean"],
-                "padding_overhead": sum(r["padded_tokens"] for r in at) / max(1, sum(r["prompt_tokens_spans"] for r in at)),
-                "gold_lp": {name: summarize([r[f"gold_lp_{name}"] for r in at])["mean"] for name in ("stock", "layout", "spans")},
+    anchors = list(dict.fromkeys(anchor_label(a, lead) for a in args.anchors for lead in getattr(args, "lead_ins", ["neutral"])))
+    tasks = list(dict.fromkeys(r.get("task", "qa") for r in rows))
+    for task, anchor, setting in ((t, a, s) for t in tasks for a in anchors for s in labels):
+        at = [r for r in rows if r.get("task", "qa") == task and r["anchor"] == anchor and r["recompute"] == setting]
+        if not at:
+            continue
+        entry: dict[str, Any] = {
+            "exact_match": {name: bootstrap([r[f"{name}_correct"] for r in at]) for name in ("stock", "layout", "spans")},
+            # paired over items: spans' exact match minus stock's on the plain prompt
+            "exact_match_diff": bootstrap([float(r["spans_correct"]) - float(r["stock_correct"]) for r in at]),
+            "recomputed_share": summarize([r["recomputed_share"] for r in at])["mean"],
+            "padding_overhead": sum(r["padded_tokens"] for r in at) / max(1, sum(r["prompt_tokens_spans"] for r in at)),
+            "gold_lp": {name: summarize([r[f"gold_lp_{name}"] for r in at])["mean"] for name in ("stock", "layout", "spans")},
+        }
+        for comparison in ("layout", "attention", "both"):
+            entry[comparison] = {m: bootstrap([r[f"{comparison}_{m}"] for r in at]) for m in METRICS}
+        checked = [r for r in at if "hf_attention_kl" in r]
+        if checked:
+            entry["hf_check"] = {
+                "items": len(checked),
+                "hf_kl": summarize([r["hf_attention_kl"] for r in checked])["mean"],
+                "engine_kl_top20": summarize([r["attention_kl"] for r in checked])["mean"],
+                "hf_agreement": summarize([r["hf_attention_agreement"] for r in checked])["mean"],
+                "engine_agreement": summarize([r["attention_agreement"] for r in checked])["mean"],
             }
-            for comparison in ("layout", "attention", "both"):
-                entry[comparison] = {m: bootstrap([r[f"{comparison}_{m}"] for r in at]) for m in METRICS}
-            checked = [r for r in at if "hf_attention_kl" in r]
-            if checked:
-                entry["hf_check"] = {
-                    "items": len(checked),
-                    "hf_kl": summarize([r["hf_attention_kl"] for r in checked])["mean"],
-                    "engine_kl_top20": summarize([r["attention_kl"] for r in checked])["mean"],
-                    "hf_agreement": summarize([r["hf_attention_agreement"] for r in checked])["mean"],
-                    "engine_agreement": summarize([r["attention_agreement"] for r in checked])["mean"],
-                }
-            if speed:
-                entry["speed"] = out["speed"]["settings"][setting]
-            out["settings"][f"{anchor}/{setting}"] = entry
+        if speed:
+            entry["speed"] = out["speed"]["settings"][setting]
+        out["settings"][f"{anchor}/{setting}" if task == "qa" else f"{task}:{anchor}/{setting}"] = entry
     return out
 
 
@@ -407,7 +525,7 @@ def _ci(b: dict[str, float], digits: int = 2) -> str:
 def render_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
     settings = summary["settings"]
     headers = ["anchor/recompute", "share", "agree attn", "agree both", "KL attn", "KL both", "gold lp Δ both",
-               "exact spans", "warm TTFT", "x stock"]
+               "exact spans", "exact Δ stock", "warm TTFT", "x stock"]
     lines = []
     first = next(iter(settings.values()), None)
     for name, e in settings.items():
@@ -415,7 +533,8 @@ def render_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
         lines.append([
             name, e["recomputed_share"], _ci(e["attention"]["agreement"]), _ci(e["both"]["agreement"]),
             _ci(e["attention"]["kl"], 3), _ci(e["both"]["kl"], 3), _ci(e["both"]["gold_lp_delta"], 2),
-            _ci(e["exact_match"]["spans"]), sp.get("warm_ttft_s", float("nan")),
+            _ci(e["exact_match"]["spans"]), _ci(e["exact_match_diff"]) if "exact_match_diff" in e else "-",
+            sp.get("warm_ttft_s", float("nan")),
             sp.get("speedup_vs_stock_reordered") or float("nan"),
         ])
     title = (f"quality on {model_label(args.model)}: {summary['items']} items x {args.docs} documents "

@@ -23,6 +23,7 @@ spans reuse under the default anchor policy ("template").
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,10 +75,28 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per engine, GiB (default: 1)")
     parser.add_argument("--question-first", action="store_true",
                         help="the question before the documents, and another question on the second pass")
+    parser.add_argument("--cold-spans", choices=("isolate", "context", "auto"), default="isolate",
+                        help="how the span engine computes documents it has not cached (EngineConfig.cold_spans; "
+                        "default: isolate, the engine's default)")
+    parser.add_argument("--grid", action="store_true",
+                        help="every document count x every document size of --doc-tokens-list (default 64,128,256,512), "
+                        "with a heat map of each speedup")
+    parser.add_argument("--doc-tokens-list", type=int_list, default=[64, 128, 256, 512], metavar="N,N",
+                        help="--grid: the document sizes (default 64,128,256,512)")
     args = parser.parse_args(list(argv))
     if args.docs is None:
-        args.docs = [1, 2, 4, 8, 16, 32] if args.model == "tiny" else [1, 2, 4, 8, 16]
+        args.docs = [1, 2, 4, 8, 16] if args.grid or args.model != "tiny" else [1, 2, 4, 8, 16, 32]
+    if not args.grid:
+        args.doc_tokens_list = [args.doc_tokens]
     return args
+
+
+def _span_engine_stats(backend: Any) -> dict[str, float]:
+    """The span engine's own counters (relocation and hashing host time), in this process."""
+    from spanq_backend import vllm_integration
+
+    s = vllm_integration.stats()
+    return {"relocation_s": s["relocation_seconds"], "hashing_s": s["hashing_seconds"], "steps": backend.engine.steps}
 
 
 def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -> int:
@@ -88,24 +107,27 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
     args = parse_args(argv)
     report = BenchReport("rag", args)
     options = {"max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib, "max_num_seqs": 16}
+    if backends is None:
+        options["cold_spans"] = args.cold_spans
     with engine_pair(args.model, backends=backends, **options) as (stock, spans):
         tokenizer = spans.engine.tokenizer
-        sizes, skipped = [], []
-        for n in sorted(set(args.docs)):
-            probe = make_documents(tokenizer, n, args.doc_tokens, seed=args.seed, start=10**6)
-            try:
-                spans.engine.lower(rag_query(probe, range(n)))
-                sizes.append(n)
-            except ContextLengthError:
-                skipped.append(n)
+        cells, skipped = [], []
+        for tokens in args.doc_tokens_list:
+            for n in sorted(set(args.docs)):
+                probe = make_documents(tokenizer, n, tokens, seed=args.seed, start=10**6)
+                try:
+                    spans.engine.lower(rag_query(probe, range(n)))
+                    cells.append((n, tokens))
+                except ContextLengthError:
+                    skipped.append((n, tokens))
         if skipped:
-            print(f"skipped {skipped} documents: {args.doc_tokens}-token documents do not fit {args.max_model_len} "
-                  "tokens (lower --doc-tokens or raise --max-model-len)")
-        bar = progress(len(sizes) * args.reps * len(MODES), "rag", disable=args.no_progress)
+            print(f"skipped (documents, tokens) {skipped}: they do not fit {args.max_model_len} tokens "
+                  "(lower --doc-tokens or raise --max-model-len)")
+        bar = progress(len(cells) * args.reps * len(MODES), "rag", disable=args.no_progress)
         next_doc = 0
-        for n in sizes:
+        for n, tokens in cells:
             for rep in range(args.reps):
-                docs = make_documents(tokenizer, n, args.doc_tokens, seed=args.seed, start=next_doc)
+                docs = make_documents(tokenizer, n, tokens, seed=args.seed, start=next_doc)
                 next_doc += n
                 first, again = list(range(n)), list(reversed(range(n)))
                 later = SECOND_QUESTION if args.question_first else QUESTION
@@ -113,28 +135,82 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
                         ("stock_reordered", stock, again, later), ("spans_warm", spans, again, later),
                         ("stock_canonical", stock, sorted(again), later), ("stock_same", stock, first, QUESTION))
                 for mode, backend, order, question in plan:
+                    if backend is spans:
+                        settle(spans)  # what the span engine does between queries (background prepares) is done
+                        before = _span_engine_stats(spans)
                     (call,) = execute(rag_query(docs, order, question, args.question_first), backend).calls
-                    report.rows.append({
-                        "docs": n, "rep": rep, "mode": mode, "ttft_s": ttft_of(call),
+                    row = {
+                        "docs": n, "doc_tokens_target": tokens, "rep": rep, "mode": mode, "ttft_s": ttft_of(call),
                         "prompt_tokens": call.prompt_tokens, "cached_tokens": call.cached_tokens,
                         "padded_tokens": call.padded_tokens, "prepared_spans": call.prepared_spans,
+                        "deferred_spans": call.deferred_spans,
+                        "prepared_tokens": call.prepared_tokens,
                         "doc_tokens": [len(tokenizer.encode(d, add_special_tokens=False)) for d in docs],
-                    })
+                    }
+                    if backend is spans:
+                        after = _span_engine_stats(spans)
+                        row["phases_s"] = call.extra.get("phases_s", {})
+                        row["engine"] = {k: after[k] - before[k] for k in after}
+                    report.rows.append(row)
                     bar.update(1)
         bar.close()
 
-    report.config.update({"sizes": sizes, "skipped_sizes": skipped, "modes": list(MODES), "question": QUESTION,
+    report.config.update({"cold_spans": getattr(spans.engine.generator, "cold_spans", None), "cells": cells, "skipped_cells": skipped, "modes": list(MODES), "question": QUESTION,
                           "question_first": args.question_first})
-    report.summary = summarize_rows(report.rows, sizes)
+    report.summary = summarize_cells(report.rows, cells)
     print(render_table(report.summary, args))
-    goal = report.summary.get(str(GOAL_DOCS))
-    if goal is not None:
+    print()
+    print(render_profile(report.summary, args))
+    goal = report.summary.get(cell_key(GOAL_DOCS, args.doc_tokens))
+    if goal is not None and not args.grid:
         print(f"\n{GOAL_DOCS} documents x {args.doc_tokens} tokens on {model_label(args.model)}: spans warm is "
               f"{goal['speedup_warm_vs_stock_reordered']:.1f}x faster to first token than stock reordered "
               f"(issue goal on tiny: >= {GOAL_SPEEDUP:.0f}x)")
-    report.write(plot(report.summary, args))
+    report.write(plot_grid(report.summary, args) if args.grid else plot(report.summary, args))
     report.print_files()
     return 0
+
+
+def settle(backend: Any) -> None:
+    """Wait until the span engine has nothing left to do in the background (`SpanEngine.settle`)."""
+    engine = getattr(backend, "engine", None)
+    if engine is not None and hasattr(engine, "settle"):
+        engine.settle()
+
+
+def cell_key(n: int, tokens: int) -> str:
+    return f"{n}x{tokens}"
+
+
+def summarize_cells(rows: list[dict[str, Any]], cells: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """Per (documents, tokens) cell: `summarize_rows`' entry."""
+    out = {}
+    for n, tokens in cells:
+        at = [r for r in rows if r["docs"] == n and r.get("doc_tokens_target", tokens) == tokens]
+        entry = summarize_rows(at, [n])[str(n)]
+        entry.update({"docs": n, "doc_tokens": tokens})
+        entry["profile"] = profile_of(at)
+        out[cell_key(n, tokens)] = entry
+    return out
+
+
+PHASES = ("lower", "prepare", "submit", "answer")
+
+
+def profile_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per span mode: the median time of each phase of the call (`CallMetrics.extra["phases_s"]`), and of the
+    engine's relocation and span hashing inside it, with the TTFT they add up to."""
+    out = {}
+    for mode in ("spans_cold", "spans_warm"):
+        at = [r for r in rows if r["mode"] == mode and r.get("phases_s")]
+        if not at:
+            continue
+        entry = {p: summarize([r["phases_s"].get(p) for r in at])["median"] for p in PHASES}
+        entry.update({k: summarize([r["engine"][k] for r in at])["median"] for k in ("relocation_s", "hashing_s", "steps")})
+        entry["ttft_s"] = summarize([r["ttft_s"] for r in at])["median"]
+        entry["prepared_tokens"] = summarize([r["prepared_tokens"] for r in at])["median"]
+        out[mode] = entry
+    return out
 
 
 def summarize_rows(rows: list[dict[str, Any]], sizes: Sequence[int]) -> dict[str, Any]:
@@ -170,6 +246,25 @@ def paired_speedup(slow: dict[int, float], fast: dict[int, float]) -> float:
     return summarize([slow[k] / fast[k] for k in fast if k in slow and fast[k] > 0])["median"]
 
 
+def _ms_share(x: Any, total: float) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x * 1000:.1f} ({x / total:.0%})"
+
+
+def render_profile(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    """Where the span engine's time to first token goes, per cell and mode (ms, medians; share of the TTFT)."""
+    rows = []
+    for key, e in summary.items():
+        for mode, p in e.get("profile", {}).items():
+            ttft = p["ttft_s"] or float("nan")
+            rows.append([key, mode.removeprefix("spans_"), p["ttft_s"] * 1000,
+                         *(_ms_share(p[k], ttft) for k in (*PHASES, "relocation_s", "hashing_s")),
+                         p["steps"], p["prepared_tokens"]])
+    headers = ["docs x tokens", "spans", "TTFT ms", "lower", "prepare round", "submit", "answer round",
+               "of which relocation", "hashing (engine core)", "engine steps", "prepared tokens"]
+    return (f"profile of the span engine's TTFT on {model_label(args.model)} (ms, median; share of the TTFT)\n"
+            + format_table(headers, rows, left=2))
+
+
 def render_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
     ms = 1000.0
     rows = []
@@ -183,16 +278,44 @@ def render_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
             e["speedup_warm_vs_stock_reordered"], e["speedup_cold_vs_stock_cold"],
             e["speedup_warm_vs_stock_canonical"], e["speedup_warm_vs_stock_same"],
         ])
-    headers = ["docs", "tok stock", "tok spans", "stock cold", "stock reord", "p90", "spans cold", "p90",
+    headers = ["docs x tok", "tok stock", "tok spans", "stock cold", "stock reord", "p90", "spans cold", "p90",
                "spans warm", "p90", "stock canon", "stock same", "warm x", "cold x", "x canon", "x same"]
     title = (f"rag on {model_label(args.model)}: TTFT in ms (median, p90 over {args.reps} reps), "
-             f"{args.doc_tokens}-token documents; speedups = median of per-rep ratios (warm vs stock reordered, "
+             f"documents x tokens; speedups = median of per-rep ratios (warm vs stock reordered, "
              "cold vs stock cold, warm vs stock canonical order, warm vs stock's best case: the same prompt again)")
     return title + "\n" + format_table(headers, rows)
 
 
+def plot_grid(summary: dict[str, Any], args: argparse.Namespace) -> Any:
+    """One heat map per speedup: documents (rows) x tokens per document (columns), 1.0 = as fast as stock."""
+    ratios = (("speedup_cold_vs_stock_cold", "spans cold vs stock cold"),
+              ("speedup_warm_vs_stock_canonical", "spans warm vs stock canonical"),
+              ("speedup_warm_vs_stock_reordered", "spans warm vs stock reordered"))
+    fig, axes = new_figure(len(ratios), width=4.2)
+    docs = sorted({e["docs"] for e in summary.values()})
+    toks = sorted({e["doc_tokens"] for e in summary.values()})
+    for ax, (key, title) in zip(axes, ratios):
+        grid = [[summary.get(cell_key(n, t), {}).get(key, float("nan")) for t in toks] for n in docs]
+        import numpy as np
+
+        values = np.array(grid, dtype=float)
+        im = ax.imshow(np.log2(values), cmap="RdYlGn", vmin=-2, vmax=2, origin="lower")
+        for i in range(len(docs)):
+            for j in range(len(toks)):
+                v = values[i, j]
+                ax.text(j, i, "-" if math.isnan(v) else f"{v:.2g}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(toks)), [str(t) for t in toks])
+        ax.set_yticks(range(len(docs)), [str(n) for n in docs])
+        ax.set_xlabel("tokens per document")
+        ax.set_ylabel("documents")
+        ax.set_title(f"{title}, {model_label(args.model)}", fontsize=9)
+    fig.colorbar(im, ax=list(axes), shrink=0.7, label="log2 speedup (green: spans faster)")
+    return fig
+
+
 def plot(summary: dict[str, Any], args: argparse.Namespace) -> Any:
     fig, (ax, ax2) = new_figure(2, width=5.5)
+    summary = {str(e["docs"]): e for e in summary.values()}
     sizes = [int(n) for n in summary]
     styles = {"stock_cold": ("stock, cold", "tab:gray", "--"), "stock_reordered": ("stock, reordered", "k", "-"),
               "stock_canonical": ("stock, canonical order", "tab:green", ":"),
