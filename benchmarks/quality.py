@@ -128,10 +128,6 @@ def make_items(count: int, docs: int, *, seed: int, filler: int = 0) -> list[QAI
 
 
 ANCHORS = ("template", "system", "prefix")
-
-
-
-ANCHORS = ("template", "system", "prefix")
 DEFAULT_RECOMPUTE = "0,first,last,0.1,0.25"
 TOP = 20  # log-probabilities per row (vLLM's default limit)
 
@@ -243,31 +239,23 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def _anchor_list(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in ANCHORS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown anchor policies {unknown}; choose from {', '.join(ANCHORS)}")
-    return names
+def _names_from(choices: Sequence[str], what: str) -> Any:
+    """An argparse type: a comma-separated list of `choices` (each once, in the order given)."""
+
+    def parse(text: str) -> list[str]:
+        names = [t.strip() for t in text.split(",") if t.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {unknown}; choose from {', '.join(choices)}")
+        return list(dict.fromkeys(names))
+
+    return parse
 
 
-LEAD_INS = ("neutral", "auto", "none")
-
-
-def _task_list(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in TASKS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown tasks {unknown}; choose from {', '.join(TASKS)}")
-    return list(dict.fromkeys(names))
-
-
-def _lead_in_list(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in LEAD_INS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown lead-ins {unknown}; choose from {', '.join(LEAD_INS)}")
-    return list(dict.fromkeys(names))
+LEAD_INS = ("neutral", "auto", "none")  # SpanGenerator.lead_in_for's settings
+_anchor_list = _names_from(ANCHORS, "anchor policies")
+_task_list = _names_from(TASKS, "tasks")
+_lead_in_list = _names_from(LEAD_INS, "lead-ins")
 
 
 def anchor_label(anchor: str, lead_in: str) -> str:

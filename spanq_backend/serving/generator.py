@@ -191,7 +191,6 @@ COLD_SPAN_POLICIES = ("auto", "context", "isolate")
 
 LEAD_IN_AUTO = "auto"  # the lead-in setting that takes the start of the first document given (`lead_in_for`)
 LEAD_IN_NEUTRAL = "neutral"  # the default: `lowering.NEUTRAL_LEAD_IN`, the same on every engine
-LEAD_IN_SETTINGS = (LEAD_IN_NEUTRAL, LEAD_IN_AUTO, "none")  # or any other text: that text
 LEAD_IN_MIN_TOKENS = 64
 LEAD_IN_MAX_TOKENS = 256
 
