@@ -55,9 +55,12 @@ def stock(tiny_backend, tiny_model) -> list[dict]:
 
 
 def same(stock: list[dict], ours: list[dict]) -> bool:
-    return all(
-        s["tokens"] == p["tokens"] and max(abs(a - b) for a, b in zip(s["logprobs"], p["logprobs"])) < 1e-5
-        for s, p in zip(stock, ours)
+    """Every prompt's tokens equal and each token's log-prob within 1e-5; a missing prompt or token differs."""
+    return len(stock) == len(ours) and all(
+        s["tokens"] == p["tokens"]
+        and len(s["logprobs"]) == len(p["logprobs"])
+        and max(abs(a - b) for a, b in zip(s["logprobs"], p["logprobs"], strict=True)) < 1e-5
+        for s, p in zip(stock, ours, strict=True)
     )
 
 
@@ -81,3 +84,12 @@ def test_a_plugin_that_moved_stock_keys_would_be_caught(tiny_backend, stock, mon
     engine = tiny_backend.engine
     ours = greedy_runs(engine, _prompts(engine.tokenizer))  # cached by the test above: every one hits
     assert not same(stock, ours), "stock keys rotated by 7 positions went unnoticed"
+
+
+def test_a_result_missing_a_prompt_or_a_token_is_not_the_same(stock):
+    """The comparison can fail on length: a run that lost its last prompt, or stopped a token early, differs."""
+    assert same(stock, [dict(r) for r in stock])
+    assert not same(stock, stock[:-1]), "a missing prompt went unnoticed"
+    short = [dict(r) for r in stock]
+    short[0] = {**short[0], "tokens": short[0]["tokens"][:-1], "logprobs": short[0]["logprobs"][:-1]}
+    assert not same(stock, short), "a result one token short went unnoticed"

@@ -54,12 +54,20 @@ def test_compact_reuses_the_nodes_in_a_new_order(tiny_backend, town_index):
 
 
 @pytest.mark.parametrize("mode", ["refine", "tree_summarize", "accumulate"])
-def test_every_built_in_response_mode_sends_the_nodes_as_spans(tiny_backend, town_index, mode):
+def test_every_built_in_response_mode_reuses_the_nodes_in_a_new_order(tiny_backend, town_index, mode):
+    """What the README's LlamaIndex table claims for each mode: every node a span, and the same nodes retrieved
+    in another order come from the span cache. The cache is emptied first, so the first question prepares each
+    node (a mode that sent no spans, or a cache that missed on the reversed order, fails)."""
+    assert tiny_backend.engine.reset_prefix_cache(), "the engine's prefix cache could not be reset"
     llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4)
-    response = engine(llm, town_index, mode, [[0, 1, 2, 3]]).query("Which town hall is green?")
-    spanq = response.metadata["spanq"]
-    assert spanq["llm_calls"] >= 1 and spanq["spans"] >= 1, spanq
-    assert all(c["fallback"] is None for c in spanq["calls"]), spanq["calls"]
+    qe = engine(llm, town_index, mode, [[0, 1, 2, 3], [3, 2, 1, 0]])
+    first = qe.query("Which town hall is green?").metadata["spanq"]
+    second = qe.query("Which town hall is green?").metadata["spanq"]
+    for spanq in (first, second):
+        assert spanq["llm_calls"] >= 1 and spanq["spans"] >= 4, spanq
+        assert all(c["fallback"] is None for c in spanq["calls"]), spanq["calls"]
+    assert first["prepared_spans"] == 4, first
+    assert second["prepared_spans"] == 0, f"{mode}: the reversed nodes were computed again: {second}"
 
 
 def test_simple_summarize_does_not_hold_the_nodes_verbatim_and_says_so(tiny_backend, town_index):
