@@ -14,6 +14,8 @@ from spanq_integrations.backends import (
     default_backend,
     resolve_backend,
 )
+from spanq_integrations.backends.protocol import Usage
+from spanq_integrations.optimizer import optimize
 from spanq_integrations.query.errors import (
     BackendError,
     BackendUnavailableError,
@@ -55,6 +57,7 @@ from spanq_integrations.query.ir import (
     system,
     user,
 )
+from spanq_integrations.query.spnl_json import dumps, from_json, load_file, loads, to_json
 from spanq_integrations.runtime.executor import ExecutionResult, aexecute, execute
 from spanq_integrations.runtime.judge import JudgeResult, ajudge, judge
 
@@ -73,6 +76,12 @@ __all__ = [  # noqa: RUF022  (grouped by topic)
     "chat",
     "combine",
     "render",
+    # spnl JSON (spnl's own format: read and written the way spnl does)
+    "loads",
+    "dumps",
+    "load_file",
+    "from_json",
+    "to_json",
     # IR
     "Node",
     "System",
@@ -93,13 +102,15 @@ __all__ = [  # noqa: RUF022  (grouped by topic)
     "judge",
     "ajudge",
     "JudgeResult",
-    # execution
+    # optimizer and execution
+    "optimize",
     "aexecute",
     "execute",
     "ExecutionResult",
     "Backend",
     "BackendCapabilities",
     "CallMetrics",
+    "Usage",
     "Completion",
     "default_backend",
     "resolve_backend",

@@ -467,3 +467,16 @@ def test_a_json_schema_round_trips_and_a_malformed_one_is_named():
     assert to_json(g)["g"]["json_schema"] == schema
     with pytest.raises(QueryParseError, match=r"\$\.g\.json_schema: expected a JSON schema"):
         from_json({"g": {"input": {"user": "x"}, "json_schema": [1]}})
+
+
+def test_the_top_level_package_reads_writes_optimizes_and_names_usage() -> None:
+    """What a user imports first: spnl JSON, the optimizer and the usage record from `spanq_integrations` itself,
+    the same objects as the submodules' (no second copy to drift)."""
+    import spanq_integrations as spanq
+    from spanq_integrations.backends.protocol import Usage
+    from spanq_integrations.optimizer import optimize
+
+    query = spanq.generate(spanq.cross(spanq.plus(spanq.fragment("a"), spanq.fragment("b")), spanq.user("q")))
+    assert spanq.loads(spanq.dumps(query)) == query == spanq.from_json(spanq.to_json(query))
+    assert (spanq.optimize, spanq.Usage, spanq.load_file) == (optimize, Usage, load_file)
+    assert {"loads", "dumps", "load_file", "optimize", "Usage"} <= set(spanq.__all__)
