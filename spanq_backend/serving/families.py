@@ -118,7 +118,8 @@ FAMILIES: dict[str, Family] = {
 
 def tiny_family_path(family: str, seed: int = 0) -> Path:
     """A tiny random model of `family` (4 layers, hidden 256, GQA 4/2 heads, head_dim 64, fp32), built once."""
-    from spanq_backend.serving.models import cache_dir, materialize
+    from spanq_backend.cache import cache_dir
+    from spanq_backend.serving.model_folders import materialize
 
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}: expected one of {', '.join(FAMILIES)}")
@@ -134,7 +135,7 @@ def _builder(family: Family, seed: int) -> Callable[[Path], str]:
         import torch
         import transformers
 
-        from spanq_backend.serving.models import load_smollm2_tokenizer, save_generation_config
+        from spanq_backend.serving.model_folders import load_smollm2_tokenizer, save_generation_config
 
         tokenizer = load_smollm2_tokenizer()
         if family.chat_template is not None:

