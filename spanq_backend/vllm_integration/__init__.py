@@ -11,20 +11,20 @@ every process it starts (front end, engine core, workers).
 | `symbols` | all | every vLLM symbol used, with the version it was written for, checked at registration |
 | `kv_layout`, `cache_probe` | worker / front end | a loaded model's RoPE and K layout; is a span cached already |
 
-`PATCHES` below is the whole list of what `register()` changes in vLLM, each with why. Requests without a span
+`PATCHES` below is the whole list of what spanq changes in vLLM, each with why: `register()` applies the engine
+core's and workers'; the front end's hold only while they are needed (`Patch.scoped`). Requests without a span
 table keep stock behaviour (invariant 7). `SPANQ_DISABLE_PLUGIN=1` loads vLLM without any of it.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from spanq_backend.vllm_integration import engine_core, worker
+from spanq_backend.vllm_integration.frontend import FRONTEND_PATCHES
+from spanq_backend.vllm_integration.patching import Patch
 from spanq_backend.vllm_integration.support import (
     UNCHECKED,
     WORKER_STATS_METHOD,
@@ -48,33 +48,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("spanq.vllm")
-
-
-@dataclass(frozen=True)
-class Patch:
-    """One change to vLLM: `module.attr` becomes `wrap(stock)` (or `add` where vLLM has nothing to wrap)."""
-
-    process: str  # where it matters: "engine core" or "worker"
-    module: str
-    attr: str  # "name" or "Class.name"
-    why: str
-    wrap: Callable[[Any], Any] | None = None
-    add: Any = None  # a new attribute (a method vLLM does not have)
-
-    def apply(self) -> None:
-        owner: Any = importlib.import_module(self.module)
-        *path, name = self.attr.split(".")
-        for part in path:
-            owner = getattr(owner, part)
-        if self.wrap is None:
-            setattr(owner, name, self.add)
-            return
-        stock = getattr(owner, name)
-        patched = self.wrap(stock)
-        patched.__wrapped__ = stock
-        patched.__name__ = getattr(stock, "__name__", name)
-        patched.__qualname__ = getattr(stock, "__qualname__", name)
-        setattr(owner, name, patched)
 
 
 PATCHES: tuple[Patch, ...] = (
@@ -106,6 +79,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("worker", "vllm.v1.worker.worker_base", f"WorkerBase.{WORKER_STATS_METHOD}",
           "`spanq serve` reads the span counters of the engine's processes (moves, relocation time, CIDRA "
           "duplicates) through collective_rpc, for its /metrics", add=worker.worker_span_stats),
+    *FRONTEND_PATCHES,  # scoped: applied where they are needed (frontend.py), not at registration
 )
 
 _registered = False
@@ -141,7 +115,8 @@ def register() -> None:
 
     symbols.check_symbols()
     for patch in PATCHES:
-        patch.apply()
+        if not patch.scoped:
+            patch.apply()
     _end_with_the_server()
     _registered = True
     log.debug("spanq vLLM plugin registered (%d patches)", len(PATCHES))

@@ -1,5 +1,6 @@
 """The patches that run in the front-end process (the one that drives an engine or serves HTTP). Unlike the
-engine core's and the workers', they are not installed at registration: each holds only while it is needed.
+engine core's and the workers', they are not installed at registration: each holds only while it is needed
+(`Patch.scoped`). Both are in the package's registry, `spanq_backend.vllm_integration.PATCHES`.
 
 - `in_process_engines`: vLLM's engine core shutdown tears down the process's distributed state, which every
   other in-process engine still uses; while others are alive, `cleanup_dist_env_and_memory` is replaced by a
@@ -17,9 +18,25 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["InProcessEngines", "in_process_engines", "query_route_mounted"]
+from spanq_backend.vllm_integration.patching import Patch
+
+__all__ = ["FRONTEND_PATCHES", "InProcessEngines", "in_process_engines", "query_route_mounted"]
 
 log = logging.getLogger("spanq.vllm")
+
+SPARE_DIST_STATE = Patch(
+    "front end", "vllm.v1.engine.core", "cleanup_dist_env_and_memory",
+    "while other in-process engines live, one engine's shutdown must not tear down the process's distributed "
+    "state they use: a plain garbage collection instead, for that shutdown only", scoped=True)
+MOUNT_QUERY_ROUTE = Patch(
+    "front end", "vllm.entrypoints.launchers.api_server.entry", "build_app",
+    "`spanq serve` adds its query route to the app vLLM's server builds (build_and_serve looks it up when it "
+    "runs), for the duration of the command", scoped=True)
+FRONTEND_PATCHES: tuple[Patch, ...] = (SPARE_DIST_STATE, MOUNT_QUERY_ROUTE)
+
+
+def _collect_garbage_instead(stock: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda *args, **kwargs: gc.collect()
 
 
 class InProcessEngines:
@@ -40,19 +57,14 @@ class InProcessEngines:
     def retire(self, engine: Any) -> None:
         """Shut an `LLMEngine` down now (not at garbage collection), sparing the process's distributed state
         unless it is the last in-process engine."""
-        from vllm.v1.engine import core
-
         with self._lock:
             self._live -= 1
-            stock_cleanup = core.cleanup_dist_env_and_memory
-            if self._live > 0:
-                core.cleanup_dist_env_and_memory = lambda *args, **kwargs: gc.collect()
-            try:
-                engine.engine_core.shutdown()
-            except Exception:  # a failed engine may not shut down cleanly; it is gone either way
-                log.exception("shutting the engine down failed")
-            finally:
-                core.cleanup_dist_env_and_memory = stock_cleanup
+            spared = SPARE_DIST_STATE.applied(_collect_garbage_instead) if self._live > 0 else contextlib.nullcontext()
+            with spared:
+                try:
+                    engine.engine_core.shutdown()
+                except Exception:  # a failed engine may not shut down cleanly; it is gone either way
+                    log.exception("shutting the engine down failed")
 
 
 in_process_engines = InProcessEngines()
@@ -61,17 +73,14 @@ in_process_engines = InProcessEngines()
 @contextlib.contextmanager
 def query_route_mounted(router: Callable[[], Any]) -> Iterator[None]:
     """While inside, vLLM's `build_app` also includes `router()` (a FastAPI router) in the app it builds."""
-    from vllm.entrypoints.launchers.api_server import entry
 
-    stock_build_app = entry.build_app
+    def including_the_route(stock_build_app: Callable[..., Any]) -> Callable[..., Any]:
+        def build_app(args: Any, supported_tasks: Any = None, model_config: Any = None) -> Any:
+            app = stock_build_app(args, supported_tasks, model_config)
+            app.include_router(router())
+            return app
 
-    def build_app(args: Any, supported_tasks: Any = None, model_config: Any = None) -> Any:
-        app = stock_build_app(args, supported_tasks, model_config)
-        app.include_router(router())
-        return app
+        return build_app
 
-    entry.build_app = build_app  # `build_and_serve` looks it up when it runs
-    try:
+    with MOUNT_QUERY_ROUTE.applied(including_the_route):
         yield
-    finally:
-        entry.build_app = stock_build_app

@@ -140,3 +140,79 @@ def test_every_patch_is_a_listed_symbol():
 def test_every_listed_symbol_says_what_spanq_relies_on():
     for module, attr, use in SYMBOLS:
         assert module.startswith("vllm") and attr and use.strip(), (module, attr)
+
+
+# --------------------------------------------------------------------------------------------- every patch in PATCHES
+
+
+def _vllm_assignments(source: str) -> list[str]:
+    """Where a source assigns to an attribute of something it imported from vLLM (`entry.build_app = f`,
+    `setattr(core, "x", f)`, function-local imports included): a patch made outside the registry."""
+    tree = ast.parse(source)
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "vllm":
+            names.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] == "vllm")
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            base = target
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(target, ast.Attribute) and isinstance(base, ast.Name) and base.id in names:
+                found.append(f"line {node.lineno}: {ast.unparse(target)} = ...")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+                and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in names):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_patches_vllm_outside_the_registry():
+    """Every change to vLLM is a `Patch` in `PATCHES` (applied by `patching.Patch`): no module of the backend
+    assigns to a vLLM attribute itself."""
+    package = BACKEND.parent
+    offenders = {
+        str(path.relative_to(package)): found
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "patching.py" and (found := _vllm_assignments(path.read_text()))
+    }
+    assert not offenders, f"patches outside PATCHES: {offenders}"
+
+
+def test_the_check_above_finds_a_patch_made_in_place():
+    """It can fail: the front end's route patch as it was written before it joined the registry is found."""
+    before = '''
+def query_route_mounted(router):
+    from vllm.entrypoints.launchers.api_server import entry
+    stock_build_app = entry.build_app
+    entry.build_app = lambda *a: stock_build_app(*a)
+    try:
+        yield
+    finally:
+        entry.build_app = stock_build_app
+'''
+    assert len(_vllm_assignments(before)) == 2
+    assert _vllm_assignments("from vllm.v1.engine import core\nsetattr(core, 'x', 1)\n")
+
+
+def test_a_scoped_patch_holds_only_inside_and_is_not_applied_at_registration():
+    from vllm.entrypoints.launchers.api_server import entry
+
+    from spanq_backend.vllm_integration import PATCHES
+    from spanq_backend.vllm_integration.frontend import MOUNT_QUERY_ROUTE, query_route_mounted
+
+    assert {p.attr for p in PATCHES if p.process == "front end"} == {"cleanup_dist_env_and_memory", "build_app"}
+    assert all(p.scoped for p in PATCHES if p.process == "front end")
+    stock = entry.build_app
+    assert not hasattr(stock, "__wrapped__"), "registration applied a scoped patch"
+    with pytest.raises(RuntimeError, match="scoped patch"):
+        MOUNT_QUERY_ROUTE.apply()
+    with pytest.raises(KeyError), query_route_mounted(lambda: None):
+        assert entry.build_app is not stock and entry.build_app.__wrapped__ is stock
+        raise KeyError("left by an error")
+    assert entry.build_app is stock
