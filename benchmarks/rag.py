@@ -75,9 +75,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per engine, GiB (default: 1)")
     parser.add_argument("--question-first", action="store_true",
                         help="the question before the documents, and another question on the second pass")
-    parser.add_argument("--cold-spans", choices=("isolate", "context", "auto"), default="isolate",
+    parser.add_argument("--cold-spans", choices=("isolate", "context", "auto"), default="auto",
                         help="how the span engine computes documents it has not cached (EngineConfig.cold_spans; "
-                        "default: isolate, the engine's default)")
+                        "default: auto, the engine's default)")
     parser.add_argument("--grid", action="store_true",
                         help="every document count x every document size of --doc-tokens-list (default 64,128,256,512), "
                         "with a heat map of each speedup")

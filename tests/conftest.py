@@ -42,10 +42,13 @@ def default_model() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_backend(tiny_model):
-    """One span-aware embedded backend on the tiny model, shared by every test of the session."""
+    """One span-aware embedded backend on the tiny model, shared by every test of the session. Its cold documents
+    are prepared alone first ("isolate"), whatever their size: the adapters' tests count what each call prepared
+    and read from the cache; the default policy ("auto", small cold prompts computed in context as stock does)
+    is `tests/backend/test_cold_spans.py`'s subject."""
     from spanq_backend.serving.embedded import EmbeddedBackend
 
-    backend = EmbeddedBackend(str(tiny_model), max_model_len=2048, max_num_seqs=8)
+    backend = EmbeddedBackend(str(tiny_model), max_model_len=2048, max_num_seqs=8, cold_spans="isolate")
     yield backend
     backend.close()
 

@@ -1,9 +1,11 @@
 """The main job: a RAG query on the embedded default model (SmolLM2-135M-Instruct), showing the span cache.
 
 Two questions over the same eight documents, retrieved in different orders. With spans, each document is a
-commutative span: the first question computes each new document's KV once, on its own (after a lead-in: the start
-of the first document), and reads them together; the second question reuses all of it, at a new position. The same two queries run on a stock vLLM engine (prefix caching on) beside it: there the reordered
-documents miss the prefix cache. Both engines' answers are printed side by side.
+commutative span. The first question's documents are new and small (about 600 tokens in all), so by default the
+span engine reads them in context as stock does (the same answer at the same speed) and then computes each
+document's KV once, on its own (after the template's opening and a neutral lead-in), while it is idle; the second
+question reuses all of it, at a new position. The same two queries run on a stock vLLM engine (prefix caching on)
+beside it: there the reordered documents miss the prefix cache. Both engines' answers are printed side by side.
 
     make demo            # or: .venv/bin/python examples/rag/demo.py [--model default|tiny|PATH]
 """
@@ -60,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             call = result.calls[-1]
             rows.append((name, question, call))
             answers[(name, question)] = result.answer.strip()
-            # Under --cold-spans context the span engine reads Q1's new documents in context, as stock does, and
-            # prepares them as spans once it is idle; a user's next question comes seconds later: wait for that.
+            # By default (cold_spans="auto") the span engine reads Q1's small new documents in context, as stock
+            # does, and prepares them as spans once it is idle; a user's next question comes seconds later: wait.
             if name == "spans":
                 backend.engine.settle()
         backend.close()

@@ -55,12 +55,16 @@ class BulkItem:
 
 
 class BulkEngine:
-    """A Ray Data actor: one embedded span engine; each batch row is a group of queries, run in order."""
+    """A Ray Data actor: one embedded span engine; each batch row is a group of queries, run in order.
+
+    Its cold documents are prepared alone first (`cold_spans="isolate"`), whatever their size: the batch was split
+    so that the queries of a group share documents, so each is read again soon, and an answer must not depend on
+    which query of its group came first (a stock-style in-context first answer would)."""
 
     def __init__(self, model: str = "default"):
-        from spanq_integrations.backends import resolve_backend
+        from spanq_backend.serving.embedded import EmbeddedBackend
 
-        self.backend, _ = resolve_backend("embedded", model)
+        self.backend = EmbeddedBackend(model, cold_spans="isolate")
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:
         from spanq_integrations.runtime.executor import execute

@@ -75,7 +75,7 @@ class EngineConfig:
     num_blocks: int | None = None  # KV blocks (vLLM's num_gpu_blocks_override); None: from kv_cache_gib
     span_anchor: AnchorPolicy = DEFAULT_ANCHOR  # the anchor policy of a `plus` that names none
     span_lead_in: str = LEAD_IN_NEUTRAL  # what a canonical anchor reads before each span: "neutral", "auto", a text, "none"
-    cold_spans: str = "isolate"  # spans not cached: "isolate", "context" or "auto" (`SpanGenerator.cold_policy`)
+    cold_spans: str = "auto"  # spans not cached: "auto", "isolate" or "context" (`SpanGenerator.cold_policy`)
     isolate_min_tokens: int = ISOLATE_MIN_TOKENS  # "auto": cold span tokens from which they are isolated
     compact_json: bool = False  # JSON answers without whitespace (for models that pad them with it)
     recompute: Recompute = 0.0  # span blocks recomputed in context when a call says nothing (docs/design.md)

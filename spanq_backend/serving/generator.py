@@ -181,11 +181,11 @@ async def _gather_or_abort(aws: list[Any], opened: list[AsyncIterator[Any]]) -> 
         raise
 
 
-ISOLATE_MIN_TOKENS = 1024
-"""`cold_spans="auto"`: cold span tokens from which a call prepares its cold spans alone first (a round of its own)
-instead of computing them in context: below it, attention over the whole prompt costs less than the extra round
-and the padding (`spanq bench rag --grid --cold-spans isolate|context`, docs/benchmarks.md, "Cold spans": the two
-cross near 1k cold tokens on tiny and SmolLM2)."""
+ISOLATE_MIN_TOKENS = 2048
+"""`cold_spans="auto"` (the default): cold span tokens from which a call prepares its cold spans alone first (a
+round of its own) instead of computing them in context: below it, attention over the whole prompt costs less than
+the extra round and the padding (`spanq bench rag --grid --cold-spans isolate|context`, docs/benchmarks.md, "Cold
+spans": on tiny, isolating is 0.56-0.87x stock cold up to 1k cold tokens and 1.05-1.94x from 2k)."""
 
 COLD_SPAN_POLICIES = ("auto", "context", "isolate")
 
@@ -225,7 +225,7 @@ class SpanGenerator:
         default_recompute: Recompute = 0.0,
         batch: Callable[[], AbstractContextManager[Any]] | None = None,
         default_lead_in: str = LEAD_IN_NEUTRAL,
-        cold_spans: str = "isolate",
+        cold_spans: str = "auto",
         isolate_min_tokens: int = ISOLATE_MIN_TOKENS,
         background: Callable[[list[tuple[list[int], concurrent.futures.Future[int]]]], None] | None = None,
     ):
@@ -622,16 +622,18 @@ class SpanGenerator:
                         waiter.set_result(None)
                 self._deferred_waiters.clear()
 
-    def cold_policy(self, lowered: LoweredPrompt, cold: list[int]) -> str:
+    def cold_policy(self, lowered: LoweredPrompt, cold: list[int], setting: str | None = None) -> str:
         """How this call computes its spans that are not cached: "isolate" (a prepare round: each alone after its
         anchor, then the answer reads them from the cache) or "context" (the answer's own request computes them
         in context, after the cached ones, as a stock prompt would; they are prepared alone later, when the
         engine is idle). Isolating pays where attention over the whole prompt costs more than a round trip: many
-        cold tokens (`isolate_min_tokens`, measured in docs/benchmarks.md, `rag --grid`)."""
+        cold tokens (`isolate_min_tokens`, measured in docs/benchmarks.md, `rag --grid`). `setting` is the call's
+        own (`Generate.cold_spans`); None: the engine's."""
         if self.span_cached is None:
             return "isolate"  # nothing says which spans are cached: prepare each (cheap where it is)
-        if self.cold_spans != "auto":
-            return self.cold_spans
+        setting = setting or self.cold_spans
+        if setting != "auto":
+            return setting
         table = lowered.table
         cold_tokens = sum(table.spans[i][1] - table.spans[i][0] for i in cold)
         return "isolate" if cold_tokens >= self.isolate_min_tokens else "context"
@@ -664,7 +666,7 @@ class SpanGenerator:
             cold = self.cold_span_indices(lowered, count=False)
         if not cold:
             return CallLayout(lowered, flattened, "warm", spans=spans)
-        mode = self.cold_policy(lowered, cold)
+        mode = self.cold_policy(lowered, cold, call.cold_spans)
         prompts = [lowered.prepare_prompt(i) for i in cold]
         if mode == "isolate":
             return CallLayout(lowered, flattened, mode, isolate=prompts, spans=spans)

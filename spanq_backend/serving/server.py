@@ -124,7 +124,7 @@ class EngineClientBackend(Backend):
         default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
         default_recompute: Recompute = 0.0,
         default_lead_in: str = LEAD_IN_NEUTRAL,
-        cold_spans: str = "isolate",
+        cold_spans: str = "auto",
         isolate_min_tokens: int = ISOLATE_MIN_TOKENS,
     ):
         """`span_probe`: the engine's prefix cache as this process sees it (`cache_probe.KVEventsMirror`); a span
@@ -367,7 +367,7 @@ def build_query_router(
     default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
     default_recompute: Recompute = 0.0,
     default_lead_in: str = LEAD_IN_NEUTRAL,
-    cold_spans: str = "isolate",
+    cold_spans: str = "auto",
     isolate_min_tokens: int = ISOLATE_MIN_TOKENS,
 ) -> Any:
     """The FastAPI router of `POST /v1/query/execute`, for an app whose state holds vLLM's engine client."""
@@ -614,11 +614,12 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         "document came first, so replicas differ), none, or a text",
     )
     parser.add_argument(
-        "--cold-spans", dest="spanq_cold_spans", choices=COLD_SPAN_POLICIES, default="isolate",
-        help="documents not cached yet: prepared alone first, so the first answer is the one every later query "
-        "gets (isolate, the default); computed in context by the query as stock vLLM would, and prepared alone "
-        "when the engine is idle (context: a stock answer first, span answers after); or as their size says "
-        f"(auto: isolate from --isolate-min-tokens cold tokens, {ISOLATE_MIN_TOKENS} by default)",
+        "--cold-spans", dest="spanq_cold_spans", choices=COLD_SPAN_POLICIES, default="auto",
+        help="documents not cached yet: as their size says (auto, the default: isolate from --isolate-min-tokens "
+        f"cold tokens, {ISOLATE_MIN_TOKENS} by default, else context); prepared alone first, so the first answer "
+        "is the one every later query gets (isolate: faster than stock on large cold prompts, slower on small "
+        "ones); computed in context by the query as stock vLLM would, and prepared alone when the engine is idle "
+        "(context: a stock answer first, at stock's speed, span answers after)",
     )
     parser.add_argument(
         "--isolate-min-tokens", dest="spanq_isolate_min_tokens", type=_positive_int, default=ISOLATE_MIN_TOKENS,

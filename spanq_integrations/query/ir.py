@@ -99,6 +99,9 @@ class Fragment(_Node):
 
 
 RECOMPUTE_POLICIES: tuple[str, ...] = ("first", "last")
+COLD_SPAN_POLICIES: tuple[str, ...] = ("auto", "context", "isolate")
+ColdSpans = Literal["auto", "context", "isolate"]
+"""How a span engine computes a call's documents it has not cached (docs/design.md, "Cold spans")."""
 Recompute = float | Literal["first", "last"]
 """A recompute setting: a share of span blocks in [0, 1], or a block of each span by name."""
 
@@ -121,6 +124,11 @@ class Generate(_Node):
     """How much of each span a span engine computes again in context, for quality (docs/design.md, "Recompute"):
     0 none, "first" / "last" each span's first / last KV block, a share in (0, 1] of the span blocks (those the
     text after the spans mentions most); None: the backend's default. Servers without spans ignore it."""
+    cold_spans: ColdSpans | None = None
+    """How a span engine computes the spans it has not cached (docs/design.md, "Cold spans"): "isolate" (each
+    alone first: the answer is the one the same spans give warm, in any order), "context" (in context, as stock
+    does; prepared alone afterwards), "auto" (isolate from a size); None: the backend's default. Judges set
+    "isolate": a verdict must not depend on which candidate came first. Servers without spans ignore it."""
 
     @field_validator("recompute")
     @classmethod
@@ -342,9 +350,11 @@ def generate(
     seed: int | None = None,
     json_schema: dict[str, Any] | str | None = None,
     recompute: Recompute | None = None,
+    cold_spans: ColdSpans | None = None,
 ) -> Generate:
     """A model call on `input`. `json_schema`: the answer is JSON matching this schema (`{}`: any JSON object).
-    `recompute`: how much of each span a span engine computes again in context (see `Generate.recompute`)."""
+    `recompute`: how much of each span a span engine computes again in context (see `Generate.recompute`);
+    `cold_spans`: how it computes spans it has not cached (see `Generate.cold_spans`)."""
     schema = json_schema if isinstance(json_schema, str) or json_schema is None else json.dumps(json_schema)
     return Generate(
         input=_as_node(input, "generate().input"),
@@ -356,6 +366,7 @@ def generate(
         seed=seed,
         json_schema=schema or "",
         recompute=recompute,
+        cold_spans=cold_spans,
     )
 
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from spanq_integrations.query.errors import QueryParseError, QueryValidationError
 from spanq_integrations.query.ir import (
     ANCHOR_POLICIES,
+    COLD_SPAN_POLICIES,
     DEFAULT_TEMPERATURE,
     RECOMPUTE_POLICIES,
     Assistant,
@@ -72,6 +73,8 @@ def _write_generate_body(g: Generate, path: str) -> dict[str, Any]:
         body["json_schema"] = g.schema  # spanq's own key: spnl has no structured output
     if g.recompute is not None:
         body["recompute"] = g.recompute  # spanq's own key
+    if g.cold_spans is not None:
+        body["cold_spans"] = g.cold_spans  # spanq's own key
     body["input"] = _write(g.input, f"{path}.g.input")
     return body
 
@@ -311,7 +314,9 @@ def _children(value: Any, path: str, if_empty: str) -> tuple[Node, ...]:
     return tuple(_read_node(item, f"{path}[{i}]") for i, item in enumerate(items))
 
 
-_G_FIELDS = ("model", "max_tokens", "temperature", "n", "stop", "seed", "json_schema", "recompute", "input")
+_G_FIELDS = (
+    "model", "max_tokens", "temperature", "n", "stop", "seed", "json_schema", "recompute", "cold_spans", "input",
+)
 
 
 def _read_generate_body(value: Any, path: str) -> Generate:
@@ -328,7 +333,16 @@ def _read_generate_body(value: Any, path: str) -> Generate:
         seed=None if seed is None else _integer(seed, f"{path}.seed", None),
         json_schema=_json_schema(body.get("json_schema"), f"{path}.json_schema"),
         recompute=_recompute(body.get("recompute"), f"{path}.recompute"),
+        cold_spans=_cold_spans(body.get("cold_spans"), f"{path}.cold_spans"),
     )
+
+
+def _cold_spans(value: Any, path: str) -> Any:
+    if value is None:
+        return None
+    if value not in COLD_SPAN_POLICIES:
+        raise QueryParseError(path, f"expected one of {list(COLD_SPAN_POLICIES)}, got {_describe(value)}")
+    return value
 
 
 def _recompute(value: Any, path: str) -> Any:

@@ -215,7 +215,10 @@ def _judge_generate(
 
 
 def _settings(model: str, max_tokens: int, temperature: float, seed: int | None) -> dict[str, Any]:
-    return {"model": model, "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    # Candidates a span engine has not cached are read each alone first, whatever their size: the verdict must
+    # not depend on which candidate came first, even the first time (docs/design.md, "Cold spans").
+    return {"model": model, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+            "cold_spans": "isolate"}
 
 
 def judge_query(

@@ -143,3 +143,42 @@ def test_a_query_right_after_a_cold_one_waits_for_its_documents_prepares_and_rea
     assert warm.extra["cold_spans"] == "warm" and warm.deferred_spans == 0 and warm.prepared_spans == 0
     lowered = engine.lower(query(d, "CDAB", "Which drawer keeps 1 key?"))
     assert warm.cached_tokens >= sum(e - s for s, e in lowered.table.spans)
+
+
+def test_the_default_isolates_only_large_cold_prompts(engine):
+    """`cold_spans="auto"`, the default: a few small new documents are computed in context (stock's speed and
+    stock's answer, prepared when idle); as many cold tokens as `isolate_min_tokens` are prepared alone first."""
+    from spanq_backend.serving.engine import EngineConfig
+    from spanq_backend.serving.generator import ISOLATE_MIN_TOKENS
+
+    assert EngineConfig().cold_spans == "auto"
+    gen = engine.generator
+    gen.cold_spans = "auto"
+
+    async def scenario():
+        small = await engine.generate(query(docs("auto-s"), "ABCD"))
+        gen.isolate_min_tokens = 1  # any cold token is "large"
+        large = await engine.generate(query(docs("auto-l"), "ABCD"))
+        return small.metrics, large.metrics
+
+    try:
+        small, large = asyncio.run(scenario())
+    finally:
+        gen.cold_spans, gen.isolate_min_tokens = "context", ISOLATE_MIN_TOKENS
+    assert small.extra["cold_spans"] == "context" and small.prepared_spans == 0 and small.deferred_spans == 4
+    assert large.extra["cold_spans"] == "isolate" and large.prepared_spans == 4 and large.deferred_spans == 0
+
+
+def test_a_call_says_how_its_own_cold_spans_are_computed(engine):
+    """`generate(..., cold_spans=...)` overrides the engine's policy for that call only (judges ask "isolate"):
+    on this "context" engine, the call's cold documents are prepared alone first; the next call is as before."""
+    d, e = docs("own"), docs("own2")
+
+    async def scenario():
+        own = await engine.generate(query(d, "ABCD").model_copy(update={"cold_spans": "isolate"}))
+        engine_default = await engine.generate(query(e, "ABCD"))
+        return own.metrics, engine_default.metrics
+
+    own, engine_default = asyncio.run(scenario())
+    assert own.extra["cold_spans"] == "isolate" and own.prepared_spans == 4 and own.deferred_spans == 0
+    assert engine_default.extra["cold_spans"] == "context" and engine_default.deferred_spans == 4

@@ -81,8 +81,10 @@ class Cluster:
 def cluster(tiny_model: Path, tmp_path_factory, request) -> Iterator[Cluster]:
     port = free_port()
     log = tmp_path_factory.mktemp("spanq-cluster") / "cluster.log"
+    # Cold documents prepared alone first on every replica: the routing tests count each document's prepare
+    # and compare answers with the session's tiny engine, which prepares them the same way.
     command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--replicas", "2",
-               "--model", str(tiny_model), "--port", str(port)]  # fmt: skip
+               "--model", str(tiny_model), "--port", str(port), "--cold-spans", "isolate"]  # fmt: skip
     failed_before = request.session.testsfailed
     with running_server(command, log, "spanq serve --replicas 2") as proc:
         yield Cluster(f"http://127.0.0.1:{port}", proc.pid, log)

@@ -426,7 +426,7 @@ def test_unknown_field_lists_the_known_ones() -> None:
     e = _error({"g": {"input": {"user": "a"}, "max_token": 5}})
     assert str(e) == (
         '$.g: unknown field "max_token" (expected: model, max_tokens, temperature, n, stop, seed, json_schema, recompute, '
-        'input)'
+        'cold_spans, input)'
     )
 
 
@@ -480,3 +480,15 @@ def test_the_top_level_package_reads_writes_optimizes_and_names_usage() -> None:
     assert spanq.loads(spanq.dumps(query)) == query == spanq.from_json(spanq.to_json(query))
     assert (spanq.optimize, spanq.Usage, spanq.load_file) == (optimize, Usage, load_file)
     assert {"loads", "dumps", "load_file", "optimize", "Usage"} <= set(spanq.__all__)
+
+
+def test_cold_spans_is_written_only_when_set_and_a_bad_value_is_named() -> None:
+    from spanq_integrations import fragment, generate, plus, user
+
+    q = generate(plus(fragment("a"), fragment("b")), cold_spans="isolate")
+    assert to_json(q)["g"]["cold_spans"] == "isolate" and loads(dumps(q)) == q
+    assert "cold_spans" not in to_json(generate(user("x")))["g"]
+    bad = to_json(q)
+    bad["g"]["cold_spans"] = "later"
+    with pytest.raises(QueryParseError, match=r"\$\.g\.cold_spans.*'auto', 'context', 'isolate'.*later"):
+        from_json(bad)
