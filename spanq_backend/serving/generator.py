@@ -181,11 +181,12 @@ async def _gather_or_abort(aws: list[Any], opened: list[AsyncIterator[Any]]) -> 
         raise
 
 
-ISOLATE_MIN_TOKENS = 2048
+ISOLATE_MIN_TOKENS = 1536
 """`cold_spans="auto"` (the default): cold span tokens from which a call prepares its cold spans alone first (a
 round of its own) instead of computing them in context: below it, attention over the whole prompt costs less than
 the extra round and the padding (`spanq bench rag --grid --cold-spans isolate|context`, docs/benchmarks.md, "Cold
-spans": on tiny, isolating is 0.56-0.87x stock cold up to 1k cold tokens and 1.05-1.94x from 2k)."""
+spans": on tiny, isolating is 0.56-0.87x stock cold up to 1k cold tokens and 1.05-1.94x from 2k; the documents of
+a 2048-token grid cell hold just under 2048 span tokens, hence 1536)."""
 
 COLD_SPAN_POLICIES = ("auto", "context", "isolate")
 
