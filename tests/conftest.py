@@ -56,10 +56,12 @@ def tiny_backend(tiny_model):
 @pytest.fixture(scope="session")
 def compact_tiny(tiny_model):
     """The tiny model with compact JSON (`EngineConfig.compact_json`): a random model pads free-whitespace JSON
-    with whitespace until max_tokens. Shared by the tool-calling and agent tests."""
+    with whitespace until max_tokens. Shared by the tool-calling and agent tests, which count prepares: cold
+    documents prepared alone first, as in `tiny_backend`."""
     from spanq_backend.serving.embedded import EmbeddedBackend
 
-    backend = EmbeddedBackend(str(tiny_model), max_model_len=2048, max_num_seqs=4, compact_json=True)
+    backend = EmbeddedBackend(str(tiny_model), max_model_len=2048, max_num_seqs=4, compact_json=True,
+                              cold_spans="isolate")
     yield backend
     backend.close()
 

@@ -33,7 +33,8 @@ def test_the_demo_fits_on_a_screen_and_shows_spanqs_progress():
     assert not [line for line in lines if VLLM_INFO.search(line)]
     assert "spanq: starting a span-aware vLLM engine on tiny" in out
     assert re.search(r"spanq: tiny\S* ready in \d+\.\d s", out)
-    assert "spanq: prepared 8 spans" in out
+    # Q1's eight small new documents, by default read in context and prepared when idle: said in one line
+    assert "spanq: read 8 new documents in context" in out
     assert "TTFT of Q2" in out  # the table is there
 
 
