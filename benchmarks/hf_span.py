@@ -86,6 +86,45 @@ def span_attention_next_token_logprobs(
     cont = list(continuation)
     if not spans:
         return full_attention_next_token_logprobs(model, ids, cont)
+    kv, last_span_row, pos = _span_kv(model, ids, spans, anchors)
+    rest = ids[pos:] + cont
+    out = model(
+        torch.tensor([rest]), position_ids=torch.arange(pos, pos + len(rest)).unsqueeze(0),
+        past_key_values=kv.cache(), use_cache=True,
+    )
+    logits = out.logits[0]
+    if pos == len(ids):  # the prompt ends with a span: its own last row predicts the continuation's first token
+        logits = torch.cat([last_span_row, logits])
+        first = 0
+    else:
+        first = len(ids) - pos - 1  # the row that predicts the continuation's first token
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp[first : first + len(cont)]
+
+
+@torch.no_grad()
+def span_layer_kv(
+    model: Any, token_ids: Sequence[int], table: Any
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the K/V span attention reads for `token_ids[:end of the last span]` under `table` (each span
+    computed alone after its anchor, keys at their positions in the prompt), `[1, kv heads, tokens, head dim]`."""
+    spans = table.spans
+    kv, _, _ = _span_kv(model, list(token_ids), spans, [table.anchor_of(i) for i in range(len(spans))])
+    return [(k, v) for k, v in kv.layers or []]
+
+
+@torch.no_grad()
+def full_layer_kv(model: Any, token_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the K/V of `token_ids` under full attention (what recomputing them in context writes)."""
+    out = model(torch.tensor([list(token_ids)]), use_cache=True)
+    return _kv(out.past_key_values)
+
+
+def _span_kv(
+    model: Any, ids: list[int], spans: Sequence[tuple[int, int]], anchors: Sequence[Any] | None
+) -> tuple[_SpanKV, torch.Tensor, int]:
+    """The K/V of the prompt up to the last span's end under span attention, the last span's last logits row,
+    and where the K/V ends."""
     a = spans[0][0]
     kv = _SpanKV()
     out = model(torch.tensor([ids[:a]]), position_ids=torch.arange(a).unsqueeze(0), use_cache=True)
@@ -108,19 +147,7 @@ def span_attention_next_token_logprobs(
         kv.append(_kv(out.past_key_values), lo=n)
         last_span_row = out.logits[0, -1:]
         pos = e
-    rest = ids[pos:] + cont
-    out = model(
-        torch.tensor([rest]), position_ids=torch.arange(pos, pos + len(rest)).unsqueeze(0),
-        past_key_values=kv.cache(), use_cache=True,
-    )
-    logits = out.logits[0]
-    if pos == len(ids):  # the prompt ends with a span: its own last row predicts the continuation's first token
-        logits = torch.cat([last_span_row, logits])
-        first = 0
-    else:
-        first = len(ids) - pos - 1  # the row that predicts the continuation's first token
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return logp[first : first + len(cont)]
+    return kv, last_span_row, pos
 
 
 @torch.no_grad()

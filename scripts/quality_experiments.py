@@ -3,7 +3,8 @@
 
     python scripts/quality_experiments.py criteria [--items 10] [--filler 12] [--model default]
         argmax agreement with full attention along the gold answer, and KL, for recompute block choices:
-        none, each span's first / last block, spanq's share criterion, question overlap alone, block position.
+        none, each span's first / last block, spanq's share criterion, question overlap alone, block position,
+        and the blocks whose cached K/V deviate most from their in-context K/V at layer 1 or 3 (CacheBlend's).
     python scripts/quality_experiments.py padding [--items 20] [--filler 0] [--model default] [--layouts A,B]
         what the span layout's padding costs under full attention (the layout alone, against the plain prompt):
         newline padding after each span (spanq's: the last span's tail unpadded), after every span (before
@@ -55,7 +56,36 @@ def by_overlap(low: LoweredPrompt, share: float, pad: int) -> list[tuple[int, in
     return sorted(sorted(everything, key=lambda p: (-shared(p), p))[:budget])
 
 
+def deviation_order(model: Any, low: LoweredPrompt, layer: int) -> list[tuple[int, int]]:
+    """Every span block, most deviating first: how far the K/V span attention cached for its tokens at `layer`
+    is from the K/V full attention computes for them in this prompt (CacheBlend's criterion, read from the model;
+    squared L2 distance of keys and values, summed over the block's tokens)."""
+    end = low.table.spans[-1][1]
+    span_k, span_v = hf_span.span_layer_kv(model, low.token_ids, low.table)[layer]
+    full_k, full_v = hf_span.full_layer_kv(model, low.token_ids[:end])[layer]
+    per_token = ((span_k - full_k) ** 2).sum(dim=(0, 1, 3)) + ((span_v - full_v) ** 2).sum(dim=(0, 1, 3))
+    bs = low.table.block_size
+    score = {(i, b): float(per_token[s + b * bs : s + (b + 1) * bs].sum())
+             for i, (s, e) in enumerate(low.table.spans) for b in range((e - s) // bs)}
+    return sorted(score, key=lambda pair: -score[pair])
+
+
+def by_deviation(order: list[tuple[int, int]], budget: int) -> list[tuple[int, int]]:
+    return sorted(order[:budget])
+
+
 def criteria(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> None:
+    orders: dict[int, list[tuple[int, int]]] = {}  # per layer, for the item being measured
+    deviation = {
+        f"deviation L{layer} {share}": (lambda low, layer=layer, share=share:
+                                         by_deviation(orders[layer], _budget(low, share)[1]))
+        for layer in (1, 3) for share in (0.1, 0.15)
+    }
+    deviation.update({
+        f"deviation L{layer}, first's count": (lambda low, layer=layer:
+                                               by_deviation(orders[layer], len(low.table.spans)))
+        for layer in (1, 3)
+    })
     choices = {
         "none": lambda low: [],
         "first": lambda low: choose_blocks(low, "first", pad),
@@ -66,6 +96,7 @@ def criteria(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> 
         "overlap 0.15": lambda low: by_overlap(low, 0.15, pad),
         "position 0.1": lambda low: by_position(low, 0.1),
         "position 0.15": lambda low: by_position(low, 0.15),
+        **deviation,
     }
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in choices}
     for item in make_items(args.items, 5, seed=0, filler=args.filler):
@@ -73,6 +104,7 @@ def criteria(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> 
         gold = tokenizer.encode(item.gold, add_special_tokens=False)
         full = hf_span.full_attention_next_token_logprobs(model, low.token_ids, gold)
         blocks = sum((e - s) // 32 for s, e in low.table.spans)
+        orders.update({layer: deviation_order(model, low, layer) for layer in (1, 3)})
         for name, choose in choices.items():
             plan = plan_recompute(low, choose(low))
             span = hf_span.span_attention_next_token_logprobs(model, low.token_ids, plan.lowered.table, gold)
