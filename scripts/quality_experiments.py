@@ -56,18 +56,23 @@ def by_overlap(low: LoweredPrompt, share: float, pad: int) -> list[tuple[int, in
     return sorted(sorted(everything, key=lambda p: (-shared(p), p))[:budget])
 
 
-def deviation_order(model: Any, low: LoweredPrompt, layer: int) -> list[tuple[int, int]]:
-    """Every span block, most deviating first: how far the K/V span attention cached for its tokens at `layer`
-    is from the K/V full attention computes for them in this prompt (CacheBlend's criterion, read from the model;
-    squared L2 distance of keys and values, summed over the block's tokens)."""
+def deviation_orders(model: Any, low: LoweredPrompt, layers: tuple[int, ...]) -> dict[int, list[tuple[int, int]]]:
+    """Per layer of `layers`, every span block, most deviating first: how far the K/V span attention cached for its
+    tokens is from the K/V full attention computes for them in this prompt (CacheBlend's criterion, read from the
+    model; squared L2 distance of keys and values, summed over the block's tokens). One span pass and one full
+    pass give every layer."""
     end = low.table.spans[-1][1]
-    span_k, span_v = hf_span.span_layer_kv(model, low.token_ids, low.table)[layer]
-    full_k, full_v = hf_span.full_layer_kv(model, low.token_ids[:end])[layer]
-    per_token = ((span_k - full_k) ** 2).sum(dim=(0, 1, 3)) + ((span_v - full_v) ** 2).sum(dim=(0, 1, 3))
+    span_kv = hf_span.span_layer_kv(model, low.token_ids, low.table)
+    full_kv = hf_span.full_layer_kv(model, low.token_ids[:end])
     bs = low.table.block_size
-    score = {(i, b): float(per_token[s + b * bs : s + (b + 1) * bs].sum())
-             for i, (s, e) in enumerate(low.table.spans) for b in range((e - s) // bs)}
-    return sorted(score, key=lambda pair: -score[pair])
+    orders = {}
+    for layer in layers:
+        (span_k, span_v), (full_k, full_v) = span_kv[layer], full_kv[layer]
+        per_token = ((span_k - full_k) ** 2).sum(dim=(0, 1, 3)) + ((span_v - full_v) ** 2).sum(dim=(0, 1, 3))
+        score = {(i, b): float(per_token[s + b * bs : s + (b + 1) * bs].sum())
+                 for i, (s, e) in enumerate(low.table.spans) for b in range((e - s) // bs)}
+        orders[layer] = sorted(score, key=lambda pair, score=score: -score[pair])
+    return orders
 
 
 def by_deviation(order: list[tuple[int, int]], budget: int) -> list[tuple[int, int]]:
@@ -104,7 +109,7 @@ def criteria(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> 
         gold = tokenizer.encode(item.gold, add_special_tokens=False)
         full = hf_span.full_attention_next_token_logprobs(model, low.token_ids, gold)
         blocks = sum((e - s) // 32 for s, e in low.table.spans)
-        orders.update({layer: deviation_order(model, low, layer) for layer in (1, 3)})
+        orders.update(deviation_orders(model, low, (1, 3)))
         for name, choose in choices.items():
             plan = plan_recompute(low, choose(low))
             span = hf_span.span_attention_next_token_logprobs(model, low.token_ids, plan.lowered.table, gold)
