@@ -26,7 +26,6 @@ from typing import Any, Self
 
 from spanq_backend.kv.span_table import SpanTable
 from spanq_backend.serving.generator import (
-    COLD_SPAN_POLICIES,
     ISOLATE_MIN_TOKENS,
     LEAD_IN_NEUTRAL,
     SpanGenerator,
@@ -40,7 +39,7 @@ from spanq_backend.vllm_integration.frontend import in_process_engines
 from spanq_backend.vllm_integration.support import SpanSupport, query_span_support
 from spanq_integrations.backends.protocol import Completion, TokenCallback
 from spanq_integrations.query.errors import BackendError, BackendUnavailableError
-from spanq_integrations.query.ir import AnchorPolicy, Generate, Recompute
+from spanq_integrations.query.ir import COLD_SPAN_POLICIES, AnchorPolicy, Generate, Recompute
 
 __all__ = ["EngineConfig", "SpanEngine"]
 

@@ -188,7 +188,6 @@ the extra round and the padding (`spanq bench rag --grid --cold-spans isolate|co
 spans": on tiny, isolating is 0.56-0.87x stock cold up to 1k cold tokens and 1.05-1.94x from 2k; the documents of
 a 2048-token grid cell hold just under 2048 span tokens, hence 1536)."""
 
-COLD_SPAN_POLICIES = ("auto", "context", "isolate")
 
 LEAD_IN_AUTO = "auto"  # the lead-in setting that takes the start of the first document given (`lead_in_for`)
 LEAD_IN_NEUTRAL = "neutral"  # the default: `lowering.NEUTRAL_LEAD_IN`, the same on every engine

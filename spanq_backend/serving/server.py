@@ -27,7 +27,6 @@ from typing import Any
 from fastapi import Depends, Request  # module level: FastAPI resolves the route's annotations here
 
 from spanq_backend.serving.generator import (
-    COLD_SPAN_POLICIES,
     ISOLATE_MIN_TOKENS,
     LEAD_IN_NEUTRAL,
     SpanGenerator,
@@ -56,6 +55,7 @@ from spanq_integrations.query.errors import (
 )
 from spanq_integrations.query.ir import (
     ANCHOR_POLICIES,
+    COLD_SPAN_POLICIES,
     AnchorPolicy,
     Chat,
     Generate,
