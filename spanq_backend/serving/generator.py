@@ -163,6 +163,8 @@ class CallLayout:
     deferred: list[list[int]] = field(default_factory=list)
     also: list[list[int]] = field(default_factory=list)  # deferred beside the spans: the span layout's prefix
     spans: int = 0  # the call's spans, wherever they are read from (cache, prepares, or in context)
+    # Where `deferred`/`also` are worked out only after the answer (`SpanGenerator.unseen_in_context`): how.
+    later: Callable[[], tuple[list[list[int]], list[list[int]]]] | None = None
 
 
 async def _gather_or_abort(aws: list[Any], opened: list[AsyncIterator[Any]]) -> list[Any]:
@@ -655,6 +657,9 @@ class SpanGenerator:
         under "context" the `plus` groups are reordered so cached spans come first, and the cold ones become
         context after them, computed by the answer's own request (their prepares are `deferred`). A cold span
         whose deferred prepare (of an earlier call) is under way is waited for: it is cached then."""
+        first_seen = self.unseen_in_context(call, span_output)
+        if first_seen is not None:
+            return first_seen
         lowered, flattened = self._lower(call, align_output=span_output)
         if not lowered.has_spans:
             return CallLayout(lowered, flattened, "warm")
@@ -684,6 +689,42 @@ class SpanGenerator:
             align_output=span_output, as_context=frozenset(texts),
         )
         return CallLayout(relaid, flattened, mode, deferred=prompts, also=extra, spans=spans)
+
+    def unseen_in_context(self, call: Generate, span_output: bool = False) -> CallLayout | None:
+        """The layout of a call none of whose span texts this generator has laid out before, where its cold spans
+        would be read in context (`cold_policy`): stock's prompt, at once. Only this generator prepares spans on
+        its engine, so a text it never laid out is not cached: the span layout, the cache probes and the prepare
+        prompts would each cost a pass over every document (tokenizing, hashing) before the first token, for
+        nothing the answer reads. They are worked out after the answer instead (`later`). None: the full layout
+        (a text seen before may be cached; generated outputs and nested groups; "isolate"; a prompt long enough
+        that "auto" may isolate)."""
+        setting = call.cold_spans or self.cold_spans
+        if not self.spans or self.span_probe is None or span_output or setting == "isolate":
+            return None
+        texts: list[str] = []
+        for _, node in walk(call.input):
+            if isinstance(node, Plus):
+                for child in node.children:
+                    if not isinstance(child, (Fragment, User)):
+                        return None
+                    if child.text:
+                        texts.append(child.text)
+        if not texts or any(span_digest(text) in self._span_blocks for text in texts):
+            return None
+        stock, _ = self._lower(call, stock=True)
+        if setting == "auto" and len(stock.token_ids) >= self.isolate_min_tokens:
+            return None  # the cold span tokens may reach the threshold: count them on the span layout
+
+        def later() -> tuple[list[list[int]], list[list[int]]]:
+            lowered, _ = self._lower(call)
+            if not lowered.has_spans:
+                return [], []
+            self._note_spans(lowered)
+            cold = self.cold_span_indices(lowered)
+            also = [lowered.prefix_prompt()] if lowered.reads_after_another_prefix else []
+            return [lowered.prepare_prompt(i) for i in cold], also
+
+        return CallLayout(stock, False, "context", spans=len(set(texts)), later=later)
 
     async def _generate(
         self, call: Generate, path: str, on_token: TokenCallback | None, span_output: bool, t0: float
@@ -715,8 +756,15 @@ class SpanGenerator:
         done = await _gather_or_abort(consumed, [o for _, o in redone] + answers)
         prepare_tokens += sum(done[: len(redone)])
         runs = done[len(redone) :]
+        also = layout.also
+        if layout.later is not None:
+            try:
+                deferred, also = layout.later()
+            except SpanQueryError as e:  # the answer was stock's: only the prepares for later are lost
+                log.info("spans of %s not prepared for later: %s", path, e)
+                deferred, also = [], []
         if deferred:
-            self.defer(deferred, layout.also)
+            self.defer(deferred, also)
         sealed, sealed_new, seal_tokens = (0, 0, 0)
         if span_output and self.spans and not lowered.has_spans:
             sealed, sealed_new, seal_tokens = await self.seal(lowered, runs)

@@ -26,18 +26,35 @@ __all__ = ["BlockPoolProbe", "KVEventsMirror", "block_hash_chain"]
 log = logging.getLogger(__name__)
 
 
+MEMO_BLOCKS = 65536  # block hashes a probe remembers (then it starts over)
+
+
 def block_hash_chain(
-    hash_fn: Callable[[Any], bytes], token_ids: list[int], block_size: int, root: Any = None
+    hash_fn: Callable[[Any], bytes],
+    token_ids: list[int],
+    block_size: int,
+    root: Any = None,
+    memo: dict[tuple[Any, tuple[int, ...]], Any] | None = None,
 ) -> Iterator[Any]:
     """vLLM's prefix-cache hash of each full block of a plain prompt (no LoRA, media or cache salt), in order.
 
     `root`: the hash chains start from (the engine's NONE_HASH); None uses this process's, which only a process
-    that runs an engine core has set."""
+    that runs an engine core has set. `memo`: (parent hash, block tokens) -> hash, filled as it goes: every
+    prepare prompt starts with the same anchor blocks and a warm query probes the same span blocks again, and a
+    block's hash is a function of those two alone."""
     from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
     parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(hash_fn, parent, token_ids[start : start + block_size], None)
+        block = tuple(token_ids[start : start + block_size])
+        known = memo.get((parent, block)) if memo is not None else None
+        if known is None:
+            known = hash_block_tokens(hash_fn, parent, block, None)
+            if memo is not None:
+                if len(memo) >= MEMO_BLOCKS:
+                    memo.clear()
+                memo[(parent, block)] = known
+        parent = known
         yield parent
 
 
@@ -46,6 +63,7 @@ class BlockPoolProbe:
 
     def __init__(self, pool: Any, hash_fn: Callable[[Any], bytes], block_size: int):
         self.pool, self.hash_fn, self.block_size = pool, hash_fn, block_size
+        self._memo: dict[tuple[Any, tuple[int, ...]], Any] = {}
 
     @classmethod
     def of(cls, engine: Any, block_size: int) -> BlockPoolProbe | None:
@@ -65,7 +83,12 @@ class BlockPoolProbe:
         """The prefix-cache hashes of a prompt of whole blocks (None for any other prompt: never cached)."""
         if not token_ids or len(token_ids) % self.block_size:
             return None
-        return tuple(block_hash_chain(self.hash_fn, token_ids, self.block_size))
+        from vllm.v1.core import kv_cache_utils
+
+        # The root named (not None) so the memo's keys hold it: an engine started later in this process may seed
+        # its chains anew.
+        root = kv_cache_utils.NONE_HASH
+        return tuple(block_hash_chain(self.hash_fn, token_ids, self.block_size, root, self._memo))
 
     def holds(self, hashes: tuple[Any, ...] | None) -> bool:
         """Whether the pool holds every block of `block_hashes`' answer."""
@@ -94,6 +117,7 @@ class KVEventsMirror:
         self.endpoint, self.topic, self.hash_fn, self.block_size = endpoint, topic, hash_fn, block_size
         self.root = BlockHash(hash_fn(resolve_none_hash_seed(hash_fn)))  # the engine core's NONE_HASH
         self._hashes: set[Any] = set()
+        self._memo: dict[tuple[Any, tuple[int, ...]], Any] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -132,7 +156,7 @@ class KVEventsMirror:
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         try:
-            chain = block_hash_chain(self.hash_fn, token_ids, self.block_size, self.root)
+            chain = block_hash_chain(self.hash_fn, token_ids, self.block_size, self.root, self._memo)
             return tuple(maybe_convert_block_hash(h) for h in chain)
         except Exception:  # noqa: BLE001  (read as a miss: the prepare runs)
             return None

@@ -101,3 +101,42 @@ def test_a_gap_in_the_event_numbers_forgets_everything(wire):
     assert mirror.resets == 1
     assert not mirror.cached(list(range(10, 18)))
     assert mirror.cached(list(range(30, 38))), "what arrives after the gap is applied"
+
+
+def chains_agree(chain) -> bool:
+    """Whether `chain` (a memoizing `block_hash_chain`) gives vLLM's hashes: for prompts that share their second
+    block after different first blocks, and for the same prompt again (read from the memo)."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+    def reference(tokens):
+        parent, out = b"root", []
+        for start in range(0, len(tokens), BS):
+            parent = hash_block_tokens(sha256, parent, tokens[start : start + BS], None)
+            out.append(parent)
+        return out
+
+    memo: dict = {}
+    prompts = [[1, 2, 3, 4, 9, 9, 9, 9], [5, 6, 7, 8, 9, 9, 9, 9], [1, 2, 3, 4, 9, 9, 9, 9]]
+    return all(list(chain(sha256, p, BS, b"root", memo)) == reference(p) for p in prompts)
+
+
+def test_remembered_block_hashes_are_vllms_hashes():
+    """The probes remember block hashes by (parent, block): a memo keyed on the block alone would give the second
+    prompt's second block the first prompt's hash (its parent differs), and it fails this check."""
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+    from spanq_backend.vllm_integration.cache_probe import block_hash_chain
+
+    assert chains_agree(block_hash_chain)
+
+    def keyed_on_the_block_alone(hash_fn, tokens, block_size, root, memo):
+        parent = root
+        for start in range(0, len(tokens), block_size):
+            block = tuple(tokens[start : start + block_size])
+            if block not in memo:
+                memo[block] = hash_block_tokens(hash_fn, parent, block, None)
+            parent = memo[block]
+            yield parent
+
+    assert not chains_agree(keyed_on_the_block_alone)
