@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None, backend: Any = None) -> dict[str, Any]:
         from spanq_backend.serving.embedded import EmbeddedBackend
 
         backend = started = EmbeddedBackend(args.model)
-    llm = SpanQueryLLM(backend=backend)
+    llm = SpanQueryLLM(backend=backend, temperature=0.0)  # LlamaIndex's own evaluator judges at the LLM's temperature
     llm.get_backend()  # start the engine first: the timings below are the judges' own
     try:
         rows = asyncio.run(judge_all(build_pairs()[: args.pairs], llm, args.consensus_max_tokens))

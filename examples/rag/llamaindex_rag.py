@@ -57,14 +57,15 @@ def load_documents() -> list[Document]:
 
 def make_llm(model: str, max_tokens: int, backend: Any = None) -> tuple[SpanQueryLLM, Any]:
     """The LLM, and the embedded backend this script started (to close), if any."""
+    greedy = {"max_tokens": max_tokens, "temperature": 0.0}  # the same answers each run: synthesizers compared
     if backend is not None:
-        return SpanQueryLLM(backend=backend, max_tokens=max_tokens), None
+        return SpanQueryLLM(backend=backend, **greedy), None
     if model == "default":
-        return SpanQueryLLM(max_tokens=max_tokens), None  # the shared embedded engine on SmolLM2
+        return SpanQueryLLM(**greedy), None  # the shared embedded engine on SmolLM2
     from spanq_backend.serving.embedded import EmbeddedBackend
 
     started = EmbeddedBackend(model)
-    return SpanQueryLLM(backend=started, max_tokens=max_tokens), started
+    return SpanQueryLLM(backend=started, **greedy), started
 
 
 def main(argv: list[str] | None = None, backend: Any = None) -> list[dict[str, Any]]:

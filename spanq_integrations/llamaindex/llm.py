@@ -41,6 +41,7 @@ from spanq_integrations.llamaindex.run_nodes import current_record, install_trac
 from spanq_integrations.llamaindex.usage import METADATA_KEY, usage_of
 from spanq_integrations.query.errors import QueryValidationError
 from spanq_integrations.query.ir import (
+    DEFAULT_TEMPERATURE,
     Assistant,
     Generate,
     Node,
@@ -152,14 +153,18 @@ class SpanQueryLLM(FunctionCallingLLM):
     first use; "spanq+http://host:port" a `spanq serve` server; any other "http(s)://…" URL an OpenAI-compatible
     server (vLLM, llama.cpp, Ollama, OpenAI); or a spanq `Backend` object, which the caller keeps owning.
     `model` names the model for servers that serve several ('' = the backend's default).
-    `temperature` defaults to 0 (greedy): reproducible answers and judges.
+    `temperature` defaults to spnl's 0.6, as `generate` and LangChain's models do; spanq's judges
+    (`SpanQueryPairwiseEvaluator` here, `judge()`, LangChain's judge) call the model greedily whatever it is set
+    to. Pass `temperature=0` for greedy answers.
 
     Every call's usage (prompt, cached, generated and padded tokens, prepared spans, TTFT) is in the
     response's `additional_kwargs` and `raw`.
     """
 
     model: str = Field(default="", description="The model to call; '' means the backend's default.")
-    temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
+    temperature: float = Field(
+        default=DEFAULT_TEMPERATURE, ge=0.0, description="Sampling temperature (spnl's 0.6 by default); 0 is greedy."
+    )
     max_tokens: int = Field(default=256, ge=1, description="The most tokens one call generates.")
     context_window: int | None = Field(
         default=None, description="The model's context window; None asks the embedded engine, else 4096."

@@ -29,7 +29,7 @@ TOWNS = {
 @pytest.fixture
 def span_llm(tiny_backend) -> SpanQueryLLM:
     """A SpanQueryLLM on the session's tiny engine; short answers (the tiny model's text is gibberish)."""
-    return SpanQueryLLM(backend=tiny_backend, max_tokens=6)
+    return SpanQueryLLM(backend=tiny_backend, max_tokens=6, temperature=0.0)
 
 
 @pytest.fixture(scope="session")

@@ -52,7 +52,7 @@ def test_a_tool_call_and_its_result_in_the_history_are_sent_as_text():
 
 
 def test_a_required_call_names_the_tool_with_typed_arguments(compact_tiny):
-    llm = SpanQueryLLM(backend=compact_tiny, max_tokens=40)
+    llm = SpanQueryLLM(backend=compact_tiny, max_tokens=40, temperature=0.0)
     response = llm.chat_with_tools([ADD], user_msg="3 plus 4?", tool_required=True)
     (call,) = llm.get_tool_calls_from_response(response)
     assert call.tool_name == "add" and set(call.tool_kwargs) == {"a", "b"}
@@ -62,10 +62,10 @@ def test_a_required_call_names_the_tool_with_typed_arguments(compact_tiny):
 
 
 def test_structured_predict_and_a_cut_off_answer(compact_tiny):
-    llm = SpanQueryLLM(backend=compact_tiny, max_tokens=80)
+    llm = SpanQueryLLM(backend=compact_tiny, max_tokens=80, temperature=0.0)
     town = llm.structured_predict(Town, PromptTemplate("Lindale's hall is green. Describe the town."))
     assert isinstance(town, Town)
-    short = SpanQueryLLM(backend=compact_tiny, max_tokens=3)
+    short = SpanQueryLLM(backend=compact_tiny, max_tokens=3, temperature=0.0)
     response = short.chat_with_tools([ADD], user_msg="3 plus 4?", tool_required=True)
     with pytest.raises(ValueError, match="raise max_tokens"):
         short.get_tool_calls_from_response(response)
@@ -78,7 +78,7 @@ def test_smollm2_calls_the_tool_with_the_right_arguments_and_an_agent_runs():
 
     from spanq_backend.serving.embedded import shared_embedded_backend
 
-    llm = SpanQueryLLM(backend=shared_embedded_backend(), max_tokens=80)
+    llm = SpanQueryLLM(backend=shared_embedded_backend(), max_tokens=80, temperature=0.0)
     response = llm.chat_with_tools([ADD], user_msg="What is 3 plus 4? Use the tool.", tool_required=True)
     (call,) = llm.get_tool_calls_from_response(response)
     assert (call.tool_name, call.tool_kwargs) == ("add", {"a": 3, "b": 4})

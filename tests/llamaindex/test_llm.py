@@ -207,7 +207,7 @@ def test_an_over_long_prompt_is_a_context_length_error(span_llm):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_any_openai_compatible_server(stock_vllm_server):
-    llm = SpanQueryLLM(backend=stock_vllm_server, max_tokens=5)
+    llm = SpanQueryLLM(backend=stock_vllm_server, max_tokens=5, temperature=0.0)
     try:
         chat = llm.chat(CONVERSATION)
         assert chat.additional_kwargs["completion_tokens"] == 5
@@ -225,7 +225,7 @@ def test_an_llm_naming_its_model_runs_on_that_model_embedded(tiny_model):
     from spanq_integrations.llamaindex.usage import METADATA_KEY
 
     try:
-        response = SpanQueryLLM(model="tiny", max_tokens=2).complete("hi")
+        response = SpanQueryLLM(model="tiny", max_tokens=2, temperature=0.0).complete("hi")
         assert response.raw[METADATA_KEY]["model"] == tiny_model.name
     finally:
         shared_embedded_backend("tiny").shutdown()

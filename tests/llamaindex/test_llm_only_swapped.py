@@ -42,7 +42,7 @@ def engine(llm: SpanQueryLLM, index, mode: str, orders: list[list[int]]) -> Retr
 
 
 def test_compact_reuses_the_nodes_in_a_new_order(tiny_backend, town_index):
-    llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4)
+    llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4, temperature=0.0)
     qe = engine(llm, town_index, "compact", [[0, 1, 2, 3], [3, 2, 1, 0]])
     first = qe.query("Which town hall is green?")
     second = qe.query("Which town hall is green?")
@@ -59,7 +59,7 @@ def test_every_built_in_response_mode_reuses_the_nodes_in_a_new_order(tiny_backe
     in another order come from the span cache. The cache is emptied first, so the first question prepares each
     node (a mode that sent no spans, or a cache that missed on the reversed order, fails)."""
     assert tiny_backend.engine.reset_prefix_cache(), "the engine's prefix cache could not be reset"
-    llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4)
+    llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4, temperature=0.0)
     qe = engine(llm, town_index, mode, [[0, 1, 2, 3], [3, 2, 1, 0]])
     first = qe.query("Which town hall is green?").metadata["spanq"]
     second = qe.query("Which town hall is green?").metadata["spanq"]
@@ -73,7 +73,7 @@ def test_every_built_in_response_mode_reuses_the_nodes_in_a_new_order(tiny_backe
 def test_simple_summarize_does_not_hold_the_nodes_verbatim_and_says_so(tiny_backend, town_index):
     """LlamaIndex 0.14's simple_summarize writes the Python repr of its list of chunks (escaped newlines): no node
     is in the prompt as it is, so the prompt goes unchanged and the metadata says why."""
-    llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4)
+    llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4, temperature=0.0)
     response = engine(llm, town_index, "simple_summarize", [[0, 1, 2, 3]]).query("Which town hall is green?")
     spanq = response.metadata["spanq"]
     assert spanq["spans"] == 0 and "SpanQuerySynthesizer" in spanq["fallback"]
@@ -83,7 +83,7 @@ def test_a_prompt_that_does_not_hold_the_nodes_verbatim_goes_as_it_is_and_says_w
     from llama_index.core import PromptTemplate
 
     template = PromptTemplate("Context: {context_str} -- Question: {query_str}")  # nodes mid-line
-    llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4)
+    llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4, temperature=0.0)
     synth = get_response_synthesizer(llm=llm, response_mode="compact", text_qa_template=template)
     response = RetrieverQueryEngine(FixedOrder(nodes_of(town_index), [[0, 1]]), synth).query("Green?")
     spanq = response.metadata["spanq"]
@@ -92,10 +92,10 @@ def test_a_prompt_that_does_not_hold_the_nodes_verbatim_goes_as_it_is_and_says_w
 
 
 def test_recover_nodes_off_and_outside_a_query_engine_nothing_changes(tiny_backend, town_index):
-    off = SpanQueryLLM(backend=tiny_backend, max_tokens=4, recover_nodes=False)
+    off = SpanQueryLLM(backend=tiny_backend, max_tokens=4, temperature=0.0, recover_nodes=False)
     response = engine(off, town_index, "compact", [[0, 1, 2, 3]]).query("Which town hall is green?")
     assert response.metadata["spanq"]["spans"] == 0
     # after the query: a prompt holding a node's text is not cut (no query, no nodes to look for)
     text = nodes_of(town_index)[0].get_content()
-    plain = SpanQueryLLM(backend=tiny_backend, max_tokens=4).complete(f"Context:\n{text}\nWhich town?")
+    plain = SpanQueryLLM(backend=tiny_backend, max_tokens=4, temperature=0.0).complete(f"Context:\n{text}\nWhich town?")
     assert plain.raw["spanq"]["prepared_spans"] == 0

@@ -53,7 +53,7 @@ def test_query_engine_reuses_the_nodes_across_questions_and_orders(town_index, s
 
 
 def test_recompute_set_on_the_llm_reaches_the_synthesizers_call(town_index, tiny_backend):
-    redo = SpanQueryLLM(backend=tiny_backend, max_tokens=6, recompute=0.5)
+    redo = SpanQueryLLM(backend=tiny_backend, max_tokens=6, temperature=0.0, recompute=0.5)
     synthesizer = SpanQuerySynthesizer(llm=redo)
     engine = town_index.as_query_engine(llm=redo, response_synthesizer=synthesizer, similarity_top_k=4)
     (call,) = engine.query(QUESTION_HARBOR).metadata["spanq"]["per_call"]
