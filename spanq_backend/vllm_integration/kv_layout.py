@@ -315,38 +315,51 @@ def self_check(
     make_relocator: Callable[[list[torch.Tensor]], Any],
     block_size: int,
 ) -> None:
-    """The start-up check on the real cache: known keys are written into a block of the first layer through the
-    attention backend's own op (`write_keys`), read back where the relocator believes keys live (`read_keys`),
-    moved by the relocator the engine will use (`make_relocator`), read back again and compared with the
-    reference rotation (`rerope_`). The block is restored afterwards. Raises `RelocationError` saying what did not
-    match; then the engine must not honour spans."""
+    """The start-up check on the real cache, on every layer it guards: known keys are written into two blocks of
+    each layer's cache through the attention backend's own op (`write_keys`), read back where the relocator
+    believes keys live (`read_keys`), moved by the relocator the engine will use (`make_relocator`, over all the
+    layers at once, as a step moves them) — one block forward and one back (`SELF_CHECK_DELTA`) — read back
+    again and compared with the reference rotation (`rerope_`). The blocks are restored afterwards. Raises
+    `RelocationError` saying what did not match, and on which layer; then the engine must not honour spans."""
     from spanq_backend.kv.relocation import Move
     from spanq_backend.kv.rerope import rerope_
 
-    kv = kv_caches[0]
-    block = kv.shape[0] - 1  # the last block: free at start-up, restored below either way
-    heads = kv.shape[1]
+    if not kv_caches or kv_caches[0].shape[0] < 2:
+        raise RelocationError("start-up self-check: the KV cache has fewer than two blocks to check on")
+    last = kv_caches[0].shape[0] - 1  # the last blocks: free at start-up, restored below either way
+    moves = [Move(last, SELF_CHECK_DELTA), Move(last - 1, -SELF_CHECK_DELTA)]
     gen = torch.Generator().manual_seed(0)
-    keys = torch.randn(block_size, heads, spec.head_dim, generator=gen).to(kv.dtype).to(kv.device)
-    saved = kv[block].clone()
+    saved = [kv[last - 1 :].clone() for kv in kv_caches]
     try:
-        write_keys(kv, keys, block)
-        if not torch.equal(read_keys(kv, block), keys):
-            raise RelocationError(
-                "start-up self-check: the keys the attention backend wrote are not where the K layout says"
-            )
-        make_relocator([kv]).apply([Move(block, SELF_CHECK_DELTA)])
-        got = read_keys(kv, block).to(torch.float32)
-        want = rerope_(keys.to(torch.float32).transpose(0, 1).clone(), SELF_CHECK_DELTA, spec).transpose(0, 1)
-        tol = 1e-4 if kv.dtype == torch.float32 else 2e-2
-        err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
-        if not err <= tol:
-            raise RelocationError(
-                f"start-up self-check: keys moved on the real cache differ from the reference rotation "
-                f"(relative error {err:.2e}, tolerance {tol:.0e})"
-            )
+        written = []
+        for layer, kv in enumerate(kv_caches):
+            keys_of = {}
+            for move in moves:
+                keys = torch.randn(block_size, kv.shape[1], spec.head_dim, generator=gen).to(kv.dtype).to(kv.device)
+                write_keys(kv, keys, move.block_id)
+                if not torch.equal(read_keys(kv, move.block_id), keys):
+                    raise RelocationError(
+                        f"start-up self-check: the keys the attention backend wrote are not where the K layout "
+                        f"says (layer {layer})"
+                    )
+                keys_of[move.block_id] = keys
+            written.append(keys_of)
+        make_relocator(kv_caches).apply(moves)
+        tol = 1e-4 if kv_caches[0].dtype == torch.float32 else 2e-2
+        for layer, (kv, keys_of) in enumerate(zip(kv_caches, written)):
+            for move in moves:
+                keys = keys_of[move.block_id]
+                got = read_keys(kv, move.block_id).to(torch.float32)
+                want = rerope_(keys.to(torch.float32).transpose(0, 1).clone(), move.delta, spec).transpose(0, 1)
+                err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+                if not err <= tol:
+                    raise RelocationError(
+                        f"start-up self-check: keys moved by {move.delta:+d} positions on the real cache differ from "
+                        f"the reference rotation on layer {layer} (relative error {err:.2e}, tolerance {tol:.0e})"
+                    )
     finally:
-        kv[block].copy_(saved)
+        for kv, blocks in zip(kv_caches, saved):
+            kv[last - 1 :].copy_(blocks)
 
 
 def checked_relocator(runner: Any, kv_caches: list[torch.Tensor], spec: RopeSpec, block_size: int) -> Any:
@@ -376,9 +389,11 @@ def backend_relocator(runner: Any, kv_caches: list[torch.Tensor], spec: RopeSpec
     relocator (Triton on CUDA) is trusted."""
     from spanq_backend.kv.strided import StridedKVRelocator
 
-    layer = attention_layer_of(runner, kv_caches[0])
+    def write_keys(kv: torch.Tensor, keys: torch.Tensor, block: int) -> None:  # through each layer's own op
+        backend_write_keys(attention_layer_of(runner, kv))(kv, keys, block)
+
     self_check(
-        kv_caches, spec, write_keys=backend_write_keys(layer), read_keys=logical_read_keys(spec.head_dim),
+        kv_caches, spec, write_keys=write_keys, read_keys=logical_read_keys(spec.head_dim),
         make_relocator=lambda caches: StridedKVRelocator(caches, spec), block_size=block_size,
     )
     return StridedKVRelocator(kv_caches, spec)

@@ -633,6 +633,44 @@ def test_the_self_check_refuses_a_misread_layout_and_a_wrong_relocator(ops):
     assert not kv.any(), "restored after a failed check too"
 
 
+@pytest.mark.vllm
+def test_the_self_check_covers_every_layer_both_directions_and_each_block_of_a_step(ops):
+    """#32 item 10: a relocator that is right on layer 0, for a forward move of one block (all the check used to
+    try), but wrong on a later layer, backwards, or for a step's second block, is refused, naming the layer."""
+    from spanq_backend.kv.relocation import KVRelocator
+    from spanq_backend.vllm_integration import kv_layout
+    from spanq_backend.vllm_integration.kv_layout import discover_cpu_k_layout
+
+    layers = [torch.zeros(6, 2, BS, 2 * HEAD_DIM) for _ in range(3)]
+    layout = discover_cpu_k_layout(SimpleNamespace(kv_caches=layers[:1]), BS, HEAD_DIM)
+
+    def check(make_relocator):
+        kv_layout.self_check(
+            layers, plain_spec(), write_keys=kv_layout.cpu_write_keys, read_keys=kv_layout.cpu_read_keys(layout),
+            make_relocator=make_relocator, block_size=BS,
+        )
+
+    check(lambda caches: KVRelocator(caches, layout, plain_spec()))  # the real one passes on every layer
+
+    class ForwardOnly(KVRelocator):
+        def apply(self, moves):
+            super().apply([m for m in moves if m.delta > 0])
+
+    class FirstMoveOnly(KVRelocator):
+        def apply(self, moves):
+            super().apply(list(moves)[:1])
+
+    broken = {
+        "layer 2": lambda caches: KVRelocator(caches[:-1], layout, plain_spec()),  # the last layer left unmoved
+        "moved by -": lambda caches: ForwardOnly(caches, layout, plain_spec()),
+        "by -37 positions": lambda caches: FirstMoveOnly(caches, layout, plain_spec()),
+    }
+    for where, make in broken.items():
+        with pytest.raises(RelocationError, match=where):
+            check(make)
+        assert not any(kv.any() for kv in layers), f"restored after the failed check ({where})"
+
+
 def logical_writer(kv, keys, block):
     """What the GPU backends' cache-write ops do (FlashAttention's `reshape_and_cache_flash`): K of token t, dim d
     at its logical place."""
