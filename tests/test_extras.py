@@ -96,7 +96,7 @@ CASES: dict[str, tuple[list[str], str, list[str]]] = {
         import torch, vllm
         from transformers import LlamaForCausalLM  # noqa: F401  (breaks if PyPI's torchvision stayed)
         from spanq_backend.serving.engine import SpanEngine  # noqa: F401
-        from spanq_backend.serving.server import build_query_router  # noqa: F401
+        from spanq_backend.serving.query_route import build_query_router  # noqa: F401
         from spanq_backend.vllm_integration import register  # noqa: F401
         assert torch.__version__.startswith("2.13.0") and vllm.__version__.startswith("0.32")
         """,

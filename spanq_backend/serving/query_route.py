@@ -1,0 +1,369 @@
+"""`spanq serve`'s added routes: `POST /v1/query/execute` (a span query in spnl JSON, run whole by the executor on
+`EngineClientBackend`; answered with the closed tree and usage, or streamed as `chat.completion.chunk` events with
+`?stream=true`, which is what `SpanBackend` reads) and `GET /v1/spans` (the digests of the spans the engine holds).
+Client mistakes are 4xx naming what is wrong; anything else is a 500 with an incident id."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Depends, Request  # module level: FastAPI resolves the route's annotations here
+
+from spanq_backend.serving.engine_client import EngineClientBackend
+from spanq_backend.serving.generator import ISOLATE_MIN_TOKENS, LEAD_IN_NEUTRAL
+from spanq_backend.serving.lowering import DEFAULT_ANCHOR
+from spanq_backend.serving.spnl_wire import choices_of, spnl_chunk, spnl_response, wire_format
+from spanq_backend.vllm_integration.support import aquery_span_support
+from spanq_integrations.backends.span import EXECUTE_PATH  # the route spnl's patched vLLM exposes
+from spanq_integrations.query.errors import (
+    BackendError,
+    BackendUnavailableError,
+    ContextLengthError,
+    GenerationError,
+    ModelNotFoundError,
+    OptimizerError,
+    QueryParseError,
+    QueryValidationError,
+    ReducerParseError,
+    RequestRejectedError,
+    SpanQueryError,
+)
+from spanq_integrations.query.ir import AnchorPolicy, Map, Node, Recompute
+from spanq_integrations.query.limits import (
+    DEFAULT_LIMITS,
+    QueryLimitError,
+    QueryLimits,
+    check_json_depth,
+    check_limits,
+)
+from spanq_integrations.query.spnl_json import from_json, to_json
+from spanq_integrations.runtime.executor import ExecutionResult, aexecute
+
+__all__ = ["EXECUTE_PATH", "SPANS_PATH", "QueryRun", "build_query_router", "error_body", "parse_query"]
+
+log = logging.getLogger("spanq.server")
+
+SPANS_PATH = "/v1/spans"  # GET: the digests of the spans whose KV the engine holds
+
+
+# HTTP status and error type for each spanq error a query can meet (subclasses before their bases).
+_ERROR_STATUS: tuple[tuple[type[SpanQueryError], int], ...] = (
+    (QueryParseError, 400),
+    (QueryValidationError, 400),
+    (OptimizerError, 400),
+    (ReducerParseError, 500),
+    (ModelNotFoundError, 404),
+    (ContextLengthError, 400),
+    (RequestRejectedError, 400),
+    (BackendUnavailableError, 503),
+    (BackendError, 500),
+    (GenerationError, 500),
+    (SpanQueryError, 500),
+)
+
+
+def error_body(error: BaseException) -> tuple[int, dict[str, Any]]:
+    """HTTP status and OpenAI-shaped body `{"error": {"message", "type", "code"}}` for a failure."""
+    if isinstance(error, GenerationError) and isinstance(error.cause, SpanQueryError):
+        error = error.cause  # a call's own typed failure decides the status
+    if not isinstance(error, GenerationError):
+        for cls, status in _ERROR_STATUS:
+            if isinstance(error, cls):
+                return status, {"error": {"message": str(error), "type": type(error).__name__, "code": status}}
+    # Anything else is the server's own fault: its text stays in the log, the client gets an id to quote.
+    incident = uuid.uuid4().hex[:12]
+    where = f" at {error.path}" if isinstance(error, GenerationError) else ""
+    log.error("query failed (incident %s)", incident, exc_info=error)
+    message = f"internal error{where} (incident {incident}); the server's log has the details"
+    return 500, {"error": {"message": message, "type": "InternalServerError", "code": 500}}
+
+
+def usage_of(result: ExecutionResult) -> dict[str, Any]:
+    """The query's usage in OpenAI's shape, with spanq's padded tokens, prepared spans and span fallback."""
+    return result.usage.openai()
+
+
+def body_too_large(limits: QueryLimits, size: int | None = None) -> QueryLimitError:
+    what = f"{size} bytes" if size is not None else "larger than that"
+    return QueryLimitError(
+        "$", f"the body is {what}, over the server's limit max_body_bytes={limits.max_body_bytes} "
+        "(spanq serve --max-body-bytes)"
+    )
+
+
+def parse_query(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> Node:
+    """The span query in a request body, within `limits`; a `QueryParseError` naming the JSON path if it is not
+    one, a `QueryLimitError` naming the limit if it asks for too much. Nothing else runs before this passes."""
+    if len(body) > limits.max_body_bytes:
+        raise body_too_large(limits, len(body))
+    try:
+        doc = json.loads(body)
+    except RecursionError:
+        raise QueryLimitError(
+            "$", f"the body is nested too deeply: over the limit max_depth={limits.max_depth} (spanq serve --max-depth)"
+        ) from None
+    except ValueError as e:
+        raise QueryParseError(
+            "$", f"the request body is not JSON ({e}); send a span query in spnl JSON"
+        ) from e
+    check_json_depth(doc, limits)
+    query = from_json(doc)
+    check_limits(query, limits)
+    return query
+
+
+_END = object()
+
+
+class QueryRun:
+    """One query running in the background for a streaming answer: its tokens on a queue, then its result."""
+
+    def __init__(self, backend: EngineClientBackend, query: Node, model: str, wire: str = "spanq"):
+        self.backend = backend
+        self.model = model
+        self.wire = wire  # "spanq": chat.completion.chunk events; "spnl": text_completion chunks (spnl_wire)
+        self.id = f"{'cmpl' if wire == 'spnl' else 'chatcmpl'}-spanq-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.pieces: asyncio.Queue[Any] = asyncio.Queue()
+        self.streamed = False
+        self.task = asyncio.ensure_future(
+            aexecute(query, backend, optimize=True, on_token=self.pieces.put_nowait)
+        )
+        self.task.add_done_callback(lambda _: self.pieces.put_nowait(_END))
+        self.first: Any = None
+
+    async def start(self) -> None:
+        """Wait for the first token, or for the end if it fails (or finishes) before producing one."""
+        self.first = await self.pieces.get()
+
+    def failed_early(self) -> BaseException | None:
+        if self.first is _END and not self.task.cancelled():
+            return self.task.exception()
+        return None
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        chunk = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    def _delta(self, piece: str) -> str:
+        self.streamed = True
+        if self.wire == "spnl":
+            return spnl_chunk(self.id, self.created, self.model, [(0, piece, None)])
+        return self._chunk([{"index": 0, "delta": {"content": piece}, "finish_reason": None}])
+
+    def _final(self, result: ExecutionResult) -> str:
+        call = result.answer_call
+        if self.wire == "spnl":  # every choice whole, except the text of choice 0 already streamed
+            choices = choices_of(result)
+            rest = [(k, "" if k == 0 and self.streamed else text, reason) for k, (text, reason) in enumerate(choices)]
+            return spnl_chunk(self.id, self.created, self.model, rest, usage=usage_of(result))
+        if call is None:  # the answer is not one call's output (a top-level plus, say): send it whole
+            delta = {"content": result.answer} if result.answer and not self.streamed else {}
+            choices = [{"index": 0, "delta": delta, "finish_reason": "stop"}]
+        else:  # choice 0 streamed already; the other choices (n > 1) come whole
+            choices = [
+                {"index": k, "delta": {"content": text} if k and text else {}, "finish_reason": reason}
+                for k, (text, reason) in enumerate(zip(call.choices, call.finish_reasons))
+            ]
+        return self._chunk(choices, usage=usage_of(result))
+
+    async def events(self) -> AsyncIterator[str]:
+        try:
+            item = self.first
+            while item is not _END:
+                yield self._delta(item)
+                item = await self.pieces.get()
+            try:
+                result = self.task.result()
+            except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - sent to the client as an error event
+                _, body = error_body(e)
+                yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+            else:
+                yield self._final(result)
+            yield "data: [DONE]\n\n"
+        finally:
+            await self.cancel()
+
+    async def cancel(self) -> None:
+        """Stop the query (its engine requests are aborted) if it is still running."""
+        if not self.task.done():
+            self.task.cancel()
+        with contextlib.suppress(BaseException):
+            await self.task
+
+
+def build_query_router(
+    tokenizer: Any,
+    served_model_names: Sequence[str],
+    limits: QueryLimits = DEFAULT_LIMITS,
+    default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
+    default_recompute: Recompute = 0.0,
+    default_lead_in: str = LEAD_IN_NEUTRAL,
+    cold_spans: str = "auto",
+    isolate_min_tokens: int = ISOLATE_MIN_TOKENS,
+) -> Any:
+    """The FastAPI router of `POST /v1/query/execute`, for an app whose state holds vLLM's engine client."""
+    from fastapi import APIRouter
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from vllm.entrypoints.serve.utils.api_utils import with_cancellation
+
+    router = APIRouter()
+    started = asyncio.Lock()
+
+    async def backend_of(request: Request) -> EngineClientBackend:
+        state = request.app.state
+        async with started:
+            backend = getattr(state, "spanq_backend", None)
+            if backend is not None:
+                return backend
+            config = state.vllm_config
+            from spanq_backend.vllm_integration.cache_probe import KVEventsMirror
+
+            support = await aquery_span_support(state.engine_client.collective_rpc)
+            if not support.enabled:
+                log.warning("spanq serve: spans are off for this engine; queries run as stock: %s", support.reason)
+            mirror = state.spanq_kv_mirror = KVEventsMirror.for_engine(config) if support.enabled else None
+            backend = state.spanq_backend = EngineClientBackend(
+                state.engine_client,
+                tokenizer,
+                served_model_names=served_model_names,
+                block_size=config.cache_config.block_size,
+                max_model_len=config.model_config.max_model_len,
+                max_concurrency=config.scheduler_config.max_num_seqs,
+                span_probe=mirror,
+                span_support=support,
+                default_anchor=default_anchor,
+                default_recompute=default_recompute,
+                default_lead_in=default_lead_in,
+                cold_spans=cold_spans,
+                isolate_min_tokens=isolate_min_tokens,
+            )
+        return backend
+
+    async def refresh_engine_counters(backend: EngineClientBackend) -> None:
+        """Read the engine processes' span counters for /metrics (after each query; never fails a query)."""
+        from spanq_backend.serving import metrics
+        from spanq_backend.vllm_integration.support import WORKER_STATS_METHOD
+
+        try:
+            metrics.set_engine_stats(list(await backend.engine_client.collective_rpc(WORKER_STATS_METHOD)))
+        except Exception as e:  # noqa: BLE001  (counters are best effort; the answer is what matters)
+            log.debug("could not read the engine's span counters: %s", e)
+
+    async def read_body(request: Request) -> bytes | None:
+        """The body, read before the handler runs (`with_cancellation` then listens on the connection for a
+        disconnect); None as soon as it is over `max_body_bytes` — declared or received — so an oversized body
+        is never held in memory."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limits.max_body_bytes:
+            return None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def error_response(error: BaseException) -> JSONResponse:
+        status, body = error_body(error)
+        return JSONResponse(body, status_code=status)
+
+    class QueryEventStream(StreamingResponse):
+        """The SSE answer; stops the query however the response ends (also if it never starts streaming)."""
+
+        def __init__(self, run: QueryRun):
+            super().__init__(
+                run.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+            self.run = run
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await self.run.cancel()
+                await refresh_engine_counters(self.run.backend)
+
+    @router.get(SPANS_PATH)
+    async def cached_spans(raw_request: Request) -> Any:
+        """Which spans this server's engine still holds: digests of their texts (`lowering.span_digest`), of the
+        spans it prepared, most recently used last. What a cluster's span-affinity router routes on."""
+        backend = await backend_of(raw_request)
+        return JSONResponse(
+            {"spans": backend.generator.cached_span_digests(), "probe": backend.generator.span_probe is not None}
+        )
+
+    @router.post(EXECUTE_PATH)
+    @with_cancellation
+    async def execute_query(
+        raw_request: Request,
+        stream: bool = False,
+        format: str | None = None,  # the query parameter `?format=`
+        body: bytes | None = Depends(read_body),
+    ) -> Any:
+        """Run a span query (spnl JSON); `?stream=true` streams the answer. `?format=spanq` (spanq's client):
+        the closed tree and per-call metrics, or chat.completion.chunk events; `?format=spnl`, or a text/plain
+        body without a format (spnl's client): OpenAI completion objects, or text_completion chunks."""
+        backend = await backend_of(raw_request)
+        if body is None:
+            return error_response(body_too_large(limits))
+        try:
+            wire = wire_format(format, raw_request.headers.get("content-type"))
+            query = parse_query(body, limits)
+            backend.check_models(query)
+        except SpanQueryError as e:
+            return error_response(e)
+        if not stream:
+            try:
+                result = await aexecute(query, backend, optimize=True)
+            except Exception as e:  # noqa: BLE001 - every failure becomes an error answer
+                return error_response(e)
+            finally:
+                await refresh_engine_counters(backend)
+            if wire == "spnl":
+                return JSONResponse(
+                    spnl_response(
+                        query,
+                        result,
+                        request_id=f"{'cmpl' if isinstance(query, Map) else 'chatcmpl'}-spanq-{uuid.uuid4().hex}",
+                        created=int(time.time()),
+                        model=served_model_names[0],
+                    )
+                )
+            return JSONResponse(
+                {
+                    "result": to_json(result.tree),
+                    "answer": result.answer,
+                    "usage": usage_of(result),
+                    "calls": [c.model_dump() for c in result.calls],
+                }
+            )
+        run = QueryRun(backend, query, served_model_names[0], wire)
+        handed_over = False
+        try:
+            await run.start()
+            failure = run.failed_early()
+            if failure is not None:
+                return error_response(failure)
+            handed_over = True
+            return QueryEventStream(run)
+        finally:
+            if not handed_over:
+                await run.cancel()
+
+    return router
