@@ -49,7 +49,7 @@ class ChatSpanQuery(SpanQueryClient, BaseChatModel):
     blocks, the documents retrieved earlier in the same LangChain run are looked for in the prompt and sent as
     spans when that is safe (`recover_documents`); `response_metadata["spanq"]["fallback"]` says why not when it
     is not. Each call is one `generate`; `usage_metadata` counts cached prompt tokens as
-    `input_token_details["cache_read"]`, and `response_metadata["spanq"]` reports cached/padded tokens,
+    `input_token_details["cache_read"]` and the tokens it prepared as spans as `["cache_creation"]`, and `response_metadata["spanq"]` reports cached/padded tokens,
     prepared spans, spans and time to first token. Per-call keyword arguments: `model`, `temperature`,
     `max_tokens`, `seed`, `stop`, and `span_documents` (documents to find in the prompt and send as spans).
 

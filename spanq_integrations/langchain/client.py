@@ -101,7 +101,9 @@ class CallOutcome:
             "input_tokens": m.prompt_tokens,
             "output_tokens": m.generated_tokens,
             "total_tokens": m.prompt_tokens + m.generated_tokens,
-            "input_token_details": {"cache_read": m.cached_tokens},
+            # LangChain's names: tokens read from the KV cache, and tokens this call wrote to it as spans
+            # (its prepare requests: what a later call reads back as cache_read)
+            "input_token_details": {"cache_read": m.cached_tokens, "cache_creation": m.prepared_tokens},
         }
 
     def token_usage(self) -> dict[str, int]:

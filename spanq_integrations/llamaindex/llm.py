@@ -412,6 +412,10 @@ class SpanQueryLLM(FunctionCallingLLM):
             "completion_tokens": usage["generated_tokens"],
             "total_tokens": usage["prompt_tokens"] + usage["generated_tokens"],
             "cached_tokens": usage["cached_tokens"],
+            # the names LlamaIndex's Anthropic LLM reports prompt caching under: read from the cache, and written
+            # to it (the span prepares a later call reads back)
+            "cache_read_input_tokens": usage["cached_tokens"],
+            "cache_creation_input_tokens": usage["prepared_tokens"],
             "padded_tokens": usage["padded_tokens"],
             "prepared_spans": usage["prepared_spans"],
             "ttft_s": usage["ttft_s"],
@@ -420,7 +424,12 @@ class SpanQueryLLM(FunctionCallingLLM):
         call = result.answer_call
         if call is not None and call.finish_reason is not None:
             additional["finish_reason"] = call.finish_reason
-        return additional, {METADATA_KEY: usage, "finish_reason": call.finish_reason if call is not None else None}
+        raw = {
+            METADATA_KEY: usage,
+            "usage": result.usage.openai(),  # OpenAI's shape, as LlamaIndex's OpenAI LLM's raw response has it
+            "finish_reason": call.finish_reason if call is not None else None,
+        }
+        return additional, raw
 
     def _chat_response(self, result: ExecutionResult, tools: Sequence[ToolSpec] = ()) -> ChatResponse:
         self._note_call(result)

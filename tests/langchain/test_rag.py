@@ -281,6 +281,11 @@ def test_the_hub_rag_prompt_reuses_documents_across_questions(tiny_backend, chat
     assert cache_read(first) < document_tokens(tiny_backend, docs), "a cold call reads no document from cache"
     assert cache_read(second) >= document_tokens(tiny_backend, docs)
     assert stats(first)["prepared_tokens"] >= document_tokens(tiny_backend, docs)
+    # LangChain's name for what a call wrote to the cache (#33 item 3): the first call its documents, the second
+    # only its own prefix (the question comes first here), no document
+    written = [m.usage_metadata["input_token_details"]["cache_creation"] for m in (first, second)]
+    assert written == [stats(first)["prepared_tokens"], stats(second)["prepared_tokens"]]
+    assert written[0] >= document_tokens(tiny_backend, docs) > written[1]
 
 
 class AgentState(TypedDict):

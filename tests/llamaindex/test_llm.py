@@ -22,6 +22,8 @@ USAGE_KEYS = {
     "cached_tokens",
     "padded_tokens",
     "prepared_spans",
+    "cache_read_input_tokens",
+    "cache_creation_input_tokens",
     "ttft_s",
 }
 
@@ -121,7 +123,7 @@ def test_chat_and_complete_report_usage(span_llm):
     assert chat.additional_kwargs["completion_tokens"] == 6
     assert chat.raw["spanq"]["calls"] == 1
     again = span_llm.chat(CONVERSATION)
-    assert again.message.content == chat.message.content  # greedy by default
+    assert again.message.content == chat.message.content  # greedy (the fixture asks temperature 0)
     assert again.additional_kwargs["cached_tokens"] > 0  # the same prompt: its full blocks are cached
 
     completion = span_llm.complete("Name a colour.", max_tokens=3)
@@ -139,6 +141,30 @@ def test_run_query_runs_what_execute_runs(span_llm, tiny_backend):
     query = chat(system("You answer in one word."), user("Name a colour."), max_tokens=4, temperature=0)
     result = span_llm.run_query(query)
     assert result.answer == execute(query, tiny_backend).answer and len(result.calls) == 1
+
+
+@pytest.mark.vllm
+def test_usage_says_what_was_read_from_and_written_to_the_cache_in_the_frameworks_names(span_llm, tiny_backend):
+    """#33 item 3: `cache_creation_input_tokens` is what a call prepared as spans, `cache_read_input_tokens` what it
+    read from the KV cache (the names LlamaIndex's Anthropic LLM uses), and `raw["usage"]` is OpenAI's shape."""
+    from spanq_integrations import cross, fragment, generate, plus, system, user
+
+    docs = [f"Shelf {c} holds {n} jars of plum jam and a ledger." * 6 for c, n in zip("PQR", (3, 5, 8))]
+
+    def ask(order):
+        return generate(
+            cross(system("Answer from the shelves."), plus(*[fragment(docs[i]) for i in order]), user("Which shelf?")),
+            max_tokens=2, temperature=0.0, cold_spans="isolate",
+        )
+
+    cold, warm = (SpanQueryLLM._usage_fields(span_llm.run_query(ask(order))) for order in ((0, 1, 2), (2, 0, 1)))
+    (cold_kw, cold_raw), (warm_kw, warm_raw) = cold, warm
+    assert cold_kw["cache_creation_input_tokens"] == cold_raw["spanq"]["prepared_tokens"] > 0
+    assert warm_kw["cache_creation_input_tokens"] == 0, "the reordered shelves were all cached"
+    # the warm call reads back the shelves the cold one wrote (the anchor it also wrote is not in the prompt)
+    assert warm_kw["cache_read_input_tokens"] == warm_kw["cached_tokens"] > cold_kw["cache_read_input_tokens"]
+    assert warm_raw["usage"]["prompt_tokens_details"]["cached_tokens"] == warm_kw["cached_tokens"]
+    assert warm_raw["usage"]["prompt_tokens"] == warm_kw["prompt_tokens"]
 
 
 @pytest.mark.vllm
