@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from spanq_backend.kv.span_table import SpanTable
+from spanq_backend.serving.engine_defaults import ENGINE_DEFAULTS, platform_defaults
 from spanq_backend.serving.generator import (
     ISOLATE_MIN_TOKENS,
     LEAD_IN_NEUTRAL,
@@ -56,21 +57,24 @@ COMPACT_JSON: dict[str, Any] = {"backend": "xgrammar", "disable_any_whitespace":
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the embedded engine is built. The defaults suit the CPU machines spanq is developed on."""
+    """How the embedded engine is built. `dtype`, `enforce_eager` and the KV cache's size default by platform
+    (`serving/engine_defaults.py`, the table `spanq serve` reads too): float32, eager and 1 GiB on a CPU; vLLM's
+    own choices on a GPU."""
 
-    model: str = "default"
-    block_size: int = 32
-    max_model_len: int | None = 4096
-    # The KV cache's size, this engine's own (several engines in one process may differ). None: vLLM's
-    # VLLM_CPU_KVCACHE_SPACE where the user set it, else DEFAULT_KV_CACHE_GIB.
+    model: str = ENGINE_DEFAULTS["model"]
+    block_size: int = ENGINE_DEFAULTS["block_size"]
+    max_model_len: int | None = ENGINE_DEFAULTS["max_model_len"]
+    # The KV cache's size, this engine's own (several engines in one process may differ). None: on a CPU,
+    # vLLM's VLLM_CPU_KVCACHE_SPACE where the user set it, else DEFAULT_KV_CACHE_GIB; on a GPU, vLLM's
+    # gpu_memory_utilization.
     kv_cache_gib: float | None = None
-    dtype: str = "float32"
+    dtype: str | None = None  # None: float32 on a CPU, the model's own ("auto") elsewhere
     spans: bool = True  # False: a stock engine (prefix caching only), for side-by-side measurements
     max_num_seqs: int = 16
     default_max_tokens: int = 256
     seed: int = 0
     served_model_name: str | None = None
-    enforce_eager: bool = True  # no torch.compile warm-up: starts in seconds instead of about a minute here
+    enforce_eager: bool | None = None  # None: on a CPU no torch.compile warm-up (seconds, not a minute); vLLM's elsewhere
     num_blocks: int | None = None  # KV blocks (vLLM's num_gpu_blocks_override); None: from kv_cache_gib
     span_anchor: AnchorPolicy = DEFAULT_ANCHOR  # the anchor policy of a `plus` that names none
     span_lead_in: str = LEAD_IN_NEUTRAL  # what a canonical anchor reads before each span: "neutral", "auto", a text, "none"
@@ -86,14 +90,25 @@ class EngineConfig:
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be a positive number of GiB, got {self.kv_cache_gib!r}")
 
-    def kv_cache_bytes(self) -> int | None:
-        """The KV cache size this engine asks vLLM for; None: vLLM's own setting (VLLM_CPU_KVCACHE_SPACE)."""
+    def kv_cache_bytes(self, cpu: bool | None = None) -> int | None:
+        """The KV cache size this engine asks vLLM for; None: vLLM's own setting (VLLM_CPU_KVCACHE_SPACE on a
+        CPU, gpu_memory_utilization elsewhere)."""
         if self.kv_cache_gib is not None:
             return int(self.kv_cache_gib * (1 << 30))
-        return None if os.environ.get(KV_CACHE_ENV) else int(DEFAULT_KV_CACHE_GIB * (1 << 30))
+        if os.environ.get(KV_CACHE_ENV):
+            return None
+        return platform_defaults(cpu).get("kv_cache_memory_bytes")
+
+    def engine_options(self, cpu: bool | None = None) -> dict[str, Any]:
+        """dtype, enforce_eager and kv_cache_memory_bytes as vLLM gets them on this platform (`cpu`; None: here)."""
+        table = platform_defaults(cpu)
+        return {
+            "dtype": self.dtype if self.dtype is not None else table.get("dtype", "auto"),
+            "enforce_eager": self.enforce_eager if self.enforce_eager is not None else table.get("enforce_eager", False),
+            "kv_cache_memory_bytes": self.kv_cache_bytes(cpu),
+        }
 
 
-DEFAULT_KV_CACHE_GIB = 1.0
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU platform reads it at every engine's config and lets it win
 
 _ENV_LOCK = threading.Lock()
@@ -261,15 +276,13 @@ class SpanEngine:
         args = EngineArgs(
             model=str(self.model_path),
             served_model_name=self.model_name,
-            dtype=c.dtype,
             block_size=c.block_size,
             enable_prefix_caching=True,
             max_model_len=c.max_model_len,
             max_num_seqs=c.max_num_seqs,
             seed=c.seed,
-            enforce_eager=c.enforce_eager,
             num_gpu_blocks_override=c.num_blocks,
-            kv_cache_memory_bytes=c.kv_cache_bytes(),
+            **c.engine_options(),  # dtype, enforce_eager, the KV cache's size: by platform
             # Sliding-window layers in the same KV cache group as the others: the group spans are moved in.
             disable_hybrid_kv_cache_manager=True if c.spans and has_sliding_window_layers(self.model_path) else None,
             **({"structured_outputs_config": StructuredOutputsConfig(**COMPACT_JSON)} if c.compact_json else {}),

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from spanq_backend.serving.engine_defaults import CPU_ENGINE_DEFAULTS, ENGINE_DEFAULTS
 from spanq_backend.serving.generator import ISOLATE_MIN_TOKENS, LEAD_IN_NEUTRAL, load_chat_tokenizer
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
 from spanq_backend.serving.processes import ExitGuard
@@ -31,22 +32,15 @@ __all__ = ["CPU_SERVE_DEFAULTS", "ROUTINGS", "SERVE_DEFAULTS", "add_cluster_argu
 
 log = logging.getLogger("spanq.server")
 
-# `spanq serve` defaults; every one can be overridden on the command line.
+# `spanq serve` defaults; every one can be overridden on the command line. The engine's are the embedded engine's
+# too (`serving/engine_defaults.py`); the CPU ones apply on a CPU only.
 SERVE_DEFAULTS: dict[str, Any] = {
-    "model": "default",
+    **ENGINE_DEFAULTS,
     "host": "127.0.0.1",
     "port": 8000,
-    "block_size": 32,
-    "enable_prefix_caching": True,  # span KV reuse lives in the prefix cache
-    "max_model_len": 4096,
     "enable_prompt_tokens_details": True,  # stock routes report cached tokens too
 }
-
-CPU_SERVE_DEFAULTS: dict[str, Any] = {
-    "dtype": "float32",
-    "kv_cache_memory_bytes": 1 << 30,  # vLLM's CPU default claims most of the machine's memory
-    "enforce_eager": True,  # no torch.compile warm-up: starts in seconds on CPU
-}
+CPU_SERVE_DEFAULTS: dict[str, Any] = CPU_ENGINE_DEFAULTS
 
 
 # --------------------------------------------------------------------------------------------- the command
