@@ -41,16 +41,17 @@ def block_hash_chain(
     `root`: the hash chains start from (the engine's NONE_HASH); None uses this process's, which only a process
     that runs an engine core has set. `memo`: (parent hash, block tokens) -> hash, filled as it goes: every
     prepare prompt starts with the same anchor blocks and a warm query probes the same span blocks again, and a
-    block's hash is a function of those two alone."""
+    block's hash is a function of those two alone. The first block is always hashed (its parent is the root,
+    which an engine started later in the process may seed anew), so every remembered key holds a real parent."""
     from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
     parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = tuple(token_ids[start : start + block_size])
-        known = memo.get((parent, block)) if memo is not None else None
+        known = memo.get((parent, block)) if memo is not None and start else None
         if known is None:
             known = hash_block_tokens(hash_fn, parent, block, None)
-            if memo is not None:
+            if memo is not None and start:
                 if len(memo) >= MEMO_BLOCKS:
                     memo.clear()
                 memo[(parent, block)] = known
@@ -83,12 +84,7 @@ class BlockPoolProbe:
         """The prefix-cache hashes of a prompt of whole blocks (None for any other prompt: never cached)."""
         if not token_ids or len(token_ids) % self.block_size:
             return None
-        from vllm.v1.core import kv_cache_utils
-
-        # The root named (not None) so the memo's keys hold it: an engine started later in this process may seed
-        # its chains anew.
-        root = kv_cache_utils.NONE_HASH
-        return tuple(block_hash_chain(self.hash_fn, token_ids, self.block_size, root, self._memo))
+        return tuple(block_hash_chain(self.hash_fn, token_ids, self.block_size, memo=self._memo))
 
     def holds(self, hashes: tuple[Any, ...] | None) -> bool:
         """Whether the pool holds every block of `block_hashes`' answer."""
