@@ -42,6 +42,7 @@ from spanq_integrations.llamaindex.usage import METADATA_KEY, usage_of
 from spanq_integrations.query.errors import QueryValidationError
 from spanq_integrations.query.ir import (
     DEFAULT_TEMPERATURE,
+    AnchorPolicy,
     Assistant,
     Generate,
     Node,
@@ -177,6 +178,12 @@ class SpanQueryLLM(FunctionCallingLLM):
         description="How much of each node a span backend computes again in context, for quality: 0 none, 'first' "
         "/ 'last' each node's first / last KV block, a share in (0, 1] of the node blocks; None: the backend's default.",
     )
+    span_anchor: AnchorPolicy | None = Field(
+        default=None,
+        description="What each node recovered from a prompt is computed after, on its own: 'template' (the chat "
+        "template's opening: reused after any question), 'system' (plus the system prompt) or 'prefix' (the whole "
+        "prompt before the nodes); None: the backend's default. As LangChain's `span_anchor`.",
+    )
     backend: str | Backend | None = Field(
         default=None, exclude=True, description="None: embedded; a URL; or a spanq Backend."
     )
@@ -288,7 +295,7 @@ class SpanQueryLLM(FunctionCallingLLM):
             _split_note.set({"spans": 0, "fallback": reason})
             return nodes
         _split_note.set({"spans": span_count(split), "fallback": None})
-        return list(query_input(split, span_aware=True).children)
+        return list(query_input(split, span_aware=True, anchor=self.span_anchor).children)
 
     def _note_call(self, result: ExecutionResult) -> None:
         """The call's usage and span outcome, in the current query's record (for `response.metadata`)."""

@@ -53,6 +53,21 @@ def test_compact_reuses_the_nodes_in_a_new_order(tiny_backend, town_index):
     assert second.metadata["spanq"]["prepared_spans"] == 0, "every node came from the span cache"
 
 
+def test_span_anchor_says_what_the_recovered_nodes_are_computed_after(tiny_backend, town_index):
+    """`SpanQueryLLM(span_anchor=...)` as LangChain's: nodes cached under the default anchor are prepared again under
+    "prefix" (their KV is computed after the prompt's own start, a different anchor), then reused under it. An LLM
+    that ignored the setting would find them cached the second time (0 prepared)."""
+    assert tiny_backend.engine.reset_prefix_cache(), "the engine's prefix cache could not be reset"
+    default = SpanQueryLLM(backend=tiny_backend, max_tokens=4, temperature=0.0)
+    prefix = SpanQueryLLM(backend=tiny_backend, max_tokens=4, temperature=0.0, span_anchor="prefix")
+    orders = [[0, 1, 2, 3], [3, 2, 1, 0]]
+    prepared = [
+        engine(llm, town_index, "compact", [order]).query("Which town hall is green?").metadata["spanq"]["prepared_spans"]
+        for llm, order in ((default, orders[0]), (prefix, orders[0]), (prefix, orders[1]))
+    ]
+    assert prepared == [4, 4, 0], prepared
+
+
 @pytest.mark.parametrize("mode", ["refine", "tree_summarize", "accumulate"])
 def test_every_built_in_response_mode_reuses_the_nodes_in_a_new_order(tiny_backend, town_index, mode):
     """What the README's LlamaIndex table claims for each mode: every node a span, and the same nodes retrieved
