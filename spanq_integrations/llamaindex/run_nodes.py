@@ -6,6 +6,10 @@ A handler on the root dispatcher opens a record at each `QueryStartEvent`, adds 
 `response.metadata["spanq"]` (unless a spanq synthesizer wrote it already). Records live in a context variable:
 each query (thread, or asyncio task) sees its own, and a query run inside another (a sub-question engine) gets
 its own record on top of its parent's.
+
+A retrieval outside any query (a chat engine's — `ContextChatEngine`, `CondensePlusContextChatEngine` — or a
+retriever called by hand) opens a record of its own that stands until the next such retrieval in the same
+context: the LLM calls that follow it (the chat engine's answer) look for its nodes in their prompts.
 """
 
 from __future__ import annotations
@@ -52,12 +56,15 @@ class QueryRecord:
 
 
 _records: contextvars.ContextVar[tuple[QueryRecord, ...]] = contextvars.ContextVar("spanq_query_records", default=())
+# The latest retrieval outside any query in this context (a chat engine's turn), until the next one.
+_latest: contextvars.ContextVar[QueryRecord | None] = contextvars.ContextVar("spanq_latest_retrieval", default=None)
 
 
 def current_record() -> QueryRecord | None:
-    """The innermost query being run in this context, or None outside a query engine."""
+    """The innermost query being run in this context; outside a query engine, the latest retrieval made outside
+    one (a chat engine's); None if neither."""
     records = _records.get()
-    return records[-1] if records else None
+    return records[-1] if records else _latest.get()
 
 
 class _NodeTracker(BaseEventHandler):
@@ -71,9 +78,13 @@ class _NodeTracker(BaseEventHandler):
         if isinstance(event, QueryStartEvent):
             _records.set((*_records.get(), QueryRecord()))
         elif isinstance(event, RetrievalEndEvent):
-            record = current_record()
-            if record is not None:
+            records = _records.get()
+            if records:
+                records[-1].add_nodes(list(event.nodes or []))
+            else:  # no query: this retrieval's nodes are the ones the next LLM calls here look for
+                record = QueryRecord()
                 record.add_nodes(list(event.nodes or []))
+                _latest.set(record)
         elif isinstance(event, QueryEndEvent):
             records = _records.get()
             if not records:
