@@ -156,10 +156,19 @@ def test_gemma2_with_vllms_split_kv_cache_is_refused_not_wrong(monkeypatch):
         assert "split into 2 groups" in engine.span_support.reason
     finally:
         engine.close()
-    # Without the refusals (the group check, and the check that no cache tensor is listed twice: the two groups'
-    # layers share tensors), spans would be served, and wrong.
+    # Without the group check and the check that no cache tensor is listed twice (the two groups' layers share
+    # tensors), the start-up self-check still refuses: it moves keys on every layer, and a shared tensor's keys
+    # are moved twice (it checked layer 0 only until 2026-12-02, and let this through).
     monkeypatch.setattr(worker, "single_kv_cache_group", lambda runner: None)
     monkeypatch.setattr(kv_layout, "layer_names_of", lambda runner, caches: [""] * len(caches))
+    engine = start("gemma2")
+    try:
+        assert not engine.span_support.enabled
+        assert "self-check" in engine.span_support.reason, engine.span_support.reason
+    finally:
+        engine.close()
+    # Without all three, spans would be served, and wrong.
+    monkeypatch.setattr(kv_layout, "self_check", lambda *args, **kwargs: None)
     assert miss_on_a_fresh_engine("gemma2") > 10 * TOL
 
 
