@@ -760,7 +760,7 @@ class SpanGenerator:
         if layout.later is not None:
             try:
                 deferred, also = layout.later()
-            except SpanQueryError as e:  # the answer was stock's: only the prepares for later are lost
+            except Exception as e:  # noqa: BLE001 - the answer was stock's: only the prepares for later are lost
                 log.info("spans of %s not prepared for later: %s", path, e)
                 deferred, also = [], []
         if deferred:
