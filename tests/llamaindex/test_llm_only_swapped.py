@@ -123,21 +123,33 @@ def chat_spans(collector) -> list[dict[str, Any]]:
     return [e.response.raw["spanq"] for e in collector.events if isinstance(e, LLMChatEndEvent) and e.response]
 
 
-@pytest.mark.parametrize("kind", ["context", "condense_plus_context"])
+@pytest.mark.parametrize("kind", ["context", "condense_plus_context", "condense_question"])
 def test_a_chat_engine_sends_the_retrieved_nodes_as_spans(tiny_backend, town_index, events, kind):
-    """#33 item 1: LlamaIndex's context chat engines, only the LLM swapped. They retrieve outside any query (no
-    QueryStartEvent), so until 2026-12-02 their nodes were never looked for and nothing was sent as spans: the
-    first conversation prepared no span, and this test failed. A second conversation, opening differently and
-    retrieving the same nodes in another order, prepares none."""
-    from llama_index.core.chat_engine import CondensePlusContextChatEngine, ContextChatEngine
+    """#33 item 1: LlamaIndex's chat engines, only the LLM swapped. The two context engines retrieve outside any
+    query (no QueryStartEvent), so until 2026-12-02 their nodes were never looked for and nothing was sent as
+    spans: their first conversation prepared no span, and this test failed for them. `CondenseQuestionChatEngine`
+    asks a query engine, which was covered already. A second conversation, opening differently and retrieving
+    the same nodes in another order, prepares none."""
+    from llama_index.core.chat_engine import (
+        CondensePlusContextChatEngine,
+        CondenseQuestionChatEngine,
+        ContextChatEngine,
+    )
 
     assert tiny_backend.engine.reset_prefix_cache(), "the engine's prefix cache could not be reset"
     llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4, temperature=0.0)
-    make = ContextChatEngine.from_defaults if kind == "context" else CondensePlusContextChatEngine.from_defaults
-    first = make(retriever=FixedOrder(nodes_of(town_index), [[0, 1, 2, 3]]), llm=llm)
-    first.chat("Which town hall is green?")
-    second = make(retriever=FixedOrder(nodes_of(town_index), [[3, 1, 0, 2]]), llm=llm)
-    second.chat("Good morning. Which town hall is dark red?")
+
+    def make(order):
+        retriever = FixedOrder(nodes_of(town_index), [order])
+        if kind == "condense_question":  # a query engine behind it: the query's own record (no chat-only path)
+            return CondenseQuestionChatEngine.from_defaults(
+                query_engine=RetrieverQueryEngine(retriever, get_response_synthesizer(llm=llm)), llm=llm
+            )
+        chat_engine = ContextChatEngine if kind == "context" else CondensePlusContextChatEngine
+        return chat_engine.from_defaults(retriever=retriever, llm=llm)
+
+    make([0, 1, 2, 3]).chat("Which town hall is green?")
+    make([3, 1, 0, 2]).chat("Good morning. Which town hall is dark red?")
     answered = chat_spans(events)
     assert answered[0]["prepared_spans"] == 4, answered[0]
     assert answered[-1]["prepared_spans"] == 0 and answered[-1]["cached_tokens"] > 0, answered[-1]
