@@ -304,7 +304,7 @@ class SpanQueryLLM(FunctionCallingLLM):
             return
         usage = usage_of(result)
         note = _split_note.get() or {"spans": 0, "fallback": None}
-        record.calls.append({k: usage.get(k) for k in _RECORDED} | note)
+        record.note_call({k: usage.get(k) for k in _RECORDED} | note)
 
     def chat_query(self, messages: Sequence[ChatMessage], **options: Any) -> Generate:
         """The span query of a chat call: one `Generate` over the messages in a `cross`. With `tools` (what

@@ -37,6 +37,12 @@ class QueryRecord:
 
     candidates: list[SpanCandidate] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)
+    keep_calls: int | None = None  # a retrieval outside a query: only its last calls (nothing reads them all)
+
+    def note_call(self, call: dict[str, Any]) -> None:
+        self.calls.append(call)
+        if self.keep_calls is not None and len(self.calls) > self.keep_calls:
+            del self.calls[: -self.keep_calls]
 
     def add_nodes(self, nodes: list[Any]) -> None:
         for scored in nodes:
@@ -54,6 +60,8 @@ class QueryRecord:
         return {**totals, "llm_calls": len(self.calls), "fallback": fallbacks[0] if fallbacks else None,
                 "calls": self.calls}
 
+
+LOOSE_CALLS_KEPT = 64  # calls remembered after a retrieval outside a query (an app may call its LLM for hours)
 
 _records: contextvars.ContextVar[tuple[QueryRecord, ...]] = contextvars.ContextVar("spanq_query_records", default=())
 # The latest retrieval outside any query in this context (a chat engine's turn), until the next one.
@@ -82,7 +90,7 @@ class _NodeTracker(BaseEventHandler):
             if records:
                 records[-1].add_nodes(list(event.nodes or []))
             else:  # no query: this retrieval's nodes are the ones the next LLM calls here look for
-                record = QueryRecord()
+                record = QueryRecord(keep_calls=LOOSE_CALLS_KEPT)
                 record.add_nodes(list(event.nodes or []))
                 _latest.set(record)
         elif isinstance(event, QueryEndEvent):
