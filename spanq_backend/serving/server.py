@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from spanq_backend.serving.engine_defaults import CPU_ENGINE_DEFAULTS, ENGINE_DEFAULTS
+from spanq_backend.serving.engine_defaults import ENGINE_DEFAULTS, platform_defaults
 from spanq_backend.serving.generator import ISOLATE_MIN_TOKENS, LEAD_IN_NEUTRAL, load_chat_tokenizer
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
 from spanq_backend.serving.processes import ExitGuard
@@ -28,7 +28,7 @@ from spanq_integrations.query.errors import SpanQueryError
 from spanq_integrations.query.ir import ANCHOR_POLICIES, COLD_SPAN_POLICIES
 from spanq_integrations.query.limits import DEFAULT_LIMITS, QueryLimits
 
-__all__ = ["CPU_SERVE_DEFAULTS", "ROUTINGS", "SERVE_DEFAULTS", "add_cluster_arguments", "parse_serve_args", "serve_main"]
+__all__ = ["ROUTINGS", "SERVE_DEFAULTS", "add_cluster_arguments", "parse_serve_args", "serve_main"]
 
 log = logging.getLogger("spanq.server")
 
@@ -40,7 +40,6 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "port": 8000,
     "enable_prompt_tokens_details": True,  # stock routes report cached tokens too
 }
-CPU_SERVE_DEFAULTS: dict[str, Any] = CPU_ENGINE_DEFAULTS
 
 
 # --------------------------------------------------------------------------------------------- the command
@@ -96,7 +95,6 @@ def limits_of(args: argparse.Namespace) -> QueryLimits:
 def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     """`vllm serve`'s arguments with spanq's defaults; `--model default|tiny|PATH` resolved to a folder."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.platforms import current_platform
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from spanq_backend.serving.models import resolve_model, served_names
@@ -149,7 +147,7 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         help="show vLLM's INFO log lines (by default its warnings and errors only; or set SPANQ_LOG_LEVEL)",
     )  # fmt: skip
     add_cluster_arguments(parser)  # shown in --help; they take effect only with --replicas (the cluster)
-    parser.set_defaults(**SERVE_DEFAULTS, **(CPU_SERVE_DEFAULTS if current_platform.is_cpu() else {}))
+    parser.set_defaults(**{**SERVE_DEFAULTS, **platform_defaults()})  # the CPU settings on a CPU only
     args = parser.parse_args(list(argv))
     given = [flag for flag in CLUSTER_ONLY if any(a == flag or a.startswith(f"{flag}=") for a in argv)]
     if given and args.replicas is None:
