@@ -34,7 +34,7 @@ from spanq_backend.serving.generator import (
     load_chat_tokenizer,
 )
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR, LoweredPrompt
-from spanq_backend.serving.recompute import recompute_setting
+from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE, recompute_setting
 from spanq_backend.vllm_integration.cache_probe import BlockPoolProbe
 from spanq_backend.vllm_integration.frontend import in_process_engines
 from spanq_backend.vllm_integration.support import SpanSupport, query_span_support
@@ -81,7 +81,7 @@ class EngineConfig:
     cold_spans: str = "auto"  # spans not cached: "auto", "isolate" or "context" (`SpanGenerator.cold_policy`)
     isolate_min_tokens: int = ISOLATE_MIN_TOKENS  # "auto": cold span tokens from which they are isolated
     compact_json: bool = False  # JSON answers without whitespace (for models that pad them with it)
-    recompute: Recompute = 0.0  # span blocks recomputed in context when a call says nothing (docs/design.md)
+    recompute: Recompute = DEFAULT_RECOMPUTE  # span blocks recomputed in context when a call says nothing (docs/design.md)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", recompute_setting(self.recompute))  # refused here, before any engine

@@ -11,6 +11,7 @@ from typing import Any
 
 from spanq_backend.serving.generator import ISOLATE_MIN_TOKENS, LEAD_IN_NEUTRAL, SpanGenerator, engine_error
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
+from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE
 from spanq_backend.vllm_integration.support import SpanSupport
 from spanq_integrations.backends.protocol import Backend, BackendCapabilities, Completion, TokenCallback
 from spanq_integrations.query.errors import BackendUnavailableError, ModelNotFoundError
@@ -42,7 +43,7 @@ class EngineClientBackend(Backend):
         span_probe: Any = None,
         span_support: SpanSupport | None = None,
         default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
-        default_recompute: Recompute = 0.0,
+        default_recompute: Recompute = DEFAULT_RECOMPUTE,
         default_lead_in: str = LEAD_IN_NEUTRAL,
         cold_spans: str = "auto",
         isolate_min_tokens: int = ISOLATE_MIN_TOKENS,

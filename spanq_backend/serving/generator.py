@@ -37,7 +37,7 @@ from spanq_backend.serving.lowering import (
     span_digest,
     spans_first,
 )
-from spanq_backend.serving.recompute import RecomputePlan, choose_blocks, plan_recompute
+from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE, RecomputePlan, choose_blocks, plan_recompute
 from spanq_integrations.backends.protocol import CallMetrics, Completion, TokenCallback
 from spanq_integrations.query.errors import (
     BackendError,
@@ -224,7 +224,7 @@ class SpanGenerator:
         span_probe: SpanProbe | None = None,
         fallback: str | None = None,
         default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
-        default_recompute: Recompute = 0.0,
+        default_recompute: Recompute = DEFAULT_RECOMPUTE,
         batch: Callable[[], AbstractContextManager[Any]] | None = None,
         default_lead_in: str = LEAD_IN_NEUTRAL,
         cold_spans: str = "auto",

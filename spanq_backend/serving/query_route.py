@@ -19,6 +19,7 @@ from fastapi import Depends, Request  # module level: FastAPI resolves the route
 from spanq_backend.serving.engine_client import EngineClientBackend
 from spanq_backend.serving.generator import ISOLATE_MIN_TOKENS, LEAD_IN_NEUTRAL
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
+from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE
 from spanq_backend.serving.spnl_wire import choices_of, spnl_chunk, spnl_response, wire_format
 from spanq_backend.vllm_integration.support import aquery_span_support
 from spanq_integrations.backends.span import EXECUTE_PATH  # the route spnl's patched vLLM exposes
@@ -211,7 +212,7 @@ def build_query_router(
     served_model_names: Sequence[str],
     limits: QueryLimits = DEFAULT_LIMITS,
     default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
-    default_recompute: Recompute = 0.0,
+    default_recompute: Recompute = DEFAULT_RECOMPUTE,
     default_lead_in: str = LEAD_IN_NEUTRAL,
     cold_spans: str = "auto",
     isolate_min_tokens: int = ISOLATE_MIN_TOKENS,

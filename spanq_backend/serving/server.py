@@ -23,7 +23,7 @@ from spanq_backend.serving.generator import ISOLATE_MIN_TOKENS, LEAD_IN_NEUTRAL,
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
 from spanq_backend.serving.processes import ExitGuard
 from spanq_backend.serving.query_route import build_query_router
-from spanq_backend.serving.recompute import recompute_arg
+from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE, recompute_arg
 from spanq_integrations.query.errors import SpanQueryError
 from spanq_integrations.query.ir import ANCHOR_POLICIES, COLD_SPAN_POLICIES
 from spanq_integrations.query.limits import DEFAULT_LIMITS, QueryLimits
@@ -138,9 +138,10 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         metavar="N", help="--cold-spans auto: cold document tokens from which they are prepared alone first",
     )
     parser.add_argument(
-        "--recompute", dest="spanq_recompute", type=recompute_arg, default=0.0, metavar="SETTING",
-        help="span blocks recomputed in context for quality when a query says nothing: none (the default), first, "
-        "last (each span's first / last block), or a share of span blocks such as 0.1",
+        "--recompute", dest="spanq_recompute", type=recompute_arg, default=DEFAULT_RECOMPUTE, metavar="SETTING",
+        help="span blocks recomputed in context for quality when a query says nothing: first (the "
+        "default: each span's first block), last (each span's last block), none (raw span speed), or a share of span "
+        "blocks such as 0.1",
     )
     parser.add_argument(
         "--verbose", dest="spanq_verbose", action="store_true",

@@ -175,7 +175,8 @@ def test_duplicates_that_do_not_fit_defer_requests_instead_of_corrupting_them(ti
     from spanq_backend import vllm_integration as vllm_plugin
     from spanq_backend.serving.engine import SpanEngine
 
-    engine = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=1024, max_num_seqs=8, num_blocks=64)
+    engine = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=1024, max_num_seqs=8, num_blocks=64,
+                         recompute=0)
     try:
         async def run(call):
             lw = engine.lower(call)

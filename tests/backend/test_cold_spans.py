@@ -40,7 +40,9 @@ def query(d: dict[str, str], order: str, question: str = "Which drawer keeps 5 k
 def engine(tiny_model):
     from spanq_backend.serving.engine import SpanEngine
 
-    eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=8, cold_spans="context")
+    # recompute=0: these tests compare answers with the span reference (recomputing is test_recompute.py's subject)
+    eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=8, cold_spans="context",
+                     recompute=0)
     yield eng
     eng.close()
 

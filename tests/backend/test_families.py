@@ -47,7 +47,7 @@ def start(name: str, **options):
     from spanq_backend.serving.engine import SpanEngine
 
     return SpanEngine(**{"model": f"tiny-{name}", "block_size": 32, "max_model_len": 2048, "max_num_seqs": 8,
-                         "cold_spans": "isolate", **options})  # documents prepared alone first: read as spans next
+                         "cold_spans": "isolate", "recompute": 0, **options})  # prepared alone first: read as spans next
 
 
 @pytest.fixture(scope="module", params=EXACT)

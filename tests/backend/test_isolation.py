@@ -42,7 +42,7 @@ def small_engine(tiny_model):
     from spanq_backend.serving.engine import SpanEngine
 
     eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=1024, max_num_seqs=4, num_blocks=48,
-                     span_lead_in="none")
+                     span_lead_in="none", recompute=0)
     yield eng
     eng.close()
 

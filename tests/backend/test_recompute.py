@@ -27,6 +27,16 @@ from tests.backend.logprobs import run_with_logprobs
 TOL = 2e-4
 
 
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    """The tiny model's engine at the default recompute setting (the backend tests' shared engine pins 0)."""
+    from spanq_backend.serving.engine import SpanEngine
+
+    eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=8, cold_spans="isolate")
+    yield eng
+    eng.close()
+
+
 def docs(tag: str) -> dict[str, str]:
     return {
         c: f"Ledger {c}{tag}. " + " ".join(f"Shelf {c}{tag}-{i} holds {i * 5 % 13} jars of {tag} jam." for i in range(14))
@@ -173,7 +183,7 @@ def test_recomputed_kv_never_lands_under_a_span_key(engine, hf_model):
     async def scenario():
         await engine.generate(query(d, "ABCD", "Which shelf holds 2 jars?", recompute=1.0))
         await engine.generate(query(d, "DCBA", "Which shelf holds 3 jars?", recompute="first"))
-        second = query(d, "BDAC", "Which shelf holds 9 jars?")
+        second = query(d, "BDAC", "Which shelf holds 9 jars?", recompute=0)
         warm = await engine.generate(second)
         lowered = engine.lower(second)
         return warm.metrics, lowered, *await run_with_logprobs(engine, lowered, 5)
@@ -185,14 +195,30 @@ def test_recomputed_kv_never_lands_under_a_span_key(engine, hf_model):
 
 
 @pytest.mark.vllm
+def test_a_call_that_says_nothing_recomputes_each_spans_first_block(engine):
+    """The default, chosen by measurement (docs/benchmarks.md, `quality`), is `"first"` on the embedded engine and
+    on `spanq serve` alike; a call that says nothing gets its plan, `recompute=0` none."""
+    from spanq_backend.serving.engine import EngineConfig
+    from spanq_backend.serving.server import parse_serve_args
+
+    assert EngineConfig().recompute == "first" == parse_serve_args(["--model", "tiny"]).spanq_recompute
+    d = docs("default")
+    lowered = engine.lower(query(d, "ABCD", "Which shelf holds 5 jars?"))
+    plan = engine.generator.recompute_plan(query(d, "ABCD", "?"), lowered)
+    first = engine.generator.recompute_plan(query(d, "ABCD", "?", recompute="first"), lowered)
+    assert plan.blocks == first.blocks == tuple((i, 0) for i in range(4))
+    assert engine.generator.recompute_plan(query(d, "ABCD", "?", recompute=0), lowered).blocks == ()
+
+
+@pytest.mark.vllm
 def test_recompute_zero_keeps_todays_results_bit_for_bit(engine):
     d = docs("zero")
-    first = query(d, "ABCD", "Which shelf holds 1 jar?")
+    first = query(d, "ABCD", "Which shelf holds 1 jar?", recompute=0)
 
     async def scenario():
         await engine.generate(first)
         out = []
-        for setting in (None, 0, 0.0):
+        for setting in (0, 0.0):
             second = query(d, "DBCA", "Which shelf holds 6 jars?", recompute=setting)
             lowered = engine.lower(second)
             plan = engine.generator.recompute_plan(second, lowered)
@@ -203,7 +229,7 @@ def test_recompute_zero_keeps_todays_results_bit_for_bit(engine):
 
     (texts, n0, (c0, t0, l0)), *rest = asyncio.run(scenario())
     assert n0 == 0
-    for texts_k, n_k, (c_k, t_k, l_k) in rest:
+    for texts_k, n_k, (c_k, t_k, l_k) in rest:  # every spelling of "nothing recomputed" is that one layout
         assert texts_k == texts and n_k == 0 and c_k == c0 and t_k == t0
         assert torch.equal(l_k, l0)
 

@@ -57,7 +57,7 @@ def reordered(engine, tag: str):
 def test_smollm2_reads_reordered_spans_as_the_reference(default_model):
     from spanq_backend.serving.engine import SpanEngine
 
-    engine = SpanEngine(model=str(default_model), block_size=32, max_model_len=2048, max_num_seqs=4)
+    engine = SpanEngine(model=str(default_model), block_size=32, max_model_len=2048, max_num_seqs=4, recompute=0)
     try:
         lowered, cached, toks, lps = reordered(engine, "s")
     finally:
@@ -76,7 +76,7 @@ def test_a_bfloat16_engine_reads_reordered_spans_as_the_reference(tiny_model, hf
     # hundreds of positions from where its keys were computed (a lead-in would halve that distance, and with it
     # the error of keys left unmoved that this test tells apart from moved ones).
     engine = SpanEngine(model=str(tiny_model), dtype="bfloat16", block_size=32, max_model_len=2048, max_num_seqs=4,
-                        span_lead_in="none")
+                        span_lead_in="none", recompute=0)
     try:
         lowered, cached, toks, lps = reordered(engine, "b")
         assert cached >= lowered.table.spans[-1][1]

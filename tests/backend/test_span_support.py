@@ -76,7 +76,8 @@ def test_a_runner_class_without_the_hook_is_reported():
 def _engine(tiny_model: Path):
     from spanq_backend.serving.engine import SpanEngine
 
-    return SpanEngine(model=str(tiny_model), block_size=32, max_model_len=1024, max_num_seqs=4, num_blocks=96)
+    return SpanEngine(model=str(tiny_model), block_size=32, max_model_len=1024, max_num_seqs=4, num_blocks=96,
+                     recompute=0)
 
 
 def _span_lowering(engine, call):
