@@ -36,11 +36,11 @@ from spanq_integrations.query.ir import Recompute
 
 __all__ = ["DEFAULT_RECOMPUTE", "RecomputePlan", "choose_blocks", "plan_recompute", "recompute_arg", "recompute_setting"]
 
-# What a call that says nothing recomputes: each span's first block, chosen by measurement (docs/benchmarks.md,
-# `quality`): on SmolLM2 it brings KL to stock from 0.061 to 0.044 nats/token and argmax agreement from 0.92 to
-# 0.95, and keeps warm reuse ≥ 10x stock reordered at 8 x 512 (≥ 5x on tiny). `0` (raw span speed) is one
-# argument away.
-DEFAULT_RECOMPUTE: Recompute = "first"
+# What a call that says nothing recomputes: nothing (span attention as it is, the fastest). `"first"` was measured
+# as the candidate default (docs/benchmarks.md, `quality`): better on average (KL to stock 0.061 -> 0.044 on
+# SmolLM2) at >= 10x warm reuse, but on the demo's second question its answer lost the towns `0` names, so it is
+# one argument away, not the default.
+DEFAULT_RECOMPUTE: Recompute = 0.0
 
 
 def recompute_setting(value: Recompute | str | float | None) -> Recompute:

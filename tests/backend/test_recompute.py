@@ -29,10 +29,11 @@ TOL = 2e-4
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    """The tiny model's engine at the default recompute setting (the backend tests' shared engine pins 0)."""
+    """The tiny model's engine, configured to recompute each span's first block when a call says nothing."""
     from spanq_backend.serving.engine import SpanEngine
 
-    eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=8, cold_spans="isolate")
+    eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=8, cold_spans="isolate",
+                     recompute="first")
     yield eng
     eng.close()
 
@@ -195,13 +196,15 @@ def test_recomputed_kv_never_lands_under_a_span_key(engine, hf_model):
 
 
 @pytest.mark.vllm
-def test_a_call_that_says_nothing_recomputes_each_spans_first_block(engine):
-    """The default, chosen by measurement (docs/benchmarks.md, `quality`), is `"first"` on the embedded engine and
-    on `spanq serve` alike; a call that says nothing gets its plan, `recompute=0` none."""
+def test_a_call_that_says_nothing_gets_its_engines_setting(engine):
+    """One default (`recompute.DEFAULT_RECOMPUTE`, 0) on the embedded engine and `spanq serve` alike; an engine
+    configured otherwise (here `"first"`) applies its setting to every call that says nothing, and a call's own
+    setting (`recompute=0`) wins."""
     from spanq_backend.serving.engine import EngineConfig
+    from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE
     from spanq_backend.serving.server import parse_serve_args
 
-    assert EngineConfig().recompute == "first" == parse_serve_args(["--model", "tiny"]).spanq_recompute
+    assert EngineConfig().recompute == DEFAULT_RECOMPUTE == parse_serve_args(["--model", "tiny"]).spanq_recompute == 0
     d = docs("default")
     lowered = engine.lower(query(d, "ABCD", "Which shelf holds 5 jars?"))
     plan = engine.generator.recompute_plan(query(d, "ABCD", "?"), lowered)
