@@ -26,7 +26,7 @@ from spanq_integrations.query.ir import (
     User,
 )
 
-__all__ = ["json_values", "span_queries"]
+__all__ = ["json_values", "span_queries", "spnl_core_queries"]
 
 json_scalars = (
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text()
@@ -113,3 +113,34 @@ def span_queries(
         return st.one_of(branches)
 
     return st.recursive(st.one_of(leaves), extend, max_leaves=max_leaves)
+
+
+def spnl_core_queries(print_node: bool = True, models: st.SearchStrategy[str] | None = None) -> st.SearchStrategy[Node]:
+    """Trees of the nodes spnl itself has (no spanq extension: fragments, chats, anchors, sourced answers);
+    `print_node=False` leaves out `print` (spnl's PyPI build has none), `models` draws the calls' model names."""
+    text = st.text(max_size=8)
+    settings = {
+        "model": text if models is None else models,
+        "max_tokens": st.integers(0, 50),
+        "temperature": st.sampled_from([0.0, 0.6, 1.0]),
+    }
+    leaves = st.one_of(
+        st.builds(System, text=text),
+        st.builds(User, text=text),
+        st.builds(Assistant, text=text),
+        *([st.builds(Print, text=text)] if print_node else []),
+        st.builds(Map, inputs=st.lists(text, max_size=3).map(tuple), **settings),
+    )
+
+    def extend(children: st.SearchStrategy[Node]) -> st.SearchStrategy[Node]:
+        some = st.lists(children, min_size=1, max_size=3).map(tuple)
+        generates = st.builds(Generate, input=children, n=st.integers(1, 3), **settings)
+        return st.one_of(
+            st.builds(Plus, children=some, keyword=st.sampled_from(["plus", "par"])),
+            st.builds(Cross, children=some, keyword=st.sampled_from(["cross", "seq"])),
+            generates,
+            st.builds(Repeat, n=st.integers(1, 255), query=generates),
+            st.builds(Monad, query=children),
+        )
+
+    return st.recursive(leaves, extend, max_leaves=10)

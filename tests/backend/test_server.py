@@ -361,6 +361,39 @@ def test_spnls_own_client_reads_the_answers_of_a_repeat_and_a_map(server: Server
     assert read_completion_stream(_as_spnls_client(server, bulk, stream=True).content, 2) == texts
 
 
+def test_spnls_own_executor_answers_as_spanqs_over_the_openai_route(server: Server, monkeypatch):
+    """spnl 0.22.1's executor (its PyPI package: its own parser, its own OpenAI client) runs queries spanq wrote
+    against `spanq serve`'s stock chat route, and at temperature 0 its answers are spanq's own executor's over the
+    same route. (The tiny model's answers hang mostly on a prompt's last tokens, so this alone would miss a
+    difference earlier in the prompt: that both send the same messages, and where they do not, is checked on the
+    requests themselves in tests/integrations/test_spnl_package.py.)"""
+    import spnl
+
+    from spanq_integrations import Repeat, execute
+
+    monkeypatch.setenv("OPENAI_API_BASE", f"{server.url}/v1")
+    model = f"openai/{server.served_name}"
+    conversation = cross(system("Answer briefly."), user("Name a colour."), Assistant(text="Blue."), user("Another?"))
+    queries = [
+        generate(user("Name a town."), model=model, max_tokens=8, temperature=0.0),
+        generate(cross(system("You are terse."), user("Which door?")), model=model, max_tokens=8, temperature=0.0),
+        generate(conversation, model=model, max_tokens=8, temperature=0.0),
+        # n=1: vLLM refuses n > 1 at temperature 0 in one request ("n must be 1 when using greedy sampling"),
+        # which is how spnl sends a repeat
+        Repeat(n=1, query=generate(user("Count to three."), model=model, max_tokens=6, temperature=0.0)),
+    ]
+
+    def spnls(doc) -> str:
+        return asyncio.run(spnl.execute(json.dumps(doc))).data
+
+    for query in queries:
+        doc = to_json(query)
+        ours = execute(from_json(doc), server.url)  # a plain http URL: the OpenAI-compatible client
+        texts = [text for call in ours.calls for text in call.choices]  # a repeat's n choices, in order
+        assert len(texts) == 1 and all(texts), ours
+        assert spnls(doc) == texts[0], (doc, texts)
+
+
 def test_the_answer_format_is_negotiated(server: Server):
     doc = to_json(rag_query("ABCD", max_tokens=2))
     plain = {"Content-Type": "text/plain"}

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from spanq_integrations.query.errors import QueryParseError, QueryValidationError
 from spanq_integrations.query.ir import (
@@ -34,7 +33,7 @@ from spanq_integrations.query.ir import (
 )
 from spanq_integrations.query.spnl_json import dumps, from_json, load_file, loads, to_json
 from tests.integrations.spnl_reader import SpnlRejects, spnl_reads
-from tests.strategies import span_queries
+from tests.strategies import span_queries, spnl_core_queries
 
 DATA = Path(__file__).parent / "data"
 
@@ -50,38 +49,8 @@ def test_round_trip_is_lossless(query: Node) -> None:
     assert loads(dumps(query, indent=None)) == query
 
 
-def _spnl_core_queries() -> st.SearchStrategy[Node]:
-    """Trees of the nodes spnl itself has (no spanq extension: fragments, chats, anchors, sourced answers)."""
-    text = st.text(max_size=8)
-    settings = {
-        "model": text,
-        "max_tokens": st.integers(0, 50),
-        "temperature": st.sampled_from([0.0, 0.6, 1.0]),
-    }
-    leaves = st.one_of(
-        st.builds(System, text=text),
-        st.builds(User, text=text),
-        st.builds(Assistant, text=text),
-        st.builds(Print, text=text),
-        st.builds(Map, inputs=st.lists(text, max_size=3).map(tuple), **settings),
-    )
-
-    def extend(children: st.SearchStrategy[Node]) -> st.SearchStrategy[Node]:
-        some = st.lists(children, min_size=1, max_size=3).map(tuple)
-        generates = st.builds(Generate, input=children, n=st.integers(1, 3), **settings)
-        return st.one_of(
-            st.builds(Plus, children=some, keyword=st.sampled_from(["plus", "par"])),
-            st.builds(Cross, children=some, keyword=st.sampled_from(["cross", "seq"])),
-            generates,
-            st.builds(Repeat, n=st.integers(1, 255), query=generates),
-            st.builds(Monad, query=children),
-        )
-
-    return st.recursive(leaves, extend, max_leaves=10)
-
-
 @settings(max_examples=300, deadline=None)
-@given(_spnl_core_queries())
+@given(spnl_core_queries())
 def test_spnl_0_22_reads_what_is_written(query: Node) -> None:
     """Every query made of spnl's own nodes is written in a form spnl 0.22's parser accepts."""
     spnl_reads(to_json(query))
