@@ -47,6 +47,9 @@ CASES: dict[str, tuple[list[str], str, list[str]]] = {
         model = ChatSpanQuery(backend="spanq+http://127.0.0.1:9", max_tokens=8)
         assert model._llm_type
         import langgraph.graph  # noqa: F401  (the agent example's framework)
+        from langchain.agents import create_agent  # noqa: F401  (LangChain 1.x agents)
+        from spanq_integrations.langchain import SpanCacheMiddleware
+        assert SpanCacheMiddleware(tool_names=["search"]).tool_names == {"search"}
         """,
         ["torch", "vllm", "langchain_tests", "llama_index", "pytest"],
     ),
@@ -74,6 +77,7 @@ CASES: dict[str, tuple[list[str], str, list[str]]] = {
         [],
         """
         import hypothesis, importlinter, langchain_tests, nbclient, nbformat, pytest, pytest_asyncio  # noqa: F401
+        import spnl  # noqa: F401  (spnl's own parser and executor, the spnl tests' reference)
         import subprocess, sys
         subprocess.run([sys.executable, "-m", "ruff", "--version"], check=True, capture_output=True)
         """,

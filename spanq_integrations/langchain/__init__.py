@@ -36,12 +36,23 @@ from spanq_integrations.langchain.spans import (
 
 install_tracker()
 
+
+def __getattr__(name: str):
+    # The agent middleware needs `langchain` (1.x, which brings LangGraph): imported when it is asked for.
+    if name == "SpanCacheMiddleware":
+        from spanq_integrations.langchain.middleware import SpanCacheMiddleware
+
+        return SpanCacheMiddleware
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "DEFAULT_JUDGE_TASK",
     "ChatSpanQuery",
     "JudgeEnsemble",
     "JudgeVerdict",
     "NoDocumentsError",
+    "SpanCacheMiddleware",
     "SpanDocuments",
     "SpanQueryLLM",
     "SpanRetriever",
