@@ -72,3 +72,7 @@ def format_docs(docs: Sequence[Document]) -> str:
 
 def token_count(backend, text: str) -> int:
     return len(backend.engine.tokenizer.encode(text, add_special_tokens=False))
+
+
+def document_tokens(backend, docs) -> int:
+    return sum(token_count(backend, d.page_content) for d in docs)

@@ -20,7 +20,7 @@ from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 
 from spanq_integrations.langchain import ChatSpanQuery, SpanCacheMiddleware, span_marker
-from tests.langchain.rag_app import OrderedRetriever, token_count, town_documents
+from tests.langchain.rag_app import OrderedRetriever, document_tokens, town_documents
 
 pytestmark = pytest.mark.vllm
 
@@ -41,31 +41,30 @@ class Search(BaseModel):
     query: str = Field(description="words to look for", max_length=20)  # bounded: the random model's call ends
 
 
-def retriever_tool(retriever):
-    """A retriever tool as `create_retriever_tool(..., response_format="content_and_artifact")` makes one — the
-    documents' text as content, the documents as artifact — with a bounded argument for the random model."""
+def search_tool(find):
+    """A search tool as `create_retriever_tool(..., response_format="content_and_artifact")` makes one — the
+    documents' text as content, the documents as artifact — over `find(query) -> documents`, with a bounded
+    argument for the random model."""
 
     @tool("search_towns", args_schema=Search, response_format="content_and_artifact")
     def search_towns(query: str):
         """Search the town documents."""
-        docs = retriever.invoke(query)
+        docs = find(query)
         return "\n\n".join(d.page_content for d in docs), docs
 
     return search_towns
 
 
+def retriever_tool(retriever):
+    """The search tool over a LangChain retriever (its run is traced: spanq's tracker sees what it found)."""
+    return search_tool(retriever.invoke)
+
+
 def lookup_tool(docs):
-    """A tool that returns documents without a LangChain retriever (as a search API's client would): the documents'
-    text as content, the documents as artifact; each call serves them in the next of `ORDERS`."""
+    """The search tool without a LangChain retriever (as a search API's client would be): each call serves the
+    documents in the next of `ORDERS`."""
     calls = iter(ORDERS * 4)
-
-    @tool("search_towns", args_schema=Search, response_format="content_and_artifact")
-    def search_towns(query: str):
-        """Search the town documents."""
-        found = [docs[i] for i in next(calls)]
-        return "\n\n".join(d.page_content for d in found), found
-
-    return search_towns
+    return search_tool(lambda _query: [docs[i] for i in next(calls)])
 
 
 def run(compact_tiny, search, system_prompt, middleware, recover="auto"):
@@ -76,10 +75,6 @@ def run(compact_tiny, search, system_prompt, middleware, recover="auto"):
     answer = messages[-1]
     assert isinstance(answer, AIMessage) and not answer.tool_calls and len(tool_messages) == 1
     return tool_messages[0], answer
-
-
-def document_tokens(backend, docs) -> int:
-    return sum(token_count(backend, d.page_content) for d in docs)
 
 
 def test_an_agent_with_only_the_model_swapped_reads_its_retriever_tools_documents_as_spans(compact_tiny):

@@ -21,7 +21,12 @@ from spanq_integrations.langchain import (
     create_span_retrieval_chain,
     format_docs_as_spans,
 )
-from tests.langchain.rag_app import OrderedRetriever, format_docs, token_count, town_documents
+from tests.langchain.rag_app import (
+    OrderedRetriever,
+    document_tokens,
+    format_docs,
+    town_documents,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -44,10 +49,6 @@ class GraphState(TypedDict):
 def rag_app(retriever, llm, format_step=format_docs):
     """LangChain's RAG tutorial chain, as written there."""
     return {"context": retriever | format_step, "question": RunnablePassthrough()} | PROMPT | llm
-
-
-def document_tokens(backend, docs) -> int:
-    return sum(token_count(backend, d.page_content) for d in docs)
 
 
 def stats(message) -> dict:
