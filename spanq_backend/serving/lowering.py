@@ -38,18 +38,14 @@ from typing import Any, Protocol
 
 from spanq_backend.kv.span_table import MAX_ANCHOR_TOKENS, SpanTable
 from spanq_integrations.query.errors import ContextLengthError, QueryValidationError
-from spanq_integrations.query.flatten import BLOCK_SEPARATOR, block_text
+from spanq_integrations.query.flatten import BLOCK_SEPARATOR, SpanPart, block_text, chat_parts
 from spanq_integrations.query.ir import (
     AnchorPolicy,
     Assistant,
-    Cross,
-    Fragment,
     Monad,
     Node,
     Plus,
     Print,
-    System,
-    User,
 )
 
 __all__ = [
@@ -197,56 +193,6 @@ def generated_span_ids(tokenizer: Tokenizer, output_ids: Sequence[int], block_si
     return ids
 
 
-@dataclass
-class _SpanSlot:
-    text: str
-    node: Node | None = None
-    anchor: AnchorPolicy | None = None  # its `plus` group's policy
-
-
-def _messages_with_slots(node: Node) -> tuple[list[dict[str, Any]], list[_SpanSlot]]:
-    """Chat messages whose contents are lists of text pieces and span slots."""
-    messages: list[dict[str, Any]] = []
-    slots: list[_SpanSlot] = []
-
-    def add(role: str, piece: str | _SpanSlot) -> None:
-        if isinstance(piece, str) and not piece:
-            return
-        if messages and messages[-1]["role"] == role:
-            messages[-1]["parts"].append(piece)
-        else:
-            messages.append({"role": role, "parts": [piece]})
-
-    def go(n: Node, path: str) -> None:
-        if isinstance(n, System):
-            add("system", n.text)
-        elif isinstance(n, User):
-            add("user", n.text)
-        elif isinstance(n, Assistant):
-            add("assistant", n.text)
-        elif isinstance(n, Fragment):
-            add("user", n.text)
-        elif isinstance(n, Cross):
-            for i, c in enumerate(n.children):
-                go(c, f"{path}.{n.keyword}[{i}]")
-        elif isinstance(n, Plus):
-            for i, c in enumerate(n.children):
-                text = block_text(c, f"{path}.{n.keyword}[{i}]")
-                if text:
-                    slot = _SpanSlot(text, c, n.anchor)
-                    slots.append(slot)
-                    add("user", slot)
-        elif isinstance(n, (Monad, Print)):
-            return
-        else:
-            block_text(n, path)  # raises a clear error for what cannot be read
-
-    go(node, "$")
-    if not messages:
-        raise QueryValidationError("$", "the generate's input is empty: nothing to send to the model")
-    return messages, slots
-
-
 _SPAN_TOKENS: weakref.WeakKeyDictionary[Any, OrderedDict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
 _SPAN_TOKENS_PER_TOKENIZER = 4096
 
@@ -323,14 +269,15 @@ def lower(
     `lead_in` is what a canonical anchor holds after the template's opening (`DEFAULT_LEAD_IN`); a `plus` child
     whose text is in `as_context` is laid out as context (its tokens as a span's, unpadded, in no span: computed in
     context by the request, as a stock prompt's)."""
-    messages, slots = _messages_with_slots(node)
+    messages = chat_parts(node)
+    slots = [p for m in messages for p in m.parts if isinstance(p, SpanPart)]
     nonce = secrets.token_hex(6)
     sentinel = [f"\u27e6spanq:{i}:{nonce}\u27e7" for i in range(len(slots))]
     slot_index = {id(s): i for i, s in enumerate(slots)}
     chat = []
     for m in messages:
-        pieces = [sentinel[slot_index[id(p)]] if isinstance(p, _SpanSlot) else p for p in m["parts"]]
-        chat.append({"role": m["role"], "content": BLOCK_SEPARATOR.join(pieces)})
+        pieces = [sentinel[slot_index[id(p)]] if isinstance(p, SpanPart) else p for p in m.parts]
+        chat.append({"role": m.role, "content": BLOCK_SEPARATOR.join(pieces)})
     align_mark = f"\u27e6spanq:align:{nonce}\u27e7" if align_output and not slots else None
     if align_mark is not None:
         chat[-1]["content"] += align_mark
@@ -376,10 +323,10 @@ def lower(
     anchor_len = len(ids)
     # The "system" anchor: the prompt's own leading system message, as the template renders it (its text parts
     # joined as they are in the prompt).
-    first = messages[0] if messages and messages[0]["role"] == "system" else None
-    systems = (BLOCK_SEPARATOR.join(p for p in first["parts"] if isinstance(p, str)),) if first else ()
+    first = messages[0] if messages[0].role == "system" else None
+    systems = (BLOCK_SEPARATOR.join(p for p in first.parts if isinstance(p, str)),) if first else ()
 
-    def anchor_for(slot: _SpanSlot, size: int) -> int | tuple[int, ...]:
+    def anchor_for(slot: SpanPart, size: int) -> int | tuple[int, ...]:
         policy = slot.anchor or default_anchor
         if policy == "prefix":
             return anchor_len

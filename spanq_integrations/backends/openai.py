@@ -12,7 +12,7 @@ from typing import Any
 from spanq_integrations.backends._http import HTTPBackend
 from spanq_integrations.backends.protocol import BackendCapabilities, CallMetrics, Completion, TokenCallback
 from spanq_integrations.query.flatten import to_chat_messages
-from spanq_integrations.query.ir import Generate
+from spanq_integrations.query.ir import Generate, child_paths
 
 __all__ = ["PROVIDER_PREFIXES", "OpenAIBackend", "server_model_name"]
 
@@ -102,7 +102,8 @@ class OpenAIBackend(HTTPBackend):
     async def generate(
         self, call: Generate, *, path: str = "$", on_token: TokenCallback | None = None
     ) -> Completion:
-        messages = to_chat_messages(call.input, f"{path}.g.input")
+        ((input_path, _),) = child_paths(call, path)
+        messages = to_chat_messages(call.input, input_path)
         model = await self.model_for(call)
         result = await self._stream_chunks(
             "/v1/chat/completions",

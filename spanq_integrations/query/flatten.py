@@ -12,8 +12,11 @@ Layout (what an unmodified OpenAI-compatible server receives):
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from spanq_integrations.query.errors import QueryValidationError
 from spanq_integrations.query.ir import (
+    AnchorPolicy,
     Assistant,
     Combine,
     Cross,
@@ -25,9 +28,10 @@ from spanq_integrations.query.ir import (
     Print,
     System,
     User,
+    child_paths,
 )
 
-__all__ = ["block_text", "to_chat_messages"]
+__all__ = ["BLOCK_SEPARATOR", "ChatPart", "SpanPart", "block_text", "chat_parts", "to_chat_messages"]
 
 BLOCK_SEPARATOR = "\n\n"
 
@@ -37,7 +41,7 @@ def block_text(node: Node, path: str = "$") -> str:
     if isinstance(node, (System, User, Assistant, Fragment)):
         return node.text
     if isinstance(node, (Plus, Cross)):
-        parts = [block_text(c, f"{path}.{node.keyword}[{i}]") for i, c in enumerate(node.children)]
+        parts = [block_text(c, child_path) for child_path, c in child_paths(node, path)]
         return BLOCK_SEPARATOR.join(p for p in parts if p)
     if isinstance(node, (Monad, Print)):
         return ""
@@ -50,34 +54,63 @@ def block_text(node: Node, path: str = "$") -> str:
     )
 
 
-def to_chat_messages(node: Node, path: str = "$") -> list[dict[str, str]]:
-    """Chat messages (`{"role", "content"}`) for the input of a `Generate`."""
-    pieces: list[tuple[str, str]] = []
+@dataclass(eq=False)
+class SpanPart:
+    """One child of a `plus` in a message: its text read as one block, the child, and its group's anchor policy.
+    Compared by identity: two equal documents in one prompt are two parts."""
+
+    text: str
+    node: Node
+    anchor: AnchorPolicy | None = None
+
+
+@dataclass
+class ChatPart:
+    """One chat message as pieces: texts, and the `plus` children (`SpanPart`s) among them, in order."""
+
+    role: str
+    parts: list[str | SpanPart] = field(default_factory=list)
+
+    @property
+    def content(self) -> str:
+        return BLOCK_SEPARATOR.join(p.text if isinstance(p, SpanPart) else p for p in self.parts)
+
+
+def chat_parts(node: Node, path: str = "$") -> list[ChatPart]:
+    """The messages of a `Generate`'s input, as pieces (the one walk both a plain server's messages and a span
+    engine's prompt are built from): messages keep their roles in order; a fragment outside any `plus` is user
+    content; each child of a `plus` is a `SpanPart` of user content; effects contribute nothing; pieces of the
+    same role next to each other are one message (chat templates expect roles to alternate)."""
+    messages: list[ChatPart] = []
+
+    def add(role: str, piece: str | SpanPart) -> None:
+        if not (piece.text if isinstance(piece, SpanPart) else piece):
+            return
+        if messages and messages[-1].role == role:
+            messages[-1].parts.append(piece)
+        else:
+            messages.append(ChatPart(role, [piece]))
 
     def go(n: Node, p: str) -> None:
-        if isinstance(n, System):
-            pieces.append(("system", n.text))
-        elif isinstance(n, User):
-            pieces.append(("user", n.text))
-        elif isinstance(n, Assistant):
-            pieces.append(("assistant", n.text))
+        if isinstance(n, (System, User, Assistant)):
+            add(n.kind, n.text)
+        elif isinstance(n, Fragment):
+            add("user", n.text)
         elif isinstance(n, Cross):
-            for i, c in enumerate(n.children):
-                go(c, f"{p}.{n.keyword}[{i}]")
-        elif isinstance(n, (Fragment, Plus)):
-            pieces.append(("user", block_text(n, p)))
+            for child_path, child in child_paths(n, p):
+                go(child, child_path)
+        elif isinstance(n, Plus):
+            for child_path, child in child_paths(n, p):
+                add("user", SpanPart(block_text(child, child_path), child, n.anchor))
         else:
             block_text(n, p)  # raises for what cannot be read; Monad/Print contribute nothing
 
     go(node, path)
-    messages: list[dict[str, str]] = []
-    for role, text in pieces:
-        if not text:
-            continue
-        if messages and messages[-1]["role"] == role:
-            messages[-1]["content"] += BLOCK_SEPARATOR + text
-        else:
-            messages.append({"role": role, "content": text})
     if not messages:
         raise QueryValidationError(path, "the generate's input is empty: nothing to send to the model")
     return messages
+
+
+def to_chat_messages(node: Node, path: str = "$") -> list[dict[str, str]]:
+    """Chat messages (`{"role", "content"}`) for the input of a `Generate`."""
+    return [{"role": m.role, "content": m.content} for m in chat_parts(node, path)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -21,6 +21,7 @@ from spanq_integrations.query.errors import QueryValidationError
 __all__ = [
     "ANCHOR_POLICIES",
     "DEFAULT_TEMPERATURE",
+    "NODE_TYPES",
     "RECOMPUTE_POLICIES",
     "AnchorPolicy",
     "Assistant",
@@ -41,6 +42,7 @@ __all__ = [
     "User",
     "assistant",
     "chat",
+    "child_paths",
     "children_of",
     "combine",
     "cross",
@@ -61,7 +63,26 @@ MAX_TEMPERATURE = 2.0  # what OpenAI-compatible servers (vLLM included) accept
 
 
 class _Node(BaseModel):
+    """A query node. Each class declares where its sub-queries are once, in `CHILD_FIELD`, and everything
+    that walks a tree (`children_of`, `with_children`, `walk`, `render`, the JSON writer, the limits, the
+    executor) reads that declaration instead of asking which class a node is.
+
+    `CHILD_FIELD`: `(field, spelling)` — the field holding the node's sub-queries (one node, or a tuple of
+    nodes), and where it sits in the node's spnl JSON under its tag (`"input"` in `{"g": {"input": ...}}`;
+    `""` when the tag's value is the field itself, as in `{"plus": [...]}`): the paths `walk` yields, and every
+    error names, are written from it. None: a leaf. An `Assistant`'s `source` is provenance, not a child."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
+    CHILD_FIELD: ClassVar[tuple[str, str] | None] = None
+
+    @property
+    def tag(self) -> str:
+        """The key of the node in spnl JSON: its `kind`, or the spelling it was written with (`par`, `seq`)."""
+        return getattr(self, "keyword", None) or self.kind  # type: ignore[attr-defined]
+
+    def label(self) -> str:
+        """One line describing the node itself (not its children), for `render`."""
+        return type(self).__name__
 
     def __str__(self) -> str:  # a readable tree for people
         return render(self)  # type: ignore[arg-type]
@@ -73,12 +94,18 @@ class System(_Node):
     kind: Literal["system"] = "system"
     text: str
 
+    def label(self) -> str:
+        return f"system: {_clip(self.text)!r}"
+
 
 class User(_Node):
     """A user message."""
 
     kind: Literal["user"] = "user"
     text: str
+
+    def label(self) -> str:
+        return f"user: {_clip(self.text)!r}"
 
 
 class Assistant(_Node):
@@ -88,6 +115,9 @@ class Assistant(_Node):
     text: str
     source: Generate | Combine | None = None
 
+    def label(self) -> str:
+        return f"assistant{' (generated)' if self.source is not None else ''}: {_clip(self.text)!r}"
+
 
 class Fragment(_Node):
     """A corpus piece (a retrieved document, a candidate): usually a child of a `Plus`."""
@@ -96,6 +126,10 @@ class Fragment(_Node):
     text: str
     id: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    def label(self) -> str:
+        ident = f" [{self.id}]" if self.id else ""
+        return f"fragment{ident}: {_clip(self.text)!r}"
 
 
 RECOMPUTE_POLICIES: tuple[str, ...] = ("first", "last")
@@ -109,6 +143,7 @@ Recompute = float | Literal["first", "last"]
 class Generate(_Node):
     """A call to the model ("G"). `max_tokens=0` means the server's default."""
 
+    CHILD_FIELD = ("input", "input")
     kind: Literal["g"] = "g"
     input: Node
     model: str = ""
@@ -155,6 +190,14 @@ class Generate(_Node):
         """The JSON schema the answer matches ({} for any JSON object), or None for free text."""
         return json.loads(self.json_schema) if self.json_schema else None
 
+    def label(self) -> str:
+        opts = [f"model={_clip(self.model) or '(default)'}", f"max_tokens={self.max_tokens}", f"temperature={self.temperature:g}"]
+        if self.n != 1:
+            opts.append(f"n={self.n}")
+        if self.stop:
+            opts.append(f"stop={list(self.stop)}")
+        return "generate(" + ", ".join(opts) + ")"
+
 
 AnchorPolicy = Literal["template", "system", "prefix"]
 ANCHOR_POLICIES: tuple[str, ...] = ("template", "system", "prefix")
@@ -168,28 +211,40 @@ class Plus(_Node):
     conversation or transcript; `"system"`: the opening with the query's leading system messages; `"prefix"`:
     everything before the group, the most faithful and the least reusable."""
 
+    CHILD_FIELD = ("children", "")
     kind: Literal["plus"] = "plus"
     children: tuple[Node, ...]
     keyword: Literal["plus", "par"] = "plus"
     anchor: AnchorPolicy | None = None
 
+    def label(self) -> str:
+        return f"{self.keyword} (order-free, {len(self.children)})"
+
 
 class Cross(_Node):
     """A non-commutative join: order carries meaning. `keyword` keeps spnl's spelling."""
 
+    CHILD_FIELD = ("children", "")
     kind: Literal["cross"] = "cross"
     children: tuple[Node, ...]
     keyword: Literal["cross", "seq"] = "cross"
+
+    def label(self) -> str:
+        return f"{self.keyword} (ordered, {len(self.children)})"
 
 
 class Chat(_Node):
     """Sugar: a chat turn over `messages`; the optimizer lowers it to `Generate(Cross(messages))`."""
 
+    CHILD_FIELD = ("messages", "messages")
     kind: Literal["chat"] = "chat"
     messages: tuple[Node, ...]
     model: str = ""
     max_tokens: int = Field(default=0, ge=0)
     temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0, le=MAX_TEMPERATURE)
+
+    def label(self) -> str:
+        return f"chat(model={_clip(self.model) or '(default)'}, max_tokens={self.max_tokens})"
 
 
 class Retrieve(_Node):
@@ -200,10 +255,14 @@ class Retrieve(_Node):
     k: int = Field(default=4, ge=1)
     retriever: str = "default"
 
+    def label(self) -> str:
+        return f"retrieve(k={self.k}, retriever={_clip(self.retriever)}): {_clip(self.query)!r}"
+
 
 class Repeat(_Node):
     """Bulk: `n` independent runs of the same generate."""
 
+    CHILD_FIELD = ("query", "")  # spnl writes the generate's body under the repeat: {"repeat": {"n", "g"}}
     kind: Literal["repeat"] = "repeat"
     n: int = Field(ge=1)
     query: Generate
@@ -212,6 +271,9 @@ class Repeat(_Node):
         """The `n` generate calls it stands for: distinct (equal) objects, so nothing downstream can mistake
         them for one call."""
         return tuple(self.query.model_copy() for _ in range(self.n))
+
+    def label(self) -> str:
+        return f"repeat(n={self.n})"
 
 
 class Map(_Node):
@@ -230,6 +292,9 @@ class Map(_Node):
             for t in self.inputs
         )
 
+    def label(self) -> str:
+        return f"map({len(self.inputs)} inputs, model={_clip(self.model) or '(default)'})"
+
 
 class Combine(_Node):
     """Combine, in code, the answers of the generates in `input` (a `plus` of judges): the exact combine step
@@ -239,17 +304,28 @@ class Combine(_Node):
     `source` is the closed `Combine`. The optimizer's tree-reduction rule plans one when asked to combine in code.
     """
 
+    CHILD_FIELD = ("input", "input")
     kind: Literal["combine"] = "combine"
     input: Node
     reducer: str = Field(min_length=1)
     options: dict[str, Any] = Field(default_factory=dict)
 
+    def label(self) -> str:
+        opts = "".join(
+            f", {k}={v!r}" for k, v in sorted(self.options.items()) if k != "system_prompt" and v is not None
+        )
+        return f"combine in code (reducer={_clip(self.reducer)}{_clip(opts, 200)})"
+
 
 class Monad(_Node):
     """Run `query` for its effect (for example to warm the cache); it contributes nothing to the prompt."""
 
+    CHILD_FIELD = ("query", "")
     kind: Literal["monad"] = "monad"
     query: Node
+
+    def label(self) -> str:
+        return "monad (run for effect)"
 
 
 class Print(_Node):
@@ -257,6 +333,9 @@ class Print(_Node):
 
     kind: Literal["print"] = "print"
     text: str
+
+    def label(self) -> str:
+        return f"print: {_clip(self.text)!r}"
 
 
 Node = Annotated[
@@ -280,8 +359,10 @@ Node = Annotated[
 for _cls in (Assistant, Generate, Plus, Cross, Chat, Repeat, Combine, Monad):
     _cls.model_rebuild()
 
-MESSAGE_TYPES = (System, User, Assistant)
-LEAF_TYPES = (System, User, Assistant, Fragment, Retrieve, Map, Print)
+NODE_TYPES: tuple[type[_Node], ...] = (
+    System, User, Assistant, Fragment, Generate, Plus, Cross, Chat, Retrieve, Repeat, Map, Combine, Monad, Print,
+)  # fmt: skip
+"""Every node class (the members of `Node`): a table that dispatches on a node's class covers each of them."""
 
 
 # --------------------------------------------------------------------------------------------- builders
@@ -397,36 +478,43 @@ def chat(
 
 
 def children_of(node: Node) -> tuple[Node, ...]:
-    """The direct sub-queries of a node (an `Assistant`'s source is provenance, not a child)."""
-    if isinstance(node, (Plus, Cross)):
-        return node.children
-    if isinstance(node, Chat):
-        return node.messages
-    if isinstance(node, (Generate, Combine)):
-        return (node.input,)
-    if isinstance(node, Repeat):
-        return (node.query,)
-    if isinstance(node, Monad):
-        return (node.query,)
-    return ()
+    """The direct sub-queries of a node, as its class declares them (`CHILD_FIELD`)."""
+    if node.CHILD_FIELD is None:
+        return ()
+    held = getattr(node, node.CHILD_FIELD[0])
+    return held if isinstance(held, tuple) else (held,)
 
 
 def with_children(node: Node, children: Iterable[Node]) -> Node:
-    """A copy of `node` with its direct sub-queries replaced (the inverse of `children_of`)."""
+    """A copy of `node` with its direct sub-queries replaced (the inverse of `children_of`); `node` itself when
+    they are the same objects."""
     kids = tuple(children)
-    if isinstance(node, (Plus, Cross)):
-        return node if kids == node.children else node.model_copy(update={"children": kids})
-    if isinstance(node, Chat):
-        return node if kids == node.messages else node.model_copy(update={"messages": kids})
-    if isinstance(node, (Generate, Combine)):
-        (inp,) = kids
-        return node if inp is node.input else node.model_copy(update={"input": inp})
-    if isinstance(node, (Repeat, Monad)):
-        (q,) = kids
-        return node if q is node.query else node.model_copy(update={"query": q})
-    if kids:
-        raise ValueError(f"{type(node).__name__} has no children")
-    return node
+    if node.CHILD_FIELD is None:
+        if kids:
+            raise ValueError(f"{type(node).__name__} has no children")
+        return node
+    name = node.CHILD_FIELD[0]
+    held = getattr(node, name)
+    if isinstance(held, tuple):
+        same = len(kids) == len(held) and all(k is h for k, h in zip(kids, held, strict=True))
+        return node if same else node.model_copy(update={name: kids})
+    if len(kids) != 1:
+        raise ValueError(f"{type(node).__name__} has exactly one child ({name}), got {len(kids)}")
+    return node if kids[0] is held else node.model_copy(update={name: kids[0]})
+
+
+def child_paths(node: Node, path: str = "$") -> Iterator[tuple[str, Node]]:
+    """The direct sub-queries of a node with their JSON-style paths (`$.g.input`, `$.plus[2]`)."""
+    if node.CHILD_FIELD is None:
+        return
+    name, spelling = node.CHILD_FIELD
+    base = f"{path}.{node.tag}" + (f".{spelling}" if spelling else "")
+    held = getattr(node, name)
+    if isinstance(held, tuple):
+        for i, child in enumerate(held):
+            yield f"{base}[{i}]", child
+    else:
+        yield base, held
 
 
 def transform(node: Node, fn: Callable[[Node], Node]) -> Node:
@@ -440,21 +528,8 @@ def transform(node: Node, fn: Callable[[Node], Node]) -> Node:
 def walk(node: Node, path: str = "$") -> Iterator[tuple[str, Node]]:
     """Every node with its JSON-style path (the same paths errors name), parents first."""
     yield path, node
-    if isinstance(node, (Plus, Cross)):
-        key = node.keyword
-        for i, c in enumerate(node.children):
-            yield from walk(c, f"{path}.{key}[{i}]")
-    elif isinstance(node, Chat):
-        for i, c in enumerate(node.messages):
-            yield from walk(c, f"{path}.chat.messages[{i}]")
-    elif isinstance(node, Generate):
-        yield from walk(node.input, f"{path}.g.input")
-    elif isinstance(node, Combine):
-        yield from walk(node.input, f"{path}.combine.input")
-    elif isinstance(node, Repeat):
-        yield from walk(node.query, f"{path}.repeat.query")
-    elif isinstance(node, Monad):
-        yield from walk(node.query, f"{path}.monad")
+    for child_path, child in child_paths(node, path):
+        yield from walk(child, child_path)
 
 
 # --------------------------------------------------------------------------------------------- rendering
@@ -465,53 +540,12 @@ def _clip(text: str, width: int = 60) -> str:
     return one if len(one) <= width else one[: width - 1] + "…"
 
 
-def _label(node: Node) -> str:
-    if isinstance(node, System):
-        return f"system: {_clip(node.text)!r}"
-    if isinstance(node, User):
-        return f"user: {_clip(node.text)!r}"
-    if isinstance(node, Assistant):
-        return f"assistant{' (generated)' if node.source is not None else ''}: {_clip(node.text)!r}"
-    if isinstance(node, Fragment):
-        ident = f" [{node.id}]" if node.id else ""
-        return f"fragment{ident}: {_clip(node.text)!r}"
-    if isinstance(node, Generate):
-        opts = [f"model={node.model or '(default)'}", f"max_tokens={node.max_tokens}", f"temperature={node.temperature:g}"]
-        if node.n != 1:
-            opts.append(f"n={node.n}")
-        if node.stop:
-            opts.append(f"stop={list(node.stop)}")
-        return "generate(" + ", ".join(opts) + ")"
-    if isinstance(node, Plus):
-        return f"{node.keyword} (order-free, {len(node.children)})"
-    if isinstance(node, Cross):
-        return f"{node.keyword} (ordered, {len(node.children)})"
-    if isinstance(node, Chat):
-        return f"chat(model={node.model or '(default)'}, max_tokens={node.max_tokens})"
-    if isinstance(node, Retrieve):
-        return f"retrieve(k={node.k}, retriever={node.retriever}): {_clip(node.query)!r}"
-    if isinstance(node, Repeat):
-        return f"repeat(n={node.n})"
-    if isinstance(node, Map):
-        return f"map({len(node.inputs)} inputs, model={node.model or '(default)'})"
-    if isinstance(node, Combine):
-        opts = "".join(
-            f", {k}={v!r}" for k, v in sorted(node.options.items()) if k != "system_prompt" and v is not None
-        )
-        return f"combine in code (reducer={node.reducer}{opts})"
-    if isinstance(node, Monad):
-        return "monad (run for effect)"
-    if isinstance(node, Print):
-        return f"print: {_clip(node.text)!r}"
-    return type(node).__name__
-
-
 def render(node: Node) -> str:
     """A readable, indented tree of the query, one node a line."""
     lines: list[str] = []
 
     def go(n: Node, prefix: str, last: bool, root: bool) -> None:
-        lines.append(_label(n) if root else f"{prefix}{'└─ ' if last else '├─ '}{_label(n)}")
+        lines.append(n.label() if root else f"{prefix}{'└─ ' if last else '├─ '}{n.label()}")
         kids = children_of(n)
         sub = "" if root else prefix + ("   " if last else "│  ")
         for i, k in enumerate(kids):

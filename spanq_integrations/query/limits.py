@@ -8,12 +8,11 @@ what one query may ask for; `check_limits` walks the tree once, without recursio
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
 from spanq_integrations.query.errors import QueryValidationError
-from spanq_integrations.query.ir import Chat, Fragment, Generate, Map, Node, Repeat, Retrieve
+from spanq_integrations.query.ir import Chat, Fragment, Generate, Map, Node, Repeat, Retrieve, child_paths
 
 __all__ = ["DEFAULT_LIMITS", "QueryLimitError", "QueryLimits", "check_json_depth", "check_limits"]
 
@@ -61,21 +60,6 @@ def check_json_depth(doc: Any, limits: QueryLimits = DEFAULT_LIMITS) -> None:
             stack.extend((v, depth + 1) for v in value)
 
 
-def _children(node: Node) -> Iterator[tuple[str, Node]]:
-    for name in ("input", "query"):
-        child = getattr(node, name, None)
-        if child is not None and not isinstance(child, str):
-            yield f".{name}", child
-    children = getattr(node, "children", None)
-    if children is not None:
-        for i, child in enumerate(children):
-            yield f"[{i}]", child
-    messages = getattr(node, "messages", None)
-    if isinstance(node, Chat) and messages is not None:
-        for i, child in enumerate(messages):
-            yield f".messages[{i}]", child
-
-
 def check_limits(query: Node, limits: QueryLimits = DEFAULT_LIMITS) -> None:
     """Raise `QueryLimitError` if `query` asks for more than `limits` allow; walks the tree once, iteratively."""
     calls = 0
@@ -88,17 +72,17 @@ def check_limits(query: Node, limits: QueryLimits = DEFAULT_LIMITS) -> None:
             raise _fail("max_depth", depth, limits.max_depth, path, "the nesting of query nodes")
         if isinstance(node, Generate):
             if node.n > limits.max_n:
-                raise _fail("max_n", node.n, limits.max_n, f"{path}.n", "the number of choices")
+                raise _fail("max_n", node.n, limits.max_n, f"{path}.{node.tag}.n", "the number of choices")
             runs *= node.n
             calls += runs
         elif isinstance(node, Repeat):
             if node.n > limits.max_bulk:
-                raise _fail("max_bulk", node.n, limits.max_bulk, f"{path}.n", "the number of copies")
+                raise _fail("max_bulk", node.n, limits.max_bulk, f"{path}.{node.tag}.n", "the number of copies")
             runs *= node.n
         elif isinstance(node, Map):
             count = len(node.inputs)
             if count > limits.max_bulk:
-                raise _fail("max_bulk", count, limits.max_bulk, f"{path}.inputs", "the number of inputs")
+                raise _fail("max_bulk", count, limits.max_bulk, f"{path}.{node.tag}.inputs", "the number of inputs")
             calls += runs * count
         elif isinstance(node, Chat):  # sugar for one generate call
             calls += runs
@@ -110,5 +94,5 @@ def check_limits(query: Node, limits: QueryLimits = DEFAULT_LIMITS) -> None:
             raise _fail("max_calls", calls, limits.max_calls, path, "the number of generate calls")
         if fragments > limits.max_fragments:
             raise _fail("max_fragments", fragments, limits.max_fragments, path, "the number of fragments")
-        for suffix, child in _children(node):
-            stack.append((child, path + suffix, depth + 1, runs))
+        for child_path, child in child_paths(node, path):
+            stack.append((child, child_path, depth + 1, runs))

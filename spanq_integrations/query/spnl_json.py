@@ -39,6 +39,7 @@ from spanq_integrations.query.ir import (
     Retrieve,
     System,
     User,
+    child_paths,
     walk,
 )
 
@@ -61,7 +62,12 @@ def _write_settings(model: str, max_tokens: int, temperature: float) -> dict[str
     return {"model": model, "max_tokens": max_tokens, "temperature": temperature}
 
 
+def _write_children(node: Node, path: str) -> list[dict[str, Any]]:
+    return [_write(child, child_path) for child_path, child in child_paths(node, path)]
+
+
 def _write_generate_body(g: Generate, path: str) -> dict[str, Any]:
+    """The body of a `g` at `path` (the path of the `g` node itself)."""
     body = _write_settings(g.model, g.max_tokens, g.temperature)
     if g.n != 1:
         body["n"] = g.n
@@ -75,65 +81,82 @@ def _write_generate_body(g: Generate, path: str) -> dict[str, Any]:
         body["recompute"] = g.recompute  # spanq's own key
     if g.cold_spans is not None:
         body["cold_spans"] = g.cold_spans  # spanq's own key
-    body["input"] = _write(g.input, f"{path}.g.input")
+    (body["input"],) = _write_children(g, path)
     return body
 
 
+def _write_assistant(node: Assistant, path: str) -> dict[str, Any]:
+    if node.source is None:
+        return {"assistant": node.text}
+    return {"assistant": {"text": node.text, "source": _write(node.source, f"{path}.assistant.source")}}
+
+
+def _write_fragment(node: Fragment, path: str) -> dict[str, Any]:
+    if node.id is None and not node.metadata:
+        return {"fragment": node.text}
+    body: dict[str, Any] = {"text": node.text}
+    if node.id is not None:
+        body["id"] = node.id
+    if node.metadata:
+        body["metadata"] = dict(node.metadata)
+    return {"fragment": body}
+
+
+def _write_join(node: Plus | Cross, path: str) -> dict[str, Any]:
+    if not node.children:
+        raise QueryValidationError(path, f'an empty "{node.tag}" cannot be written: a join needs at least one child')
+    out: dict[str, Any] = {node.tag: _write_children(node, path)}
+    if getattr(node, "anchor", None) is not None:
+        out["anchor"] = node.anchor  # type: ignore[union-attr]  # spanq's extension: a sibling key of the join
+    return out
+
+
+def _write_chat(node: Chat, path: str) -> dict[str, Any]:
+    if not node.messages:
+        raise QueryValidationError(path, "a chat with no messages cannot be written")
+    settings = _write_settings(node.model, node.max_tokens, node.temperature)
+    return {"chat": {**settings, "messages": _write_children(node, path)}}
+
+
+def _write_combine(node: Combine, path: str) -> dict[str, Any]:
+    (written,) = _write_children(node, path)
+    body: dict[str, Any] = {"reducer": node.reducer, "input": written}
+    if node.options:
+        body["options"] = dict(node.options)
+    return {"combine": body}
+
+
+def _write_repeat(node: Repeat, path: str) -> dict[str, Any]:
+    ((generate_path, generate),) = child_paths(node, path)
+    return {"repeat": {"n": node.n, "g": _write_generate_body(generate, generate_path)}}  # type: ignore[arg-type]
+
+
+_WRITERS: dict[type, Callable[[Any, str], dict[str, Any]]] = {
+    System: lambda node, path: {"system": node.text},
+    User: lambda node, path: {"user": node.text},
+    Assistant: _write_assistant,
+    Fragment: _write_fragment,
+    Generate: lambda node, path: {"g": _write_generate_body(node, path)},
+    Plus: _write_join,
+    Cross: _write_join,
+    Chat: _write_chat,
+    Retrieve: lambda node, path: {"retrieve": {"query": node.query, "k": node.k, "retriever": node.retriever}},
+    Repeat: _write_repeat,
+    Map: lambda node, path: {
+        "map": {"metadata": _write_settings(node.model, node.max_tokens, node.temperature), "inputs": list(node.inputs)}
+    },
+    Combine: _write_combine,
+    Monad: lambda node, path: {"monad": _write_children(node, path)[0]},
+    Print: lambda node, path: {"print": node.text},
+}
+"""How each node class is written (its children through `child_paths`, so their paths are `walk`'s)."""
+
+
 def _write(node: Node, path: str) -> dict[str, Any]:
-    if isinstance(node, System):
-        return {"system": node.text}
-    if isinstance(node, User):
-        return {"user": node.text}
-    if isinstance(node, Assistant):
-        if node.source is None:
-            return {"assistant": node.text}
-        source = _write(node.source, f"{path}.assistant.source")
-        return {"assistant": {"text": node.text, "source": source}}
-    if isinstance(node, Fragment):
-        if node.id is None and not node.metadata:
-            return {"fragment": node.text}
-        body: dict[str, Any] = {"text": node.text}
-        if node.id is not None:
-            body["id"] = node.id
-        if node.metadata:
-            body["metadata"] = dict(node.metadata)
-        return {"fragment": body}
-    if isinstance(node, Generate):
-        return {"g": _write_generate_body(node, path)}
-    if isinstance(node, (Plus, Cross)):
-        key = node.keyword
-        if not node.children:
-            raise QueryValidationError(
-                path, f'an empty "{key}" cannot be written: a join needs at least one child'
-            )
-        out: dict[str, Any] = {key: [_write(c, f"{path}.{key}[{i}]") for i, c in enumerate(node.children)]}
-        if isinstance(node, Plus) and node.anchor is not None:
-            out["anchor"] = node.anchor  # spanq's extension: a sibling key of the join
-        return out
-    if isinstance(node, Chat):
-        if not node.messages:
-            raise QueryValidationError(path, "a chat with no messages cannot be written")
-        messages = [_write(m, f"{path}.chat.messages[{i}]") for i, m in enumerate(node.messages)]
-        return {
-            "chat": {**_write_settings(node.model, node.max_tokens, node.temperature), "messages": messages}
-        }
-    if isinstance(node, Retrieve):
-        return {"retrieve": {"query": node.query, "k": node.k, "retriever": node.retriever}}
-    if isinstance(node, Repeat):
-        return {"repeat": {"n": node.n, "g": _write_generate_body(node.query, f"{path}.repeat")}}
-    if isinstance(node, Map):
-        metadata = _write_settings(node.model, node.max_tokens, node.temperature)
-        return {"map": {"metadata": metadata, "inputs": list(node.inputs)}}
-    if isinstance(node, Combine):
-        body = {"reducer": node.reducer, "input": _write(node.input, f"{path}.combine.input")}
-        if node.options:
-            body["options"] = dict(node.options)
-        return {"combine": body}
-    if isinstance(node, Monad):
-        return {"monad": _write(node.query, f"{path}.monad")}
-    if isinstance(node, Print):
-        return {"print": node.text}
-    raise QueryValidationError(path, f"not a query node: {type(node).__name__}")
+    writer = _WRITERS.get(type(node))
+    if writer is None:
+        raise QueryValidationError(path, f"not a query node: {type(node).__name__}")
+    return writer(node, path)
 
 
 # ------------------------------------------------------------------------------------------------- reading

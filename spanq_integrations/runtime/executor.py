@@ -46,6 +46,8 @@ from spanq_integrations.query.ir import (
     Retrieve,
     System,
     User,
+    child_paths,
+    with_children,
 )
 from spanq_integrations.runtime.reducers import Reducer, reducer_from_combine
 from spanq_integrations.runtime.sync import run_sync
@@ -59,8 +61,8 @@ def _answer_path(tree: Node, path: str = "$") -> str | None:
     if isinstance(tree, (Generate, Combine)):
         return path
     if isinstance(tree, Cross) and tree.children:
-        i = len(tree.children) - 1
-        return _answer_path(tree.children[i], f"{path}.{tree.keyword}[{i}]")
+        *_, (last_path, last) = child_paths(tree, path)
+        return _answer_path(last, last_path)
     return None
 
 
@@ -131,53 +133,65 @@ class _Run:
     async def eval(self, node: Node, path: str, in_input: bool = False) -> Node:
         """`in_input`: `node` is read by an outer generate (part of its input), so the generates of its
         `plus`es are read as spans."""
-        if isinstance(node, (System, User, Assistant, Fragment)):
-            return node
-        if isinstance(node, Print):
-            print(node.text, flush=True)
-            return node
-        if isinstance(node, Cross):
-            out = []
-            for i, child in enumerate(node.children):
-                out.append(await self.eval(child, f"{path}.{node.keyword}[{i}]", in_input))
-            return node.model_copy(update={"children": tuple(out)})
-        if isinstance(node, Plus):
-            out = await _all_or_cancel(
-                [
-                    self.call(c, p, span_output=True) if in_input and isinstance(c, Generate) else self.eval(c, p, in_input)
-                    for i, c in enumerate(node.children)
-                    for p in (f"{path}.{node.keyword}[{i}]",)
-                ]
-            )
-            return node.model_copy(update={"children": tuple(out)})
-        if isinstance(node, Monad):
-            return node.model_copy(update={"query": await self.eval(node.query, f"{path}.monad")})
-        if isinstance(node, (Repeat, Map)):
-            calls = [
-                self.call(g, f"{path}.{node.kind}[{i}]", span_output=in_input) for i, g in enumerate(node.expand())
+        evaluate = _EVALUATORS.get(type(node))
+        if evaluate is None:
+            raise QueryValidationError(path, f"cannot execute {type(node).__name__}")
+        return await evaluate(self, node, path, in_input)
+
+    async def _as_is(self, node: Node, path: str, in_input: bool) -> Node:
+        return node
+
+    async def _print(self, node: Print, path: str, in_input: bool) -> Node:
+        print(node.text, flush=True)
+        return node
+
+    async def _in_order(self, node: Node, path: str, in_input: bool) -> Node:
+        """A `cross`: each child after the one before it (a child may print, or be an effect)."""
+        out = [await self.eval(child, child_path, in_input) for child_path, child in child_paths(node, path)]
+        return with_children(node, out)
+
+    async def _concurrently(self, node: Plus, path: str, in_input: bool) -> Node:
+        """A `plus`: its children at once; a generate read by an outer one is laid out as a span."""
+        out = await _all_or_cancel(
+            [
+                self.call(child, child_path, span_output=True)
+                if in_input and isinstance(child, Generate)
+                else self.eval(child, child_path, in_input)
+                for child_path, child in child_paths(node, path)
             ]
-            return Plus(children=tuple(await _all_or_cancel(calls)))
-        if isinstance(node, Generate):
-            return await self.call(node, path)
-        if isinstance(node, Combine):
-            reducer = reducer_from_combine(node.reducer, node.options, path, self.reducers)
-            closed = await self.eval(node.input, f"{path}.combine.input")  # read by code, not by a generate
-            combined = combine_answers(reducer, _answers(closed), f"{path}.combine.input")
-            text = reducer.render(combined)
-            if path == self.stream_path and self.on_token is not None and text:
-                maybe = self.on_token(text)
-                if inspect.isawaitable(maybe):
-                    await maybe
-            return Assistant(text=text, source=node.model_copy(update={"input": closed}))
-        if isinstance(node, (Chat, Retrieve)):
-            raise QueryValidationError(
-                path, f"{node.kind!r} is sugar: run the optimizer first (optimize=True)"
-            )
-        raise QueryValidationError(path, f"cannot execute {type(node).__name__}")
+        )
+        return with_children(node, out)
+
+    async def _effect(self, node: Monad, path: str, in_input: bool) -> Node:
+        """A `monad`: its query runs for its effect; nothing reads it."""
+        ((child_path, child),) = child_paths(node, path)
+        return with_children(node, [await self.eval(child, child_path)])
+
+    async def _bulk(self, node: Repeat | Map, path: str, in_input: bool) -> Node:
+        calls = [self.call(g, f"{path}.{node.kind}[{i}]", span_output=in_input) for i, g in enumerate(node.expand())]
+        return Plus(children=tuple(await _all_or_cancel(calls)))
+
+    async def _generate(self, node: Generate, path: str, in_input: bool) -> Node:
+        return await self.call(node, path)
+
+    async def _combine(self, node: Combine, path: str, in_input: bool) -> Node:
+        reducer = reducer_from_combine(node.reducer, node.options, path, self.reducers)
+        ((input_path, inp),) = child_paths(node, path)
+        closed = await self.eval(inp, input_path)  # read by code, not by a generate
+        combined = combine_answers(reducer, _answers(closed), input_path)
+        text = reducer.render(combined)
+        if path == self.stream_path and self.on_token is not None and text:
+            maybe = self.on_token(text)
+            if inspect.isawaitable(maybe):
+                await maybe
+        return Assistant(text=text, source=with_children(node, [closed]))  # type: ignore[arg-type]
+
+    async def _sugar(self, node: Chat | Retrieve, path: str, in_input: bool) -> Node:
+        raise QueryValidationError(path, f"{node.kind!r} is sugar: run the optimizer first (optimize=True)")
 
     async def call(self, g: Generate, path: str, span_output: bool = False) -> Node:
-        closed_input = await self.eval(g.input, f"{path}.g.input", in_input=True)
-        closed = g.model_copy(update={"input": closed_input})
+        ((input_path, inp),) = child_paths(g, path)
+        closed = with_children(g, [await self.eval(inp, input_path, in_input=True)])
         on_token = self.on_token if path == self.stream_path else None
         extra = {"span_output": True} if span_output and self.backend.capabilities.span_outputs else {}
         async with self.semaphore:
@@ -198,6 +212,25 @@ class _Run:
         self.calls.append(metrics)
         outs = [Assistant(text=t, source=closed) for t in completion.texts]
         return outs[0] if len(outs) == 1 else Plus(children=tuple(outs))
+
+
+_EVALUATORS: dict[type, Callable[[_Run, Any, str, bool], Awaitable[Node]]] = {
+    System: _Run._as_is,
+    User: _Run._as_is,
+    Assistant: _Run._as_is,
+    Fragment: _Run._as_is,
+    Print: _Run._print,
+    Cross: _Run._in_order,
+    Plus: _Run._concurrently,
+    Monad: _Run._effect,
+    Repeat: _Run._bulk,
+    Map: _Run._bulk,
+    Generate: _Run._generate,
+    Combine: _Run._combine,
+    Chat: _Run._sugar,
+    Retrieve: _Run._sugar,
+}
+"""How the executor runs each node class."""
 
 
 async def aexecute(

@@ -38,21 +38,19 @@ from spanq_integrations.backends.resolve import resolve_backend
 from spanq_integrations.query.errors import QueryValidationError, ReducerParseError, check_fan_in
 from spanq_integrations.query.flatten import block_text
 from spanq_integrations.query.ir import (
+    NODE_TYPES,
     Assistant,
-    Chat,
     Combine,
     Cross,
     Fragment,
     Generate,
-    Map,
     Monad,
     Node,
     Plus,
     Print,
-    Repeat,
-    Retrieve,
     System,
     User,
+    child_paths,
     transform,
 )
 from spanq_integrations.runtime.executor import ExecutionResult, aexecute, shown_texts
@@ -74,7 +72,6 @@ __all__ = [
 Candidate = str | Node
 CombineMode = Literal["auto", "code", "model"]
 COMBINE_MODES: tuple[str, ...] = ("auto", "code", "model")
-_NODE_TYPES = (System, User, Assistant, Fragment, Generate, Plus, Cross, Chat, Retrieve, Repeat, Map)
 _TEXT_TYPES = (System, User, Assistant, Fragment)
 DEFAULT_JUDGE_MAX_TOKENS = 256
 
@@ -181,7 +178,7 @@ def _as_candidate(candidate: Candidate, index: int) -> Node:
         raise QueryValidationError(
             f"judge(candidates)[{index}]", f"a {candidate.kind} is an effect, not a candidate to judge"
         )
-    if isinstance(candidate, _NODE_TYPES):
+    if isinstance(candidate, NODE_TYPES):
         return candidate
     raise QueryValidationError(
         f"judge(candidates)[{index}]",
@@ -339,11 +336,10 @@ class _Reader:
                 self.texts[index] = text
             return 0, JudgeInput(kind="candidate", index=index, text=text)
         g: Generate = node.source  # type: ignore[union-attr,assignment]
-        cross: Cross = g.input  # type: ignore[assignment]
-        group = cross.children[1]
-        base = f"{path}.g.input.{cross.keyword}[1]"
+        ((input_path, cross),) = child_paths(g, path)
+        base, group = list(child_paths(cross, input_path))[1]
         if isinstance(group, Plus):
-            read = [self.read(child, f"{base}.{group.keyword}[{j}]") for j, child in enumerate(group.children)]
+            read = [self.read(child, child_path) for child_path, child in child_paths(group, base)]
         else:  # one candidate: the optimizer dropped the single-child plus
             read = [self.read(group, base)]
         level = 1 + max(height for height, _ in read)
@@ -361,14 +357,12 @@ class _Reader:
     def read_combine(self, node: Assistant, path: str) -> tuple[int, JudgeInput]:
         """A combine in code over judges' answers: one level above the highest of them, no model call."""
         combine: Combine = node.source  # type: ignore[assignment]
-        base = f"{path}.combine.input"
-        inp = combine.input
-        children = list(enumerate(inp.children)) if isinstance(inp, Plus) else [(None, inp)]
+        ((base, inp),) = child_paths(combine, path)
+        children = list(child_paths(inp, base)) if isinstance(inp, Plus) else [(base, inp)]
         read = []
-        for j, child in children:
+        for child_path, child in children:
             if isinstance(child, (Monad, Print)):
                 continue
-            child_path = base if j is None else f"{base}.{inp.keyword}[{j}]"  # type: ignore[union-attr]
             read.append(self.read(child, child_path))
             if read[-1][1].kind == "call":
                 self.leaves[child_path] = shown_texts(child)

@@ -1,0 +1,137 @@
+"""The IR declares each node's sub-queries once (`CHILD_FIELD`); every walk reads that declaration.
+
+What a user sees of it: the path an error names (a limit, a failed call, a malformed document) is the path of
+that node in the query's own JSON, whichever walk found it; a tree rebuilt with its own children is the same
+object; every node kind is written, run and rendered."""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from spanq_integrations.query import ir, spnl_json
+from spanq_integrations.query.errors import QueryValidationError
+from spanq_integrations.query.ir import (
+    NODE_TYPES,
+    Cross,
+    Generate,
+    Node,
+    Repeat,
+    child_paths,
+    children_of,
+    cross,
+    generate,
+    plus,
+    render,
+    walk,
+    with_children,
+)
+from spanq_integrations.query.limits import QueryLimits, check_limits
+from spanq_integrations.query.spnl_json import to_json
+from spanq_integrations.runtime import executor
+from tests.strategies import span_queries
+
+NOWHERE = object()
+
+
+def _at(doc: Any, path: str) -> Any:
+    """The value at a JSON-style path (`$.g.input.cross[1]`) of a JSON document; NOWHERE if it has none."""
+    value = doc
+    for part in path.removeprefix("$").replace("[", ".[").split("."):
+        if not part:
+            continue
+        try:
+            value = value[int(part[1:-1])] if part.startswith("[") else value[part]
+        except (KeyError, IndexError, TypeError, ValueError):
+            return NOWHERE
+    return value
+
+
+def path_mismatches(query: Node) -> list[str]:
+    """The nodes `walk` names by a path under which the query's JSON holds something else. A generate under a
+    `repeat` is the one node spnl writes as a bare body (`{"repeat": {"n", "g": {...}}}`): its body is checked."""
+    doc = to_json(query)
+    wrong = []
+    for path, node in walk(query):
+        found = _at(doc, path)
+        if isinstance(node, Generate) and path.endswith(".repeat") and found is not NOWHERE:
+            found = {"g": found["g"]}
+        if found != to_json(node):
+            wrong.append(path)
+    return wrong
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(span_queries())
+def test_every_path_walk_names_is_where_the_json_holds_that_node(query):
+    assert path_mismatches(query) == []
+
+
+def test_a_declaration_spelled_unlike_the_json_is_caught(monkeypatch):
+    query = generate(cross("q", plus("a", "b")))
+    assert path_mismatches(query) == []
+    monkeypatch.setattr(Cross, "CHILD_FIELD", ("children", "children"))  # `$.cross.children[0]`: not the JSON's
+    assert path_mismatches(query)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(span_queries())
+def test_a_node_rebuilt_with_its_own_children_is_itself(query):
+    for _, node in walk(query):
+        assert with_children(node, children_of(node)) is node
+        changed = [c.model_copy() for c in children_of(node)]
+        if changed:
+            rebuilt = with_children(node, changed)
+            assert rebuilt == node and rebuilt is not node and all(
+                a is b for a, b in zip(children_of(rebuilt), changed, strict=True)
+            )
+
+
+def test_with_children_refuses_a_count_its_node_cannot_hold():
+    g = generate("hi")
+    with pytest.raises(ValueError, match="exactly one child"):
+        with_children(g, [])
+    with pytest.raises(ValueError, match="has no children"):
+        with_children(ir.User(text="x"), [ir.User(text="y")])
+
+
+def test_the_node_types_are_the_members_of_node():
+    (union, _) = typing.get_args(Node)
+    assert set(NODE_TYPES) == set(typing.get_args(union))
+
+
+@pytest.mark.parametrize("table", [spnl_json._WRITERS, executor._EVALUATORS], ids=["writer", "executor"])
+def test_every_node_class_is_written_and_run(table):
+    assert set(table) == set(NODE_TYPES)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(span_queries())
+def test_every_node_renders_with_a_label_of_its_own(query):
+    lines = render(query).split("\n")
+    assert len(lines) == sum(1 for _ in walk(query))
+    assert not any(line.lstrip("│├└─ ").startswith(tuple(t.__name__ for t in NODE_TYPES)) for line in lines)
+
+
+def test_a_limit_names_the_path_the_json_has():
+    inner = Generate(input=ir.User(text="hi"), n=50)
+    query = generate(cross("q", plus("a", inner)))
+    with pytest.raises(QueryValidationError) as raised:
+        check_limits(query, QueryLimits(max_n=4))
+    ((path, _),) = [(p, n) for p, n in walk(query) if n is inner]
+    assert raised.value.path == f"{path}.g.n" == "$.g.input.cross[1].plus[1].g.n"
+    assert _at(to_json(query), raised.value.path) == 50
+
+    bulk = Repeat(n=9, query=generate("hi"))
+    with pytest.raises(QueryValidationError) as raised:
+        check_limits(cross("q", bulk), QueryLimits(max_bulk=4))
+    assert _at(to_json(cross("q", bulk)), raised.value.path) == 9
+
+
+def test_child_paths_are_the_direct_children_in_order():
+    query = cross("a", plus("b", "c"))
+    assert [p for p, _ in child_paths(query)] == ["$.cross[0]", "$.cross[1]"]
+    assert [n for _, n in child_paths(query)] == list(children_of(query))
