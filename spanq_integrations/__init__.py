@@ -15,7 +15,7 @@ from spanq_integrations.backends import (
     resolve_backend,
 )
 from spanq_integrations.backends.protocol import Usage
-from spanq_integrations.optimizer import optimize
+from spanq_integrations.optimizer import TreeReduction, optimize
 from spanq_integrations.query.errors import (
     BackendError,
     BackendUnavailableError,
@@ -104,6 +104,7 @@ __all__ = [  # noqa: RUF022  (grouped by topic)
     "JudgeResult",
     # optimizer and execution
     "optimize",
+    "TreeReduction",
     "aexecute",
     "execute",
     "ExecutionResult",

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from spanq_integrations.backends.protocol import BackendCapabilities, CallMetrics
+from spanq_integrations.optimizer.context import TreeReduction
 from spanq_integrations.query.errors import SpanQueryError, check_fan_in
 from spanq_integrations.query.ir import Chat, Generate, Map, Node, render, transform
 
@@ -120,20 +121,23 @@ def metrics_table(calls: Sequence[CallMetrics], totals: dict[str, float]) -> str
 # --------------------------------------------------------------------------------------------- commands
 
 
-def _combine_arg(args: argparse.Namespace) -> str | None:
-    """`--combine REDUCER`, checked: it needs `--tree-k`, and a reducer whose combine step is exact in code."""
-    if args.combine is None:
-        return None
+def _tree_reduction(args: argparse.Namespace) -> TreeReduction | None:
+    """`--tree-k K` and `--reducer NAME` as one `TreeReduction`, checked: a reducer needs `--tree-k`, and one
+    whose combine step is exact in code."""
+    if args.reducer is not None and args.tree_k is None:
+        raise CommandError("--reducer needs --tree-k: it says how a tree of judges combines their answers")
     if args.tree_k is None:
-        raise CommandError("--combine needs --tree-k: it says how a tree of judges combines their answers")
+        return None
+    if args.reducer is None:
+        return TreeReduction(k=args.tree_k)
     from spanq_integrations.query.errors import QueryValidationError
     from spanq_integrations.runtime.reducers import reducer_from_combine
 
     try:
-        reducer_from_combine(args.combine, {}, "--combine")
+        reducer_from_combine(args.reducer, {}, "--reducer")
     except QueryValidationError as e:
         raise CommandError(str(e)) from None
-    return args.combine
+    return TreeReduction(k=args.tree_k, combine="code", reducer=args.reducer)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -143,9 +147,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     capabilities = BackendCapabilities(
         name="span" if args.span_aware else "openai", span_aware=args.span_aware
     )
-    plan = optimize(
-        query, capabilities, tree_reduction_k=args.tree_k, tree_reduction_combine=_combine_arg(args)
-    )
+    plan = optimize(query, capabilities, tree_reduction=_tree_reduction(args))
     if args.json:
         from spanq_integrations.query.spnl_json import to_json
 
@@ -254,8 +256,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = execute(
             query,
             backend,
-            tree_reduction_k=args.tree_k,
-            tree_reduction_combine=_combine_arg(args),
+            tree_reduction=_tree_reduction(args),
             on_token=None if args.json else echo,
         )
     except ModuleNotFoundError as e:
@@ -336,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--tree-k", type=int, metavar="K", help="tree reduction: judges read at most K children"
     )
-    plan.add_argument("--combine", metavar="REDUCER", help="tree reduction: combine the leaf judges' answers in code with this reducer (extract: the "
+    plan.add_argument("--reducer", metavar="NAME", help="tree reduction: combine the leaf judges' answers in code with this reducer (extract: the "
         "union of their items; count: the sum; vote: the majority; select: the highest score) instead of "
         "model calls above the leaves")
     plan.add_argument("--json", action="store_true", help="print the plan as spnl JSON")
@@ -354,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "embedded backend, the model its engine runs: default, tiny, tiny-<family>, a model folder or a "
                      "Hugging Face id")
     run.add_argument("--tree-k", type=int, metavar="K", help="tree reduction: judges read at most K children")
-    run.add_argument("--combine", metavar="REDUCER", help="tree reduction: combine the leaf judges' answers in code with this reducer (extract: the "
+    run.add_argument("--reducer", metavar="NAME", help="tree reduction: combine the leaf judges' answers in code with this reducer (extract: the "
         "union of their items; count: the sum; vote: the majority; select: the highest score) instead of "
         "model calls above the leaves")
     run.add_argument("--json", action="store_true", help="print the result, calls and totals as JSON")

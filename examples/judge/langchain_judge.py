@@ -24,7 +24,7 @@ def run(
     llm: ChatSpanQuery, question: str = QUESTION, n: int = 4, k: int | None = 2, documents: int = 2
 ) -> JudgeVerdict:
     docs = [row["text"] for row in json.loads(DOCUMENTS.read_text())[:documents]]
-    judge = JudgeEnsemble(llm=llm, n=n, tree_reduction_k=k)
+    judge = JudgeEnsemble(llm=llm, n=n, k=k)
     return judge.invoke({"question": question, "documents": docs})
 
 
@@ -37,7 +37,7 @@ def report(verdict: JudgeVerdict) -> None:
         + ("" if verdict.parsed is not None else " (names no candidate)")
     )
     print(
-        f"{len(verdict.calls)} calls (tree reduction k={verdict.tree_reduction_k}); the judges read "
+        f"{len(verdict.calls)} calls (tree reduction k={verdict.k}); the judges read "
         f"{len(verdict.reused_outputs)} generated outputs as spans; the root judge took "
         f"{verdict.judge_cached_tokens} prompt tokens from the cache"
     )

@@ -42,7 +42,7 @@ class Draft(TypedDict):
 
 def build_graph(llm: ChatSpanQuery, k: int | None = 2, temperature: float = 0.8):
     """question → N × generate (Send) → judge."""
-    judge = JudgeEnsemble(llm=llm, tree_reduction_k=k)
+    judge = JudgeEnsemble(llm=llm, k=k)
 
     def fan_out(state: State) -> list[Send]:
         return [

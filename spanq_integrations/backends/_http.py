@@ -225,7 +225,7 @@ def error_from_payload(body: Any, *, status: int | None, where: str) -> SpanQuer
     if error_type == "ContextLengthError" or any(m in message.lower() for m in CONTEXT_LENGTH_MARKERS):
         return ContextLengthError(
             f"{where}: {message} — shorten the prompt, lower max_tokens, or split the input "
-            "(tree reduction: tree_reduction_k)"
+            "(tree reduction: tree_reduction=k, or a judge's k)"
         )
     if error_type in _MESSAGE_ERRORS:
         return _MESSAGE_ERRORS[error_type](f"{where}: {message}")

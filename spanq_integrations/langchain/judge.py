@@ -1,12 +1,12 @@
 """`JudgeEnsemble`: N candidate generations and the judge over them as one span query, as a LangChain runnable.
 
-    judge = JudgeEnsemble(llm=ChatSpanQuery(max_tokens=64), n=4, tree_reduction_k=2)
+    judge = JudgeEnsemble(llm=ChatSpanQuery(max_tokens=64), n=4, k=2)
     verdict = judge.invoke("Which town can only be reached by ferry?")
     verdict.selection, verdict.candidates, verdict.reused_outputs
 
 It runs spanq's judge (`spanq_integrations.runtime.judge.ajudge`) with inner generations as its candidates: the judge is
 `G(cross(system, plus(G_1 … G_n), instruction))`, so the candidates run concurrently inside the same query and
-each judge reads the finished candidates as spans of its `plus`. `tree_reduction_k=k` makes it a k-ary tree of
+each judge reads the finished candidates as spans of its `plus`. `k=k` makes it a k-ary tree of
 judges (attention locality); the reducer template (`select` by default, also `extract`, `count`, `vote`,
 `merge`) says what a judge answers, and `combine` how a tree combines answers: in code where the reducer's
 combine is exact (`auto`, the default: the leaves rate candidates and the highest score wins for `select`), or
@@ -71,7 +71,8 @@ class JudgeVerdict(BaseModel):
     calls: list[CallMetrics] = Field(default_factory=list)
     """Every call of the query (generators and judges), in completion order."""
     metrics: JudgeMetrics = Field(default_factory=JudgeMetrics)
-    tree_reduction_k: int | None = None
+    k: int | None = None
+    """The fan-in of the tree of judges (each read at most k candidates or answers); None for one flat judge."""
     combine: str | None = None
     """How the tree combined its judges' answers (`code` or `model`); None for one flat judge."""
 
@@ -93,7 +94,9 @@ class JudgeEnsemble(RunnableSerializable[Any, JudgeVerdict]):
 
     llm: ChatSpanQuery = Field(default_factory=ChatSpanQuery)
     n: int = Field(default=4, ge=1)
-    tree_reduction_k: int | None = Field(default=None, ge=2)
+    k: int | None = Field(default=None, ge=2)
+    """Tree reduction's fan-in: each judge reads at most k candidates (or answers); None: one flat judge.
+    The same name as `judge(k=)` and LlamaIndex's judges."""
     reducer: Any = "select"
     combine: Literal["auto", "code", "model"] = "auto"
     task: str = DEFAULT_JUDGE_TASK
@@ -164,7 +167,7 @@ class JudgeEnsemble(RunnableSerializable[Any, JudgeVerdict]):
             result = await ajudge(
                 candidates,
                 self._instruction(question),
-                k=self.tree_reduction_k,
+                k=self.k,
                 reducer=resolve_reducer(self.reducer),
                 backend=await self.llm._aget_backend(),
                 model=self.llm.model or "",
@@ -202,7 +205,7 @@ class JudgeEnsemble(RunnableSerializable[Any, JudgeVerdict]):
             levels=result.levels,
             calls=result.calls,
             metrics=result.metrics,
-            tree_reduction_k=self.tree_reduction_k,
+            k=self.k,
             combine=result.combine,
         )
 

@@ -168,7 +168,7 @@ class SpanQueryPairwiseEvaluator(BaseEvaluator):
             return await self._ascored(query, candidates, reference)
         judge = self.build_query(query, candidates, reference)
         tree_k = self._k if len(candidates) > self._k else None
-        result = await self._llm.arun_query(judge, tree_reduction_k=tree_k)
+        result = await self._llm.arun_query(judge, tree_reduction=tree_k)
         choice, overlaps = copied_candidate(result.answer, candidates, self._min_overlap)
         tie = choice is None and bool(overlaps) and max(overlaps) >= self._min_overlap
         return SpanJudgeResult(

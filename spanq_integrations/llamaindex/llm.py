@@ -39,6 +39,7 @@ from spanq_integrations.backends import Backend, resolve_backend
 from spanq_integrations.backends.resolve import check_backend_spec
 from spanq_integrations.llamaindex.run_nodes import current_record, install_tracker
 from spanq_integrations.llamaindex.usage import METADATA_KEY, usage_of
+from spanq_integrations.optimizer.context import TreeReduction
 from spanq_integrations.query.errors import QueryValidationError
 from spanq_integrations.query.ir import (
     DEFAULT_TEMPERATURE,
@@ -188,10 +189,11 @@ class SpanQueryLLM(FunctionCallingLLM):
         default=None, exclude=True, description="None: embedded; a URL; or a spanq Backend."
     )
     api_key: str | None = Field(default=None, exclude=True, description="Bearer token for HTTP backends.")
-    recover_nodes: bool = Field(
-        default=True,
-        description="Inside a query engine, send the nodes the query retrieved as spans where the prompt holds "
-        "them verbatim (LlamaIndex's own synthesizers); response.metadata['spanq'] says what happened.",
+    recover_documents: Literal["auto", "off"] = Field(
+        default="auto",
+        description="'auto': send the nodes the running query (or chat engine) retrieved as spans where the prompt "
+        "holds them verbatim (LlamaIndex's own synthesizers); 'off': never. The same setting as LangChain's "
+        "`recover_documents` (which also has 'tagged'); response.metadata['spanq'] says what happened.",
     )
 
     _backend: Backend | None = PrivateAttr(default=None)
@@ -282,7 +284,7 @@ class SpanQueryLLM(FunctionCallingLLM):
         and it is safe (`prompt_spans.split_at_documents`); the outcome is noted for the call's record."""
         _split_note.set(None)
         record = current_record()
-        if not self.recover_nodes or record is None or not record.candidates:
+        if self.recover_documents == "off" or record is None or not record.candidates:
             return nodes
         if not all(isinstance(n, (System, User, Assistant)) for n in nodes):
             return nodes
@@ -310,7 +312,7 @@ class SpanQueryLLM(FunctionCallingLLM):
         """The span query of a chat call: one `Generate` over the messages in a `cross`. With `tools` (what
         `chat_with_tools` passes): the tools in the system message, the answer constrained to a call or text.
         Inside a query engine, the nodes the query retrieved are sent as spans where the prompt holds them
-        verbatim (`recover_nodes`)."""
+        verbatim (`recover_documents`)."""
         nodes = messages_to_nodes(messages)
         tools: list[ToolSpec] = options.get("tools") or []
         if not tools:
@@ -365,34 +367,22 @@ class SpanQueryLLM(FunctionCallingLLM):
         self,
         query: Node,
         on_token: Any = None,
-        tree_reduction_k: int | None = None,
-        tree_reduction_instruction: str | None = None,
-        tree_reduction_combine: str | None = None,
-        tree_reduction_combine_options: dict[str, Any] | None = None,
+        tree_reduction: TreeReduction | int | None = None,
     ) -> ExecutionResult:
         from spanq_integrations.optimizer import optimize
 
         backend = self.get_backend()
         # Optimized as `execute` optimizes (sugar such as `chat` and `retrieve` lowered, spans laid out for this
         # backend), with tree reduction only when asked for.
-        plan = optimize(
-            query,
-            backend.capabilities,
-            tree_reduction_k=tree_reduction_k,
-            tree_reduction_instruction=tree_reduction_instruction,
-            tree_reduction_combine=tree_reduction_combine,
-            tree_reduction_combine_options=tree_reduction_combine_options,
-        )
+        plan = optimize(query, backend.capabilities, tree_reduction=tree_reduction)
         return await aexecute(plan, backend, optimize=False, on_token=on_token)
 
     def run_query(self, query: Node, **options: Any) -> ExecutionResult:
         """Execute a span query on this LLM's backend and wait for it.
 
-        `tree_reduction_k` (>= 2) rewrites wide judges into a k-ary tree first (the optimizer's rule 5), with
-        `tree_reduction_instruction` for the inner judges; `tree_reduction_combine` (a reducer name, with
-        `tree_reduction_combine_options`) combines the leaf judges' answers in code instead of by model calls.
-        The query is optimized as `execute` does it (`chat` and other sugar lowered); without `tree_reduction_k`
-        no judge is rewritten into a tree."""
+        `tree_reduction` (a `TreeReduction`, or a fan-in k for a tree of model calls) rewrites wide judges into
+        a k-ary tree first (the optimizer's rule 5), as `execute` does. The query is optimized as `execute` does
+        it (`chat` and other sugar lowered); without `tree_reduction` no judge is rewritten into a tree."""
         return background_loop().run(self._execute(query, **options))
 
     async def arun_query(self, query: Node, **options: Any) -> ExecutionResult:
@@ -556,4 +546,4 @@ class SpanQueryLLM(FunctionCallingLLM):
         return gen()
 
 
-install_tracker()  # the nodes each query retrieves, for `recover_nodes` (one event handler per process)
+install_tracker()  # the nodes each query retrieves, for `recover_documents` (one event handler per process)

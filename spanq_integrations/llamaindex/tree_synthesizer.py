@@ -8,7 +8,7 @@ the optimizer's rule 5 (`spanq_integrations.optimizer.tree_reduce`) applied to t
 N nodes, k=2 gives N - 1 calls in ⌈log2 N⌉ levels; calls of one level run concurrently.
 
 Answers that combine exactly in code (a list of items, a count, a vote) need no model above the leaves:
-`combine="extract"` (or `count`, `vote`) makes the tree ⌈N / k⌉ leaf calls whose answers are combined in code
+`reducer="extract"` (or `count`, `vote`) makes the tree ⌈N / k⌉ leaf calls whose answers are combined in code
 by that reducer (`extract`: the union of their items, one per line, in order). Free-form answers keep the
 default, model calls at every level, since merging them needs judgement.
 """
@@ -20,6 +20,7 @@ from typing import Any
 
 from spanq_integrations.llamaindex.llm import SpanQueryLLM
 from spanq_integrations.llamaindex.synthesizer import SpanQuerySynthesizer
+from spanq_integrations.optimizer.context import TreeReduction
 from spanq_integrations.query.errors import check_fan_in
 from spanq_integrations.query.ir import Fragment
 
@@ -31,8 +32,8 @@ class SpanQueryTreeSynthesizer(SpanQuerySynthesizer):
 
     `intermediate_instruction`, when given, is the user turn of the inner calls (for example "Summarize what
     these documents say about the question"); by default every call is asked the question itself, as
-    `TreeSummarize` does. `combine` (`extract`, `count`, `vote`): the leaves' answers are combined in code by
-    that reducer, no model call above them. Every other argument is `SpanQuerySynthesizer`'s;
+    `TreeSummarize` does. `reducer` (`extract`, `count`, `vote`): the leaves' answers are combined in code by
+    that reducer, no model call above them (`TreeReduction(combine="code")`). Every other argument is `SpanQuerySynthesizer`'s;
     `metadata["spanq"]["per_call"]` lists each call of the tree with its path.
     """
 
@@ -42,18 +43,18 @@ class SpanQueryTreeSynthesizer(SpanQuerySynthesizer):
         *,
         k: int = 2,
         intermediate_instruction: str | None = None,
-        combine: str | None = None,
+        reducer: str | None = None,
         **kwargs: Any,
     ) -> None:
         check_fan_in(k, "k", "nodes or answers")
-        if combine is not None:
+        if reducer is not None:
             from spanq_integrations.runtime.reducers import reducer_from_combine
 
-            reducer_from_combine(combine, {}, "SpanQueryTreeSynthesizer")  # a clear error for one that cannot
+            reducer_from_combine(reducer, {}, "SpanQueryTreeSynthesizer")  # a clear error for one that cannot
         super().__init__(llm, **kwargs)
         self._k = k
         self._intermediate_instruction = intermediate_instruction
-        self._combine = combine
+        self._reducer = reducer
 
     @property
     def k(self) -> int:
@@ -67,8 +68,10 @@ class SpanQueryTreeSynthesizer(SpanQuerySynthesizer):
         )
 
     def _run_options(self) -> dict[str, Any]:
-        return {
-            "tree_reduction_k": self._k,
-            "tree_reduction_instruction": self._intermediate_instruction,
-            "tree_reduction_combine": self._combine,
-        }
+        plan = TreeReduction(
+            k=self._k,
+            combine="model" if self._reducer is None else "code",
+            instruction=self._intermediate_instruction,
+            reducer=self._reducer,
+        )
+        return {"tree_reduction": plan}

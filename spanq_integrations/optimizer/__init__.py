@@ -8,7 +8,6 @@ never rewrite an `Assistant`'s `source`: it records a call that already ran.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 from spanq_integrations.optimizer.bulk_order import bulk_order
 from spanq_integrations.optimizer.context import (
@@ -16,6 +15,7 @@ from spanq_integrations.optimizer.context import (
     BackendCapabilities,
     OptimizerContext,
     Retriever,
+    TreeReduction,
 )
 from spanq_integrations.optimizer.desugar_chat import desugar_chat
 from spanq_integrations.optimizer.desugar_retrieve import desugar_retrieve
@@ -32,6 +32,7 @@ __all__ = [
     "OptimizerContext",
     "Retriever",
     "Rule",
+    "TreeReduction",
     "apply_rules",
     "bulk_order",
     "desugar_chat",
@@ -65,28 +66,20 @@ def optimize(
     *,
     rules: Sequence[Rule] | None = None,
     retrievers: Mapping[str, Retriever] | None = None,
-    tree_reduction_k: int | None = None,
-    tree_reduction_instruction: str | None = None,
-    tree_reduction_combine: str | None = None,
-    tree_reduction_combine_options: Mapping[str, Any] | None = None,
+    tree_reduction: TreeReduction | int | None = None,
     bulk_order: bool = False,
     max_passes: int = MAX_PASSES,
 ) -> Node:
     """The query rewritten for a backend with `capabilities` (default: an ordinary, span-unaware server).
 
-    `retrievers` are the retrievers `Retrieve` nodes may name; `tree_reduction_k` (>= 2) turns tree reduction
-    on, `tree_reduction_instruction` gives its intermediate judges their own instruction,
-    `tree_reduction_combine` (a reducer name, with `tree_reduction_combine_options`) combines the leaf judges'
-    answers in code instead of by model calls; `bulk_order` reorders a top-level batch for cache reuse. See
-    `OptimizerContext`.
+    `retrievers` are the retrievers `Retrieve` nodes may name; `tree_reduction` (a `TreeReduction`, or a fan-in
+    k for a tree of model calls) turns wide judges into trees; `bulk_order` reorders a top-level batch for cache
+    reuse. See `OptimizerContext`.
     """
     ctx = OptimizerContext(
         capabilities=capabilities or DEFAULT_CAPABILITIES,
         retrievers=dict(retrievers or {}),
-        tree_reduction_k=tree_reduction_k,
-        tree_reduction_instruction=tree_reduction_instruction,
-        tree_reduction_combine=tree_reduction_combine,
-        tree_reduction_combine_options=dict(tree_reduction_combine_options or {}),
+        tree_reduction=TreeReduction.of(tree_reduction),
         bulk_order=bulk_order,
     )
     return apply_rules(query, ctx, DEFAULT_RULES if rules is None else rules, max_passes=max_passes)

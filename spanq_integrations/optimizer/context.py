@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from spanq_integrations.query.errors import check_fan_in
+from spanq_integrations.query.errors import QueryValidationError, check_fan_in
 from spanq_integrations.query.ir import Fragment
 
-__all__ = ["DEFAULT_CAPABILITIES", "BackendCapabilities", "OptimizerContext", "Retriever"]
+__all__ = ["DEFAULT_CAPABILITIES", "BackendCapabilities", "OptimizerContext", "Retriever", "TreeReduction"]
 
 class BackendCapabilities(BaseModel):
     """What a backend can do; the optimizer's planning input (span-aware backends get span plans)."""
@@ -36,27 +36,66 @@ DEFAULT_CAPABILITIES = BackendCapabilities(name="generic", span_aware=False)
 
 
 @dataclass(frozen=True)
+class TreeReduction:
+    """Tree reduction (attention locality), as one value: a judge over more than `k` candidates becomes a tree
+    of judges that each read at most `k`.
+
+    - `k`: the fan-in, at least 2.
+    - `combine`: how the judges' answers are combined — `"model"`, by model calls at every level up to the
+      root; `"code"`, one level of leaf judges whose answers the exact combine step of `reducer` joins in code
+      (a `Combine` node: no model call above the leaves). The same word means the same in `judge(combine=)`,
+      which adds `"auto"` (code where the reducer's combine is exact).
+    - `instruction`: the user instruction the intermediate judges (`model`) or the leaf judges (`code`) read
+      instead of the query's own; None keeps the query's own.
+    - `reducer`, `options`: with `combine="code"`, the reducer (by name: `extract`, `select`, `count`, `vote`)
+      and its settings (say its `item_pattern`).
+
+    Every front door that reduces takes this value (`optimize`, `execute`, LlamaIndex's `run_query`), or an
+    int `k` for a tree of model calls with the query's own instruction.
+    """
+
+    k: int
+    combine: Literal["model", "code"] = "model"
+    instruction: str | None = None
+    reducer: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_fan_in(self.k, "tree_reduction.k", "candidates")
+        if self.combine not in ("model", "code"):
+            raise QueryValidationError(
+                "tree_reduction.combine", f"tree reduction combines by 'model' or 'code', not {self.combine!r}"
+            )
+        if (self.combine == "code") != (self.reducer is not None):
+            raise QueryValidationError(
+                "tree_reduction.reducer",
+                "tree reduction combines in code with a reducer and by model calls without one (combine='code', "
+                f"reducer='extract'); got combine={self.combine!r} and reducer={self.reducer!r}",
+            )
+
+    @classmethod
+    def of(cls, value: TreeReduction | int | None) -> TreeReduction | None:
+        """The value a front door was given: a `TreeReduction`, a fan-in `k` (model calls), or None (off)."""
+        if value is None or isinstance(value, TreeReduction):
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise QueryValidationError(
+                "tree_reduction", f"tree_reduction is a TreeReduction or a fan-in k (an int), not {value!r}"
+            )
+        return cls(k=value)
+
+
+@dataclass(frozen=True)
 class OptimizerContext:
     """Everything a rule may consult besides the tree. Rules read it; none changes it.
 
     - `capabilities`: the backend the query will run on; rules 2 and 4 plan differently for span-aware ones.
     - `retrievers`: the retrievers a `Retrieve` node may name, by name.
-    - `tree_reduction_k`: the fan-in of tree reduction (>= 2), or None to leave wide judges as they are.
-    - `tree_reduction_instruction`: the user instruction of the intermediate judges of tree reduction; None
-      gives them the query's own instruction (whatever follows the candidates).
-    - `tree_reduction_combine`: None, model calls at every level of the tree; or the name of a reducer whose
-      combine step is exact in code (`extract`, `select`, `count`, `vote`): the tree is then one level of leaf
-      judges under a `Combine` node, built with `tree_reduction_combine_options`.
+    - `tree_reduction`: how wide judges become trees (`TreeReduction`), or None to leave them as they are.
     - `bulk_order`: reorder a top-level batch so queries that share fragments run close together.
     """
 
     capabilities: BackendCapabilities = DEFAULT_CAPABILITIES
     retrievers: Mapping[str, Retriever] = field(default_factory=dict)
-    tree_reduction_k: int | None = None
-    tree_reduction_instruction: str | None = None
-    tree_reduction_combine: str | None = None
-    tree_reduction_combine_options: Mapping[str, Any] = field(default_factory=dict)
+    tree_reduction: TreeReduction | None = None
     bulk_order: bool = False
-
-    def __post_init__(self) -> None:
-        check_fan_in(self.tree_reduction_k, "tree_reduction_k", "candidates", none="to turn tree reduction off")

@@ -1,5 +1,5 @@
 """Rule 5, tree reduction (attention locality): one wide judge over N candidates becomes a k-ary tree of narrow
-judges, so no candidate is lost in the middle of a long context. Opt-in (`tree_reduction_k`); it needs no
+judges, so no candidate is lost in the middle of a long context. Opt-in (`TreeReduction`); it needs no
 special server.
 
 It applies to a generate whose input is a `plus` of candidates, or a `cross` with exactly one `plus` child
@@ -11,14 +11,14 @@ then reads. N=8, k=2 gives 4 + 2 + 1 = 7 calls in 3 levels.
 
 Monads and prints are effects, not candidates or context: in the candidate `plus` they stay with the root
 judge, in the prefix and suffix they run once, in the root judge's input, not in every intermediate judge.
-With `tree_reduction_instruction` set, the intermediate judges read that user instruction instead of the
+With the reduction's `instruction` set, the intermediate judges read that user instruction instead of the
 suffix (for example "pick the best candidate and repeat it verbatim"), the root keeps the query's own.
 
-**Combining in code** (`tree_reduction_combine`, a reducer whose combine step is exact: a union, a sum, a vote,
+**Combining in code** (`combine="code"` with a reducer whose combine step is exact: a union, a sum, a vote,
 the highest score): there are no model calls above the leaves. The candidates are grouped k at a time, every
 group (a group of one too: extracting or rating is work on the text itself) is read by one leaf judge, and a
 `Combine` node over the `plus` of the leaves replaces the generate. N=8, k=2 gives 4 calls and one combine in
-code. The leaves read `tree_reduction_instruction` when it is set (the reducer's leaf instruction), else the
+code. The leaves read the reduction's `instruction` when it is set (the reducer's leaf instruction), else the
 query's own suffix; effects go into the combine's `plus` and run once.
 """
 
@@ -31,15 +31,14 @@ __all__ = ["tree_reduce"]
 
 
 def tree_reduce(node: Node, ctx: OptimizerContext) -> Node:
-    """Rewrite every generate over more than `ctx.tree_reduction_k` candidates into a tree of judges."""
-    k = ctx.tree_reduction_k  # the context has checked that it is None or >= 2
-    if k is None:
+    """Rewrite every generate over more than `ctx.tree_reduction.k` candidates into a tree of judges."""
+    plan = ctx.tree_reduction
+    if plan is None:
         return node
-    instruction = ctx.tree_reduction_instruction
-    combine = ctx.tree_reduction_combine
-    options = dict(ctx.tree_reduction_combine_options)
+    combine = plan.reducer if plan.combine == "code" else None
+    options = dict(plan.options)
     return transform(
-        node, lambda n: _reduce(n, k, instruction, combine, options) if isinstance(n, Generate) else n
+        node, lambda n: _reduce(n, plan.k, plan.instruction, combine, options) if isinstance(n, Generate) else n
     )
 
 

@@ -23,6 +23,7 @@ from spanq_integrations.backends.protocol import (
     answer_of,
 )
 from spanq_integrations.backends.resolve import resolve_backend
+from spanq_integrations.optimizer.context import TreeReduction
 from spanq_integrations.query.errors import (
     GenerationError,
     QueryValidationError,
@@ -239,17 +240,17 @@ async def aexecute(
     *,
     optimize: bool = True,
     retrievers: Mapping[str, Callable[..., Any]] | None = None,
-    tree_reduction_k: int | None = None,
-    tree_reduction_combine: str | None = None,
+    tree_reduction: TreeReduction | int | None = None,
     max_concurrency: int | None = None,
     on_token: TokenCallback | None = None,
     reducers: Mapping[str, Reducer] | None = None,
 ) -> ExecutionResult:
     """Run `query` on `backend` (a `Backend`, a URL, or None for the embedded default).
 
-    `optimize` applies the optimizer for this backend's capabilities first; `tree_reduction_k` turns on tree
-    reduction, `tree_reduction_combine` (a reducer name) combines its leaf judges' answers in code; `on_token` receives the answer's text as it streams; `reducers` are the reducer instances
-    `Combine` nodes may name (by default the built-in ones, built from the node's options).
+    `optimize` applies the optimizer for this backend's capabilities first; `tree_reduction` (a
+    `TreeReduction`, or a fan-in k for a tree of model calls) turns wide judges into trees; `on_token` receives
+    the answer's text as it streams; `reducers` are the reducer instances `Combine` nodes may name (by default
+    the built-in ones, built from the node's options).
     """
     be, owned = resolve_backend(backend)
     try:
@@ -261,8 +262,7 @@ async def aexecute(
                 query,
                 be.capabilities,
                 retrievers=retrievers,
-                tree_reduction_k=tree_reduction_k,
-                tree_reduction_combine=tree_reduction_combine,
+                tree_reduction=tree_reduction,
             )
         limit = max_concurrency or be.capabilities.max_concurrency
         run = _Run(be, max(1, limit), on_token, _answer_path(plan), dict(reducers or {}))

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from spanq_integrations.backends.protocol import Backend, BackendCapabilities, CallMetrics
 from spanq_integrations.backends.resolve import resolve_backend
+from spanq_integrations.optimizer.context import TreeReduction
 from spanq_integrations.query.errors import QueryValidationError, ReducerParseError, check_fan_in
 from spanq_integrations.query.flatten import block_text
 from spanq_integrations.query.ir import (
@@ -67,6 +68,7 @@ __all__ = [
     "judge",
     "judge_plan",
     "judge_query",
+    "tree_reduction_of",
 ]
 
 Candidate = str | Node
@@ -228,11 +230,27 @@ def judge_query(
     temperature: float = 0.0,
     seed: int | None = None,
 ) -> Generate:
-    """The flat judge as a span query: one call that reads every candidate. `optimize(..., tree_reduction_k=k,
-    tree_reduction_instruction=reducer.intermediate_instruction(instruction))` turns it into the tree."""
+    """The flat judge as a span query: one call that reads every candidate. `optimize(..., tree_reduction=
+    tree_reduction_of(reducer, instruction, k, "model"))` turns it into the tree."""
     r = resolve_reducer(reducer)
     nodes = [r.present(i, c) for i, c in enumerate(_candidates(candidates))]
     return _judge_generate(r, nodes, instruction, _settings(model, max_tokens, temperature, seed))
+
+
+def tree_reduction_of(
+    reducer: Reducer | str, instruction: str, k: int | None, combine: Literal["code", "model"]
+) -> TreeReduction | None:
+    """The tree reduction a judge with this reducer and instruction plans (None without `k`): leaf judges that
+    read the reducer's leaf instruction under its exact combine in code, or judges that read its intermediate
+    instruction at every level up to the root."""
+    if k is None:
+        return None
+    r = resolve_reducer(reducer)
+    if combine == "code":
+        return TreeReduction(
+            k=k, combine="code", instruction=r.leaf_instruction(instruction), reducer=r.name, options=r.options()
+        )
+    return TreeReduction(k=k, instruction=r.intermediate_instruction(instruction))
 
 
 def judge_plan(
@@ -265,22 +283,7 @@ def judge_plan(
     nonce = secrets.token_hex(6)
     placeholders = [Fragment(text=f"\u27e6spanq-judge-candidate:{i}:{nonce}\u27e7") for i in range(len(nodes))]
     flat = _judge_generate(r, placeholders, instruction, _settings(model, max_tokens, temperature, seed))
-    if mode == "code":
-        tree = optimize(
-            flat,
-            capabilities,
-            tree_reduction_k=k,
-            tree_reduction_instruction=r.leaf_instruction(instruction),
-            tree_reduction_combine=r.name,
-            tree_reduction_combine_options=r.options(),
-        )
-    else:
-        tree = optimize(
-            flat,
-            capabilities,
-            tree_reduction_k=k,
-            tree_reduction_instruction=r.intermediate_instruction(instruction),
-        )
+    tree = optimize(flat, capabilities, tree_reduction=tree_reduction_of(r, instruction, k, mode or "model"))
     presented = {
         p.text: r.present(i, optimize(c, capabilities)) for i, (p, c) in enumerate(zip(placeholders, nodes))
     }

@@ -70,7 +70,7 @@ def test_plan_json_reads_back(query_file, capsys):
 
 
 def test_plan_shows_a_tree_combined_in_code(query_file, capsys):
-    assert main(["plan", str(query_file), "--no-span-aware", "--tree-k", "2", "--combine", "extract"]) == 0
+    assert main(["plan", str(query_file), "--no-span-aware", "--tree-k", "2", "--reducer", "extract"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("combine in code (reducer=extract)")
     assert out.count("generate(model=spnl/tiny") == 2  # (Ashby, Brill) and (Calne): leaves only
@@ -79,9 +79,9 @@ def test_plan_shows_a_tree_combined_in_code(query_file, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--combine", "extract"], "--combine needs --tree-k"),
-        (["--tree-k", "2", "--combine", "merge"], "merge reducer needs a model"),
-        (["--tree-k", "2", "--combine", "poll"], "unknown reducer 'poll'"),
+        (["--reducer", "extract"], "--reducer needs --tree-k"),
+        (["--tree-k", "2", "--reducer", "merge"], "merge reducer needs a model"),
+        (["--tree-k", "2", "--reducer", "poll"], "unknown reducer 'poll'"),
     ],
 )
 def test_plan_refuses_a_combine_it_cannot_plan(query_file, capsys, argv, message):

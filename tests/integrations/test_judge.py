@@ -30,6 +30,7 @@ from spanq_integrations import (
     Generate,
     QueryValidationError,
     ReducerParseError,
+    aexecute,
     generate,
     user,
 )
@@ -198,6 +199,21 @@ async def test_eight_candidates_take_seven_calls_in_three_levels_embedded(tiny_b
 
 
 @pytest.mark.vllm
+async def test_execute_takes_the_whole_tree_reduction_a_judge_plans(tiny_backend):
+    """`execute` takes tree reduction as the one value `judge` plans with — fan-in, combine in code, the
+    reducer's leaf instruction and its options — and runs the plan `judge` would: four leaves, one combine."""
+    from spanq_integrations.runtime.judge import tree_reduction_of
+
+    plan = tree_reduction_of("extract", INSTRUCTION, 2, "code")
+    assert plan is not None and plan.options and plan.instruction != INSTRUCTION
+    result = await aexecute(judge_query(CANDIDATES, INSTRUCTION, "extract", max_tokens=8), tiny_backend,
+                            tree_reduction=plan)  # fmt: skip
+    assert result.plan == judge_plan(CANDIDATES, INSTRUCTION, k=2, max_tokens=8)
+    assert isinstance(result.plan, Combine) and result.plan.options == plan.options
+    assert len(result.calls) == 4
+
+
+@pytest.mark.vllm
 async def test_inner_generations_run_in_the_same_tree(tiny_backend):
     inner = [generate(user(f"Describe cat number {i}."), max_tokens=4, temperature=0) for i in range(4)]
     result = await ajudge(inner, INSTRUCTION, k=2, backend=tiny_backend, max_tokens=4, combine="model")
@@ -361,22 +377,22 @@ async def test_merge_over_a_tree():
 
 
 def test_plan_is_the_optimizer_rule_applied_to_the_flat_judge():
-    from spanq_integrations.optimizer import optimize
+    from spanq_integrations.optimizer import TreeReduction, optimize
 
     flat = judge_query(CANDIDATES, INSTRUCTION, "extract")
     reducer = ExtractReducer()
     expected = optimize(
-        flat, tree_reduction_k=2, tree_reduction_instruction=reducer.intermediate_instruction(INSTRUCTION)
+        flat, tree_reduction=TreeReduction(k=2, instruction=reducer.intermediate_instruction(INSTRUCTION))
     )
     assert judge_plan(CANDIDATES, INSTRUCTION, k=2, combine="model") == expected
     assert sum(isinstance(n, Generate) for _, n in walk(expected)) == 7
 
     in_code = optimize(
         flat,
-        tree_reduction_k=2,
-        tree_reduction_instruction=reducer.leaf_instruction(INSTRUCTION),
-        tree_reduction_combine="extract",
-        tree_reduction_combine_options=reducer.options(),
+        tree_reduction=TreeReduction(
+            k=2, combine="code", instruction=reducer.leaf_instruction(INSTRUCTION), reducer="extract",
+            options=reducer.options(),
+        ),
     )
     assert judge_plan(CANDIDATES, INSTRUCTION, k=2) == in_code  # extract combines in code by default
     assert isinstance(in_code, Combine) and in_code.reducer == "extract"

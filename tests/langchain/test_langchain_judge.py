@@ -40,7 +40,7 @@ def test_the_ensemble_returns_a_verdict_and_the_outputs_it_reused(llm):
 
 
 def test_tree_reduction_judges_k_candidates_at_a_time(llm):
-    verdict = JudgeEnsemble(llm=llm, n=4, tree_reduction_k=2, combine="model").invoke(QUESTION)
+    verdict = JudgeEnsemble(llm=llm, n=4, k=2, combine="model").invoke(QUESTION)
     assert len(verdict.candidates) == 4 and verdict.combine == "model"
     assert len(verdict.calls) == 4 + 2 + 1  # generators, two intermediate judges, the root judge
     assert len(verdict.reused_outputs) == 4 + 2  # candidates read by the judges, the judges read by the root
@@ -48,7 +48,7 @@ def test_tree_reduction_judges_k_candidates_at_a_time(llm):
 
 
 def test_tree_reduction_combined_in_code_rates_candidates_at_the_leaves_only(llm):
-    verdict = JudgeEnsemble(llm=llm, n=4, tree_reduction_k=2, combine="code").invoke(QUESTION)
+    verdict = JudgeEnsemble(llm=llm, n=4, k=2, combine="code").invoke(QUESTION)
     assert verdict.combine == "code"
     assert len(verdict.calls) == 4 + 2  # generators and two scoring leaves: no call above them
     assert sorted(verdict.reused_outputs) == sorted(verdict.candidates)  # only candidates are read as spans

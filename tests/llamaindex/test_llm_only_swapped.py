@@ -106,8 +106,8 @@ def test_a_prompt_that_does_not_hold_the_nodes_verbatim_goes_as_it_is_and_says_w
     assert "SpanQuerySynthesizer" in spanq["fallback"]
 
 
-def test_recover_nodes_off_and_outside_a_query_engine_nothing_changes(tiny_backend, town_index):
-    off = SpanQueryLLM(backend=tiny_backend, max_tokens=4, temperature=0.0, recover_nodes=False)
+def test_recover_documents_off_and_outside_a_query_engine_nothing_changes(tiny_backend, town_index):
+    off = SpanQueryLLM(backend=tiny_backend, max_tokens=4, temperature=0.0, recover_documents="off")
     response = engine(off, town_index, "compact", [[0, 1, 2, 3]]).query("Which town hall is green?")
     assert response.metadata["spanq"]["spans"] == 0
     # after the query: a prompt holding a node's text is not cut (no query, no nodes to look for)

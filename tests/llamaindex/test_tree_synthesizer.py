@@ -81,7 +81,7 @@ def test_combined_in_code_the_tree_is_its_leaves_and_the_answer_their_union(span
     from spanq_integrations.query.ir import Assistant, Combine
     from spanq_integrations.runtime.reducers import ExtractReducer
 
-    synthesizer = SpanQueryTreeSynthesizer(llm=span_llm, k=2, combine="extract")
+    synthesizer = SpanQueryTreeSynthesizer(llm=span_llm, k=2, reducer="extract")
     nodes = nodes_of(5)
     response = synthesizer.synthesize("Which facts are mentioned?", nodes)
     per_call = response.metadata["spanq"]["per_call"]
@@ -101,4 +101,4 @@ def test_combined_in_code_the_tree_is_its_leaves_and_the_answer_their_union(span
 
 def test_a_reducer_that_cannot_combine_in_code_is_refused(span_llm):
     with pytest.raises(QueryValidationError, match="merge reducer needs a model"):
-        SpanQueryTreeSynthesizer(llm=span_llm, combine="merge")
+        SpanQueryTreeSynthesizer(llm=span_llm, reducer="merge")

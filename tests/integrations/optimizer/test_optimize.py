@@ -7,7 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spanq_integrations.backends.protocol import BackendCapabilities
-from spanq_integrations.optimizer import DEFAULT_RULES, OptimizerContext, apply_rules, optimize, simplify_plus
+from spanq_integrations.optimizer import (
+    DEFAULT_RULES,
+    OptimizerContext,
+    TreeReduction,
+    apply_rules,
+    optimize,
+    simplify_plus,
+)
 from spanq_integrations.query.errors import OptimizerError, QueryValidationError
 from spanq_integrations.query.ir import (
     Chat,
@@ -69,7 +76,7 @@ def test_optimize_is_idempotent(capabilities: BackendCapabilities, query: Node) 
 def test_optimize_with_every_opt_in_is_idempotent(
     capabilities: BackendCapabilities, query: Node, k: int
 ) -> None:
-    options = {"retrievers": RETRIEVERS, "tree_reduction_k": k, "bulk_order": True}
+    options = {"retrievers": RETRIEVERS, "tree_reduction": k, "bulk_order": True}
     once = optimize(query, capabilities, **options)
     assert optimize(once, capabilities, **options) == once
 
@@ -110,7 +117,7 @@ def test_repeat_inside_judge_becomes_a_tree_of_judges() -> None:
     judge = Generate(
         input=Cross(children=(System(text="pick"), Plus(children=(Repeat(n=4, query=candidate),)))), model="m"
     )
-    result = optimize(judge, tree_reduction_k=2)
+    result = optimize(judge, tree_reduction=2)
     pair = Generate(
         input=Cross(children=(System(text="pick"), Plus(children=(candidate, candidate)))), model="m"
     )
@@ -146,9 +153,17 @@ def test_unknown_retriever_surfaces_from_optimize() -> None:
         optimize(Generate(input=Retrieve(query="q")))
 
 
-def test_bad_tree_reduction_k_surfaces_from_optimize() -> None:
-    with pytest.raises(QueryValidationError, match="tree_reduction_k"):
-        optimize(User(text="u"), tree_reduction_k=1)
+def test_bad_tree_reduction_surfaces_from_optimize() -> None:
+    with pytest.raises(QueryValidationError, match="tree_reduction.k must be an integer >= 2"):
+        optimize(User(text="u"), tree_reduction=1)
+    with pytest.raises(QueryValidationError, match="tree_reduction is a TreeReduction or a fan-in k"):
+        optimize(User(text="u"), tree_reduction="2")  # type: ignore[arg-type]
+    with pytest.raises(QueryValidationError, match="combines in code with a reducer"):
+        TreeReduction(k=2, combine="code")
+    with pytest.raises(QueryValidationError, match="combines in code with a reducer"):
+        TreeReduction(k=2, reducer="extract")  # a reducer with model calls: one of the two is a mistake
+    with pytest.raises(QueryValidationError, match="by 'model' or 'code', not 'auto'"):
+        TreeReduction(k=2, combine="auto")  # type: ignore[arg-type]  # `auto` is judge()'s, resolved there
 
 
 def test_default_rules_are_in_design_order() -> None:

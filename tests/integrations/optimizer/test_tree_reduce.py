@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spanq_integrations.optimizer import OptimizerContext, tree_reduce
+from spanq_integrations.optimizer import OptimizerContext, TreeReduction, tree_reduce
 from spanq_integrations.query.errors import QueryValidationError
 from spanq_integrations.query.ir import (
     Combine,
@@ -37,7 +37,7 @@ def judge_over(*group: Node, prefix: tuple[Node, ...] = (S,), suffix: tuple[Node
 
 
 def reduce(node: Node, k: int, instruction: str | None = None) -> Node:
-    return tree_reduce(node, OptimizerContext(tree_reduction_k=k, tree_reduction_instruction=instruction))
+    return tree_reduce(node, OptimizerContext(tree_reduction=TreeReduction(k=k, instruction=instruction)))
 
 
 def depth_of_judges(node: Node) -> int:
@@ -149,20 +149,18 @@ def test_off_by_default() -> None:
 
 @pytest.mark.parametrize("k", [1, 0, -3])
 def test_k_below_two_is_an_error(k: int) -> None:
-    with pytest.raises(QueryValidationError, match="tree_reduction_k must be an integer >= 2"):
-        OptimizerContext(tree_reduction_k=k)
+    with pytest.raises(QueryValidationError, match="tree_reduction.k must be an integer >= 2"):
+        TreeReduction(k=k)
 
 
 # ------------------------------------------------------------------------------------ combining in code
 
 
 def reduce_in_code(node: Node, k: int, instruction: str | None = None) -> Node:
-    ctx = OptimizerContext(
-        tree_reduction_k=k,
-        tree_reduction_instruction=instruction,
-        tree_reduction_combine="extract",
-        tree_reduction_combine_options={"item_pattern": "[A-Z]+"},
+    plan = TreeReduction(
+        k=k, combine="code", instruction=instruction, reducer="extract", options={"item_pattern": "[A-Z]+"}
     )
+    ctx = OptimizerContext(tree_reduction=plan)
     return tree_reduce(node, ctx)
 
 
