@@ -274,6 +274,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "result": to_json(result.tree),
             "calls": [c.model_dump() for c in result.calls],
             "totals": result.totals(),
+            "unread": [u.model_dump() for u in result.unread],
         }
         print(json.dumps(report, indent=2, ensure_ascii=False))
         return 0
@@ -281,6 +282,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print()
     else:
         print(result.answer)
+    for unread in result.unread:
+        print(f"spanq run: the combine left out an answer it could not read: {unread.error}", file=sys.stderr)
     print()
     print(metrics_table(result.calls, result.totals()))
     return 0

@@ -66,6 +66,32 @@ def compact_tiny(tiny_model):
     backend.close()
 
 
+@pytest.fixture(scope="session")
+def spanq_serve(tiny_model: Path, tmp_path_factory, request):
+    """One `spanq serve` on the tiny model for the session (its own tests in tests/backend/test_server.py, the
+    judges' in tests/integrations/test_judge.py): started as a new user starts it, by the model's spanq name.
+
+    New documents are read in context and prepared as spans when idle (`--cold-spans context`: the policy no
+    other served test runs; judges ask for isolation themselves). A test that needs documents warm warms them.
+    """
+    pytest.importorskip("vllm")
+    from tests.servers import SpanqServe, free_port, log_tail, running_server
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("spanq-serve") / "server.log"
+    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", "tiny", "--port", str(port),
+               "--max-calls", "64", "--cold-spans", "context",
+               # compact JSON for the random model's constrained answers (a vLLM option, passed through)
+               "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
+    failed_before = request.session.testsfailed
+    with running_server(command, log, "spanq serve") as proc:
+        yield SpanqServe(f"http://127.0.0.1:{port}", log, tiny_model.name, proc.pid)
+    if request.session.testsfailed > failed_before:
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"\n--- spanq serve log (tail of {log}) ---\n{log_tail(log)}")
+
+
 STOCK_SERVED_MODEL_NAME = "tiny"
 STOCK_API_KEY = "spanq-test-key"
 

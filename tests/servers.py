@@ -85,3 +85,19 @@ def running_server(
         yield proc
     finally:
         stop(proc)
+
+
+class SpanqServe:
+    """A running `spanq serve`: its base URL, its log, the name it serves the model as, its API server's pid."""
+
+    def __init__(self, url: str, log: Path, served_name: str, pid: int = 0):
+        self.url = url
+        self.log = log
+        self.served_name = served_name
+        self.pid = pid
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0

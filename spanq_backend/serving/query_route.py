@@ -352,6 +352,7 @@ def build_query_router(
                     "answer": result.answer,
                     "usage": usage_of(result),
                     "calls": [c.model_dump() for c in result.calls],
+                    "unread": [u.model_dump() for u in result.unread],
                 }
             )
         run = QueryRun(backend, query, served_model_names[0], wire)

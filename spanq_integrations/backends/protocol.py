@@ -114,6 +114,13 @@ class Usage(BaseModel):
         }
 
 
+class UnreadAnswer(BaseModel):
+    """An answer a combine in code could not read (it added nothing to the combined result): where, and why."""
+
+    path: str  # the answer's path in the executed query, under its combine
+    error: str  # the reducer's reason
+
+
 class ExecutionResult(BaseModel):
     """What a run returns: the closed tree, every call's metrics (in completion order) and the wall time."""
 
@@ -124,6 +131,9 @@ class ExecutionResult(BaseModel):
     wall_s: float = 0.0
     plan: Any = None  # the optimized tree that was executed
     answer_path: str | None = None  # the path of the call whose output is the answer (None: no one call's)
+    unread: list[UnreadAnswer] = Field(default_factory=list)
+    """Answers a `combine` in code could not read and so left out of its result (a judge whose answer does not
+    follow its reducer's format); empty when every answer was read."""
 
     @property
     def answer_call(self) -> CallMetrics | None:

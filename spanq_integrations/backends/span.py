@@ -18,6 +18,7 @@ from spanq_integrations.backends.protocol import (
     Completion,
     ExecutionResult,
     TokenCallback,
+    UnreadAnswer,
 )
 from spanq_integrations.query.errors import BackendError
 from spanq_integrations.query.ir import Generate, Node
@@ -120,4 +121,7 @@ class SpanBackend(HTTPBackend):
         calls = [CallMetrics.model_validate(c) for c in answer.get("calls") or ()]
         if not calls and answer.get("usage"):
             calls = [_metrics_from_usage(answer["usage"], model=self.model or "", wall_s=wall_s)]
-        return ExecutionResult(tree=from_json(answer["result"]), calls=calls, wall_s=wall_s, plan=query)
+        unread = [UnreadAnswer.model_validate(u) for u in answer.get("unread") or ()]
+        return ExecutionResult(
+            tree=from_json(answer["result"]), calls=calls, wall_s=wall_s, plan=query, unread=unread
+        )

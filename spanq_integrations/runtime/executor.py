@@ -20,6 +20,7 @@ from spanq_integrations.backends.protocol import (
     CallMetrics,
     ExecutionResult,
     TokenCallback,
+    UnreadAnswer,
     answer_of,
 )
 from spanq_integrations.backends.resolve import resolve_backend
@@ -83,12 +84,12 @@ async def _all_or_cancel(aws: Sequence[Awaitable[Node]]) -> list[Node]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _answers(closed: Node) -> list[Node]:
-    """The answers a `Combine` combines: the children of its closed `plus` (a generate with n > 1 gives a
-    `plus` of its outputs, spliced in), or its one closed input."""
+def _answers(closed: Node, path: str) -> list[tuple[str, Node]]:
+    """The answers a `Combine` combines, with their paths in the closed tree: the children of its closed `plus`
+    (a generate with n > 1 gives a `plus` of its outputs, spliced in), or its one closed input."""
     if isinstance(closed, Plus):
-        return [a for c in closed.children for a in _answers(c)]
-    return [] if isinstance(closed, (Monad, Print)) else [closed]
+        return [a for child_path, c in child_paths(closed, path) for a in _answers(c, child_path)]
+    return [] if isinstance(closed, (Monad, Print)) else [(path, closed)]
 
 
 def shown_texts(answer: Node) -> list[str]:
@@ -104,14 +105,19 @@ def shown_texts(answer: Node) -> list[str]:
     return [block_text(c) for c in inp.children] if isinstance(inp, Plus) else [block_text(inp)]
 
 
-def combine_answers(reducer: Reducer, answers: list[Node], path: str) -> Any:
-    """The reducer's combined result over judges' closed answers; an answer it cannot read adds nothing."""
+def combine_answers(
+    reducer: Reducer, answers: Sequence[tuple[str, Node]], unread: list[UnreadAnswer] | None = None
+) -> Any:
+    """The reducer's combined result over judges' closed answers (each with its path); an answer it cannot read
+    adds nothing (and is recorded in `unread`, when given)."""
     partials = []
-    for i, answer in enumerate(answers):
+    for path, answer in answers:
         try:
-            partials.append(reducer.read_leaf(block_text(answer), path=f"{path}[{i}]", shown=shown_texts(answer)))
-        except ReducerParseError:
+            partials.append(reducer.read_leaf(block_text(answer), path=path, shown=shown_texts(answer)))
+        except ReducerParseError as e:
             partials.append(None)
+            if unread is not None:
+                unread.append(UnreadAnswer(path=path, error=str(e)))
     return reducer.combine(partials)
 
 
@@ -130,6 +136,7 @@ class _Run:
         self.on_token = on_token
         self.stream_path = stream_path
         self.calls: list[CallMetrics] = []
+        self.unread: list[UnreadAnswer] = []
 
     async def eval(self, node: Node, path: str, in_input: bool = False) -> Node:
         """`in_input`: `node` is read by an outer generate (part of its input), so the generates of its
@@ -179,7 +186,7 @@ class _Run:
         reducer = reducer_from_combine(node.reducer, node.options, path, self.reducers)
         ((input_path, inp),) = child_paths(node, path)
         closed = await self.eval(inp, input_path)  # read by code, not by a generate
-        combined = combine_answers(reducer, _answers(closed), input_path)
+        combined = combine_answers(reducer, _answers(closed, input_path), self.unread)
         text = reducer.render(combined)
         if path == self.stream_path and self.on_token is not None and text:
             maybe = self.on_token(text)
@@ -269,7 +276,8 @@ async def aexecute(
         t0 = time.perf_counter()
         tree = await run.eval(plan, "$")
         return ExecutionResult(
-            tree=tree, calls=run.calls, wall_s=time.perf_counter() - t0, plan=plan, answer_path=run.stream_path
+            tree=tree, calls=run.calls, wall_s=time.perf_counter() - t0, plan=plan, answer_path=run.stream_path,
+            unread=run.unread,
         )
     finally:
         if owned:

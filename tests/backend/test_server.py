@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -33,7 +31,7 @@ from spanq_integrations import (
 from spanq_integrations.backends.span import SpanBackend
 from spanq_integrations.query.spnl_json import from_json, to_json
 from tests.integrations.spnl_reader import read_chat_completion, read_completion, read_completion_stream
-from tests.servers import free_port, log_tail, running_server
+from tests.servers import SpanqServe
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -49,11 +47,11 @@ DOCS = {
 }
 
 
-def rag_query(order: str, max_tokens: int = 6):
+def rag_query(order: str, max_tokens: int = 6, docs: dict[str, str] = DOCS):
     return generate(
         cross(
             system("Answer from the documents."),
-            plus(*[fragment(DOCS[c]) for c in order]),
+            plus(*[fragment(docs[c]) for c in order]),
             user("Which door?"),
         ),
         max_tokens=max_tokens,
@@ -64,39 +62,10 @@ def rag_query(order: str, max_tokens: int = 6):
 # --------------------------------------------------------------------------------------------- the server
 
 
-class Server:
-    def __init__(self, url: str, log: Path, served_name: str, pid: int = 0):
-        self.url = url
-        self.log = log
-        self.served_name = served_name
-        self.pid = pid  # the API server process
-
-    def rss_bytes(self) -> int:
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return 0
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model: Path, tmp_path_factory, request) -> Iterator[Server]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("spanq-serve") / "server.log"
-    # Started as a new user starts it: by the model's spanq name.
-    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", "tiny", "--port", str(port),
-               "--max-calls", "64",
-               # new documents read in context, prepared as spans when idle: the other policy (the default,
-               # isolate, is what every other served test runs)
-               "--cold-spans", "context",
-               # compact JSON for the random model's constrained answers (a vLLM option, passed through)
-               "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
-    failed_before = request.session.testsfailed
-    with running_server(command, log, "spanq serve") as proc:
-        yield Server(f"http://127.0.0.1:{port}", log, tiny_model.name, proc.pid)
-    if request.session.testsfailed > failed_before:
-        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line(f"\n--- spanq serve log (tail of {log}) ---\n{log_tail(log)}")
+@pytest.fixture
+def server(spanq_serve: SpanqServe) -> SpanqServe:
+    """The session's `spanq serve` on the tiny model (tests/conftest.py), which the judge tests use too."""
+    return spanq_serve
 
 
 def _gauge(url: str, name: str) -> float:
@@ -120,10 +89,22 @@ def wait_until_prepared(url: str, texts, timeout_s: float = 60.0) -> None:
     pytest.fail(f"the server did not prepare {len(wanted)} documents within {timeout_s} s")
 
 
+def documents_warm(server: SpanqServe) -> None:
+    """DOCS held as spans by the server, whichever tests ran before (the server reads new documents in context
+    and prepares them when idle): a test that compares warm answers or counts cached tokens starts from here."""
+    asyncio.run(_run_once(server.url, rag_query("ABCD")))
+    wait_until_prepared(server.url, DOCS.values())
+
+
+async def _run_once(url: str, query) -> None:
+    async with SpanBackend(url) as backend:
+        await backend.generate(query)
+
+
 # --------------------------------------------------------------------------------------------- tests
 
 
-def test_stock_chat_completions_still_work(server: Server):
+def test_stock_chat_completions_still_work(server: SpanqServe):
     answer = httpx.post(
         f"{server.url}/v1/chat/completions",
         json={"model": server.served_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
@@ -138,7 +119,7 @@ def test_stock_chat_completions_still_work(server: Server):
 
 
 @pytest.mark.parametrize("name", ["tiny", "listed first", ""])
-def test_a_client_names_the_model_as_the_server_was_started_as_listed_or_not_at_all(server: Server, name):
+def test_a_client_names_the_model_as_the_server_was_started_as_listed_or_not_at_all(server: SpanqServe, name):
     """`spanq serve --model tiny`: "tiny", the name /v1/models lists first, or no name, on every route."""
     model = server.served_name if name == "listed first" else name
     query = generate(user("Hi"), model=model, max_tokens=2, temperature=0)
@@ -150,21 +131,23 @@ def test_a_client_names_the_model_as_the_server_was_started_as_listed_or_not_at_
     assert chat.json()["model"] == server.served_name  # answers name the model as /v1/models lists it first
 
 
-def test_reordered_fragments_are_served_from_the_span_cache(server: Server, tiny_model: Path):
+def test_reordered_fragments_are_served_from_the_span_cache(server: SpanqServe, tiny_model: Path):
     from spanq_backend.serving.generator import load_chat_tokenizer
     from spanq_backend.serving.lowering import lower
 
+    new = {c: text.replace("Document", "Record") for c, text in DOCS.items()}  # this server has not seen them
+
     async def scenario():
         async with SpanBackend(server.url) as backend:
-            first = await backend.generate(rag_query("ABCD"))
-            wait_until_prepared(server.url, DOCS.values())
-            second = await backend.generate(rag_query("DCBA"))
+            first = await backend.generate(rag_query("ABCD", docs=new))
+            wait_until_prepared(server.url, new.values())
+            second = await backend.generate(rag_query("DCBA", docs=new))
             return first, second
 
     first, second = asyncio.run(scenario())
     tokenizer = load_chat_tokenizer(tiny_model)
     lowered = lower(
-        rag_query("DCBA").input, tokenizer, 32, tokenizer.encode("\n", add_special_tokens=False)[-1]
+        rag_query("DCBA", docs=new).input, tokenizer, 32, tokenizer.encode("\n", add_special_tokens=False)[-1]
     )
     span_tokens = sum(e - s for s, e in lowered.table.spans)
     assert len(lowered.table.spans) == 4
@@ -185,7 +168,7 @@ def _counter(url: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^vllm:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE))
 
 
-def test_cached_fragments_send_no_prepare_requests(server: Server):
+def test_cached_fragments_send_no_prepare_requests(server: SpanqServe):
     """The route follows the engine's prefix cache through vLLM's KV events: fragments it knows are cached
     are not prepared again; the engine finishes exactly one request for the reordered query."""
     fresh = {c: f"Memo {c}: " + " ".join(f"the {c} valve reads {i}." for i in range(40)) for c in "ABCD"}
@@ -242,7 +225,7 @@ def _settled_counters(url: str, timeout_s: float = 20.0) -> dict[str, float]:
     return last
 
 
-def test_span_counters_are_on_metrics_and_move_when_spans_are_reused(server: Server):
+def test_span_counters_are_on_metrics_and_move_when_spans_are_reused(server: SpanqServe):
     fresh = {c: f"Invoice {c}: " + " ".join(f"line {i} of {c} costs {i * 7 % 11}." for i in range(30)) for c in "ABCD"}
 
     def query(order: str):
@@ -280,7 +263,8 @@ def test_span_counters_are_on_metrics_and_move_when_spans_are_reused(server: Ser
     assert delta["span_duplicates"] == 0  # one reader at a time: no private copies
 
 
-def test_execute_without_streaming_returns_the_closed_tree_and_usage(server: Server):
+def test_execute_without_streaming_returns_the_closed_tree_and_usage(server: SpanqServe):
+    documents_warm(server)
     query = rag_query("BADC")
     answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(query), timeout=120)
     assert answer.status_code == 200, answer.text
@@ -302,9 +286,30 @@ def test_execute_without_streaming_returns_the_closed_tree_and_usage(server: Ser
     result = asyncio.run(remote())
     assert result.answer == body["answer"]  # temperature 0, the same spans
     assert result.calls[0].cached_tokens > 0
+    assert body["unread"] == [] and result.unread == []
 
 
-def test_recompute_travels_with_the_query_and_a_bad_setting_is_a_400(server: Server):
+def test_an_answer_a_remote_combine_cannot_read_is_named_in_the_result(server: SpanqServe):
+    """Judges made to answer a word (constrained decoding), not a count: a combine in code run by the server
+    leaves their answers out, and the result the client gets names each one, as a local run does."""
+    from spanq_integrations.query.ir import combine
+
+    word = {"type": "object", "properties": {"a": {"enum": ["none"]}}, "required": ["a"]}
+    leaves = plus(*(generate(user(f"How many cats in text {i}?"), max_tokens=16, temperature=0.0, json_schema=word)
+                    for i in range(2)))  # fmt: skip
+
+    async def remote():
+        async with SpanBackend(server.url) as backend:
+            return await backend.execute_remote(combine(leaves, "count"))
+
+    result = asyncio.run(remote())
+    assert sorted(c.path for c in result.calls) == ["$.combine.input.plus[0]", "$.combine.input.plus[1]"]
+    assert [u.path for u in result.unread] == ["$.combine.input.plus[0]", "$.combine.input.plus[1]"]
+    assert all("count reducer cannot parse" in u.error and '"none"' in u.error for u in result.unread)
+    assert result.answer == ""  # nothing was counted
+
+
+def test_recompute_travels_with_the_query_and_a_bad_setting_is_a_400(server: SpanqServe):
     """`"recompute"` on a `g`: the server recomputes the chosen blocks in context (after the spans were prepared by
     another order), counts them, and the same query again finds them cached; a bad value is a 400 naming it."""
     httpx.post(f"{server.url}{EXECUTE}", json=to_json(rag_query("CDAB")), timeout=120).raise_for_status()
@@ -325,7 +330,7 @@ def test_recompute_travels_with_the_query_and_a_bad_setting_is_a_400(server: Ser
     _assert_healthy(server)
 
 
-def _as_spnls_client(server: Server, doc: dict, stream: bool) -> httpx.Response:
+def _as_spnls_client(server: SpanqServe, doc: dict, stream: bool) -> httpx.Response:
     """A request as spnl 0.22's client sends it: the query as text/plain, `?stream=true|false`, no format."""
     return httpx.post(
         f"{server.url}{EXECUTE}",
@@ -336,7 +341,8 @@ def _as_spnls_client(server: Server, doc: dict, stream: bool) -> httpx.Response:
     )
 
 
-def test_spnls_own_client_reads_the_answers_of_a_repeat_and_a_map(server: Server):
+def test_spnls_own_client_reads_the_answers_of_a_repeat_and_a_map(server: SpanqServe):
+    documents_warm(server)  # every request below reads the same spans, so greedy answers are equal
     g = to_json(rag_query("CABD"))["g"]
     ours = httpx.post(f"{server.url}{EXECUTE}", params={"format": "spanq"}, json={"g": g}, timeout=120)
     assert ours.status_code == 200, ours.text
@@ -361,7 +367,7 @@ def test_spnls_own_client_reads_the_answers_of_a_repeat_and_a_map(server: Server
     assert read_completion_stream(_as_spnls_client(server, bulk, stream=True).content, 2) == texts
 
 
-def test_spnls_own_executor_answers_as_spanqs_over_the_openai_route(server: Server, monkeypatch):
+def test_spnls_own_executor_answers_as_spanqs_over_the_openai_route(server: SpanqServe, monkeypatch):
     """spnl 0.22.1's executor (its PyPI package: its own parser, its own OpenAI client) runs queries spanq wrote
     against `spanq serve`'s stock chat route, and at temperature 0 its answers are spanq's own executor's over the
     same route. (The tiny model's answers hang mostly on a prompt's last tokens, so this alone would miss a
@@ -394,7 +400,7 @@ def test_spnls_own_executor_answers_as_spanqs_over_the_openai_route(server: Serv
         assert spnls(doc) == texts[0], (doc, texts)
 
 
-def test_the_answer_format_is_negotiated(server: Server):
+def test_the_answer_format_is_negotiated(server: SpanqServe):
     doc = to_json(rag_query("ABCD", max_tokens=2))
     plain = {"Content-Type": "text/plain"}
     spanq_on_plain = httpx.post(
@@ -408,7 +414,7 @@ def test_the_answer_format_is_negotiated(server: Server):
     assert bad.json()["error"]["message"] == "format: unknown answer format 'xml' (one of: spanq, spnl)"
 
 
-def test_a_malformed_body_is_a_400_naming_the_json_path(server: Server):
+def test_a_malformed_body_is_a_400_naming_the_json_path(server: SpanqServe):
     bad = {"g": {"model": "", "input": {"cross": [{"user": "hi"}, {"usr": "typo"}]}}}
     answer = httpx.post(f"{server.url}{EXECUTE}", json=bad, timeout=30)
     assert answer.status_code == 400
@@ -419,7 +425,7 @@ def test_a_malformed_body_is_a_400_naming_the_json_path(server: Server):
     assert not_json.status_code == 400 and not_json.json()["error"]["type"] == "QueryParseError"
 
 
-def test_an_unknown_model_is_a_404(server: Server):
+def test_an_unknown_model_is_a_404(server: SpanqServe):
     query = generate(user("Hi"), model="gpt-17-ultra", max_tokens=2)
     answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(query), timeout=30)
     assert answer.status_code == 404
@@ -433,7 +439,7 @@ def test_an_unknown_model_is_a_404(server: Server):
         asyncio.run(through_client())
 
 
-def test_an_over_long_prompt_is_a_400_context_length_error(server: Server):
+def test_an_over_long_prompt_is_a_400_context_length_error(server: SpanqServe):
     query = generate(user("word " * 6000), max_tokens=2)
     answer = httpx.post(f"{server.url}{EXECUTE}?stream=true", json=to_json(query), timeout=60)
     assert answer.status_code == 400
@@ -447,7 +453,7 @@ def test_an_over_long_prompt_is_a_400_context_length_error(server: Server):
         asyncio.run(through_client())
 
 
-def test_concurrent_queries_needing_the_same_fragments_at_other_positions_all_finish(server: Server):
+def test_concurrent_queries_needing_the_same_fragments_at_other_positions_all_finish(server: SpanqServe):
     orders = ("CABD", "DBCA", "BDAC", "ACDB")
 
     async def scenario():
@@ -475,7 +481,7 @@ LONG_RUN = generate(
 )
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server: Server):
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server: SpanqServe):
     idle_usage = _gauge(server.url, "kv_cache_usage_perc")
     with (
         httpx.Client(timeout=60) as client,
@@ -494,7 +500,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server: Server):
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
 
 
-def test_a_client_that_gives_up_on_a_plain_request_frees_its_blocks(server: Server):
+def test_a_client_that_gives_up_on_a_plain_request_frees_its_blocks(server: SpanqServe):
     idle_usage = _gauge(server.url, "kv_cache_usage_perc")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}{EXECUTE}", json=to_json(LONG_RUN), timeout=httpx.Timeout(60, read=2))
@@ -506,17 +512,17 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_its_blocks(server: Serv
 # --------------------------------------------------------------------------------------------- hostile input
 
 
-def _post_raw(server: Server, body: bytes | str) -> httpx.Response:
+def _post_raw(server: SpanqServe, body: bytes | str) -> httpx.Response:
     data = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else body
     return httpx.post(f"{server.url}{EXECUTE}", content=data, headers={"content-type": "application/json"},
                       timeout=120)
 
 
-def _assert_healthy(server: Server) -> None:
+def _assert_healthy(server: SpanqServe) -> None:
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
-def test_queries_over_a_limit_are_400s_naming_the_limit_and_the_server_stays_up(server: Server):
+def test_queries_over_a_limit_are_400s_naming_the_limit_and_the_server_stays_up(server: SpanqServe):
     deep = '{"user":"x"}'
     for _ in range(10_000):
         deep = '{"plus":[' + deep + "]}"
@@ -539,7 +545,7 @@ def test_queries_over_a_limit_are_400s_naming_the_limit_and_the_server_stays_up(
     assert server.rss_bytes() < rss + (512 << 20), "refused queries must not grow the server"
 
 
-def test_values_the_engine_would_refuse_are_400s_naming_the_path(server: Server):
+def test_values_the_engine_would_refuse_are_400s_naming_the_path(server: SpanqServe):
     cases = {
         '{"g":{"max_tokens":2,"temperature":1e308,"input":{"user":"hi"}}}': "$.g.temperature",
         '{"g":{"max_tokens":2,"seed":1208925819614629174706176,"input":{"user":"hi"}}}': "$.g.seed",
@@ -577,7 +583,7 @@ def _broken(doc: dict, data: st.DataObject) -> dict:
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
-def test_fuzzed_queries_get_200_or_4xx_and_the_server_stays_up(server: Server, data):
+def test_fuzzed_queries_get_200_or_4xx_and_the_server_stays_up(server: SpanqServe, data):
     kind = data.draw(st.sampled_from(["random", "valid", "broken"]))
     doc = data.draw(_values) if kind == "random" else data.draw(_small_queries)
     if kind == "broken":
@@ -589,7 +595,7 @@ def test_fuzzed_queries_get_200_or_4xx_and_the_server_stays_up(server: Server, d
     _assert_healthy(server)
 
 
-def test_a_json_schema_constrains_the_answer_through_the_query_route(server: Server):
+def test_a_json_schema_constrains_the_answer_through_the_query_route(server: SpanqServe):
     """`Generate.json_schema` travels in the query's JSON and spanq serve decodes under it (a random model, so only
     the form is checked: JSON of the schema, with its spans still reused)."""
     from spanq_integrations.runtime.executor import execute

@@ -250,6 +250,21 @@ def test_a_combine_runs_its_generates_and_combines_their_answers_in_code():
     assert "".join(pieces) == result.answer  # the combined answer is what streams
 
 
+def test_an_answer_a_combine_cannot_read_is_named_in_the_result():
+    """A leaf whose answer does not follow the reducer's format adds nothing to the combined answer; the result
+    says which one and why (not only `judge()`, which reads its own provenance)."""
+    from spanq_integrations.query.ir import combine
+
+    leaves = plus(generate(user("1")), generate(user("two")), generate(user("1")))  # each judge read one text
+    result = execute(combine(leaves, "count"), ScriptedBackend())
+    assert result.answer == "2"  # 1 + 1: the unreadable answer counts for nothing
+    assert [u.path for u in result.unread] == ["$.combine.input.plus[1]"]
+    assert "no count" in result.unread[0].error and "out(two)" in result.unread[0].error
+
+    readable = execute(combine(plus(generate(user("1")), generate(user("0"))), "count"), ScriptedBackend())
+    assert readable.answer == "1" and readable.unread == []
+
+
 @pytest.mark.parametrize(
     "reducer, options, message",
     [

@@ -9,15 +9,7 @@ backend defined here, whose answers are known.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from collections.abc import Iterator
 
 import pytest
 
@@ -140,40 +132,10 @@ def test_sync_judge_on_a_server_url_flat_and_as_a_tree(stock_vllm_server):
     assert max(c.prompt_tokens for c in tree.calls) < flat.calls[0].prompt_tokens
 
 
-@pytest.fixture(scope="module")
-def spanq_server(tiny_model, tmp_path_factory) -> Iterator[str]:
-    """The base URL of a `spanq serve` on the tiny model, served as "tiny", on loopback."""
-    pytest.importorskip("vllm")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path_factory.mktemp("spanq-serve") / "server.log"
-    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", str(tiny_model),
-               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048"]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"spanq serve did not come up:\n{log_path.read_text(errors='replace')[-3000:]}")
-            time.sleep(1)
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+@pytest.fixture
+def spanq_server(spanq_serve) -> str:
+    """The base URL of the session's `spanq serve` on the tiny model (tests/conftest.py)."""
+    return spanq_serve.url
 
 
 @pytest.mark.vllm
