@@ -413,9 +413,13 @@ def serve_cluster(argv: Sequence[str]) -> int:
     try:
         asyncio.run(wait())
     finally:
-        serve.shutdown()
         import ray
 
+        if cluster.ray_address:
+            serve.shutdown()  # someone else's cluster: take this application off it
+        # A Ray started here goes whole, replicas with it (each replica's server follows its actor out). Serve's
+        # own shutdown first would wait on a controller whose cluster a Ctrl-C (the whole process group) is
+        # taking down: 30 s, then a warning.
         ray.shutdown()
     return 0
 

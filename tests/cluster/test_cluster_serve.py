@@ -196,3 +196,36 @@ def test_cluster_flags_that_cannot_work_are_one_line_errors(flags, message):
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(f"spanq serve: error: {message}")
+
+
+def test_stopping_the_group_ends_the_cluster_and_all_it_started_even_with_a_replica_down(cluster):
+    """Last in this module (it stops the module's cluster). A service manager stops a service by SIGTERM to its
+    whole process group (systemd's default, Ray's own processes included); with the replicas' servers gone (the
+    test above killed them) Serve's own shutdown waited 30 s for a controller that had lost its cluster, then
+    warned. A Ray started by spanq serve goes whole instead: the command exits in seconds, nothing left."""
+    from spanq_backend.serving.processes import descendants, processes
+
+    started = sorted({*descendants(cluster.pid), *processes(group=cluster.pid)} - {cluster.pid})
+    assert len(started) > 3, "the cluster's own processes (Ray's, the replicas') were not found"
+    os.killpg(cluster.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 25  # under Serve's 30 s controller wait
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{cluster.pid}") and not _zombie(cluster.pid):
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{cluster.pid}") or _zombie(cluster.pid), (
+        f"spanq serve --replicas did not exit within 25 s of a SIGTERM to its group:\n{log_tail(cluster.log)}"
+    )
+    deadline = time.monotonic() + 10  # what it started follows it out
+
+    def left() -> list[int]:
+        return [pid for pid in started if os.path.exists(f"/proc/{pid}") and not _zombie(pid)]
+
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left(), f"still running 10 s after the command exited: {left()}"
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
