@@ -129,3 +129,18 @@ def stock_vllm_server(tiny_model, tmp_path_factory) -> Iterator[str]:
     os.environ["SPANQ_API_KEY"] = STOCK_API_KEY  # read by spanq's one backend resolver (and LangChain's model)
     with running_server(command, log_path, "the stock vLLM server", env, api_key=STOCK_API_KEY):
         yield f"http://127.0.0.1:{port}"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When the session runs tests/test_extras.py, its fresh environments start installing now, in the
+    background, while the other tests run (they take minutes and wait mostly on the disk)."""
+    for item in session.items:
+        if item.path.name == "test_extras.py":
+            item.module.start_installs()  # type: ignore[attr-defined]
+            return
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    extras = sys.modules.get("tests.test_extras")
+    if extras is not None:
+        extras.stop_installs()

