@@ -131,16 +131,21 @@ def stock_vllm_server(tiny_model, tmp_path_factory) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
 
 
+_EXTRAS: list = []  # the collected tests/test_extras.py module, once its installs are started
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """When the session runs tests/test_extras.py, its fresh environments start installing now, in the
     background, while the other tests run (they take minutes and wait mostly on the disk)."""
     for item in session.items:
         if item.path.name == "test_extras.py":
             item.module.start_installs()  # type: ignore[attr-defined]
+            _EXTRAS.append(item.module)  # (imported as "test_extras": tests/ is no package)
             return
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    extras = sys.modules.get("tests.test_extras")
-    if extras is not None:
-        extras.stop_installs()
+    """The extras' installs stop (a session that ends early does not wait for pip) and their environments,
+    gigabytes, are removed."""
+    while _EXTRAS:
+        _EXTRAS.pop().stop_installs()
