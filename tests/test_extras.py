@@ -19,6 +19,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -167,8 +168,7 @@ class _Installs:
             with self.lock:
                 self.running.discard(proc)
         if proc.returncode != 0:
-            tail = "\n".join(out.splitlines()[-40:])
-            raise InstallFailed(f"{' '.join(command)} failed ({proc.returncode}):\n{tail}")
+            raise _failed(command, proc.returncode, out)
         return out
 
     def stop(self) -> None:
@@ -198,15 +198,20 @@ def stop_installs() -> None:
         _INSTALLS = None
 
 
+def _failed(command: list[str], returncode: int, output: str) -> InstallFailed:
+    tail = "\n".join(output.splitlines()[-40:])
+    return InstallFailed(f"{' '.join(command)} failed ({returncode}):\n{tail}")
+
+
 def _run(command: list[str], cwd: Path | None = None) -> str:
+    """Run a check in an installed environment (in the foreground, at normal priority)."""
     done = subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=900, check=False)
     if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).splitlines()[-40:])
-        raise InstallFailed(f"{' '.join(command)} failed ({done.returncode}):\n{tail}")
+        raise _failed(command, done.returncode, done.stdout + done.stderr)
     return done.stdout
 
 
-def _install(extra: str, wheel: Path, root: Path, run=_run) -> Path:
+def _install(extra: str, wheel: Path, root: Path, run: Callable[[list[str]], str]) -> Path:
     """A fresh virtual environment under `root` with the wheel and this extra only (the README's steps); its
     python."""
     first, _, _ = CASES[extra]
