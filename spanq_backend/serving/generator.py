@@ -160,11 +160,25 @@ class CallLayout:
     flattened: bool
     mode: str
     isolate: list[list[int]] = field(default_factory=list)
+    isolated: list[int] = field(default_factory=list)  # the spans `isolate` prepares, in its order
     deferred: list[list[int]] = field(default_factory=list)
     also: list[list[int]] = field(default_factory=list)  # deferred beside the spans: the span layout's prefix
     spans: int = 0  # the call's spans, wherever they are read from (cache, prepares, or in context)
     # Where `deferred`/`also` are worked out only after the answer (`SpanGenerator.unseen_in_context`): how.
     later: Callable[[], tuple[list[list[int]], list[list[int]]]] | None = None
+
+
+def read_by_answer(lowered: LoweredPrompt, i: int, computed: int) -> int:
+    """Of the `computed` tokens that span i's prepare took (the end of its `[anchor][span][tail]` prompt: what the
+    cache lacked), those the answer then finds cached: the span's whole blocks, and the anchor where it is the
+    answer's own prefix. Not the tail (the answer reads that block as context) nor another anchor (a lead-in, a
+    candidate's prompt: not in the answer's prompt)."""
+    table = lowered.table
+    start, end = table.spans[i]
+    after_anchor = computed - len(lowered.prepare_tails.get(i, ()))
+    in_span = max(0, min(after_anchor, end - start))
+    in_anchor = max(0, after_anchor - (end - start))
+    return in_span + (in_anchor if isinstance(table.anchor_of(i), int) else 0)
 
 
 async def _gather_or_abort(aws: list[Any], opened: list[AsyncIterator[Any]]) -> list[Any]:
@@ -674,7 +688,7 @@ class SpanGenerator:
         mode = self.cold_policy(lowered, cold, call.cold_spans)
         prompts = [lowered.prepare_prompt(i) for i in cold]
         if mode == "isolate":
-            return CallLayout(lowered, flattened, mode, isolate=prompts, spans=spans)
+            return CallLayout(lowered, flattened, mode, isolate=prompts, isolated=cold, spans=spans)
         # The span layout's prefix (padded to a block, unlike the stock prompt's): prepared with the spans, so the
         # next call that reads them finds everything before its own question cached.
         extra = [lowered.prefix_prompt()] if lowered.reads_after_another_prefix else []
@@ -732,10 +746,11 @@ class SpanGenerator:
         layout = await self.layout(call, span_output)
         lowered, flattened, mode, deferred = layout.lowered, layout.flattened, layout.mode, layout.deferred
         t_lowered = time.perf_counter()
-        prepared, prepare_tokens = 0, 0
+        prepared, prepare_tokens, read_prepared = 0, 0, 0
         if layout.isolate:  # round 1: each cold span alone after its anchor
             computed = await self.compute_all(layout.isolate)
             prepared, prepare_tokens = sum(1 for c in computed if c > 0), sum(computed)
+            read_prepared = sum(read_by_answer(lowered, i, c) for i, c in zip(layout.isolated, computed))
         t_prepared = time.perf_counter()
         redo = self.recompute_plan(call, lowered)
         # One round: the prompt's prefix (where no span is anchored on it and it is not cached), the recompute
@@ -755,6 +770,7 @@ class SpanGenerator:
         consumed += [self.consume(o, on_token if k == 0 else None) for k, o in enumerate(answers)]
         done = await _gather_or_abort(consumed, [o for _, o in redone] + answers)
         prepare_tokens += sum(done[: len(redone)])
+        read_prepared += sum(done[: len(redone)])  # computed where the answer reads them
         runs = done[len(redone) :]
         also = layout.also
         if layout.later is not None:
@@ -782,10 +798,10 @@ class SpanGenerator:
             ttft_s=(first - t0) if first is not None else None,
             wall_s=time.perf_counter() - t0,
             prompt_tokens=len(lowered.token_ids),
-            # What the request found cached includes what this call's prepare requests just computed: that is
-            # reported as prepared, never as cached (invariant 8). Where two prepares computed one shared block,
-            # it is subtracted twice: the count errs low, never high.
-            cached_tokens=max(0, runs[0].cached_tokens - prepare_tokens),
+            # What the request found cached includes what this call's prepare requests just computed where it
+            # reads them: that is reported as prepared, never as cached (invariant 8). Where two prepares computed
+            # one shared block, it is subtracted twice: the count errs low, never high.
+            cached_tokens=max(0, runs[0].cached_tokens - read_prepared),
             generated_tokens=sum(r.generated_tokens for r in runs),
             padded_tokens=lowered.padded_tokens,
             prepared_spans=prepared + sealed_new,

@@ -81,3 +81,38 @@ def test_span_counters_are_readable_in_process_and_agree_with_the_calls(tiny_bac
     # the same numbers in the Prometheus registry vLLM serves
     assert REGISTRY.get_sample_value("spanq_spans_prepared_total") == after["spans_prepared"]
     assert REGISTRY.get_sample_value("spanq_blocks_relocated_total") == after["blocks_relocated"]
+
+
+def test_a_span_prepared_after_an_anchor_the_prompt_does_not_hold_leaves_the_cached_count_whole(tiny_backend):
+    """A call reads three documents from the cache and prepares a fourth after another anchor (the "system" one:
+    the query's system message and the lead-in, not the prompt's own prefix). The answer reads the prefix and the
+    three documents from the cache: all counted as cached. Until 2026-12-03 the prepare's every token was taken
+    off the cached count, the anchor's included, which the answer never reads: the three documents were
+    under-counted by the anchor's length."""
+    engine = tiny_backend.engine
+    tag = uuid.uuid4().hex[:8]
+    docs = [f"Sheet {c}{tag}. " + " ".join(f"Row {i} of {c} says {i * 7 % 13}." for i in range(18)) for c in "ABCD"]
+
+    def query(*groups):
+        return generate(cross(system(f"Answer from the sheets ({tag})."), *groups, user("Which row?")),
+                        max_tokens=2, temperature=0.0)
+
+    three = plus(*[fragment(d) for d in docs[:3]])
+    both = query(three, plus(fragment(docs[3]), anchor="system"))
+    kept, engine.generator.cold_spans = engine.generator.cold_spans, "isolate"  # the call prepares the fourth itself
+
+    async def scenario():
+        try:
+            await engine.generate(query(three))
+            return await engine.generate(both)
+        finally:
+            engine.generator.cold_spans = kept  # the session's engine: leave it as found
+
+    call = asyncio.run(scenario()).metrics
+    lowered = engine.lower(both)
+    spans = lowered.table.spans
+    assert len(spans) == 4 and not isinstance(lowered.table.anchor_of(3), int), "the fourth is anchored elsewhere"
+    assert call.prepared_spans == 1 and call.prepared_tokens >= lowered.table.anchor_size(3)
+    read = lowered.table.anchor_len + sum(e - s for s, e in spans[:3])
+    assert call.cached_tokens >= read, f"{call.cached_tokens} cached; the prefix and three documents are {read}"
+    assert call.cached_tokens <= call.prompt_tokens - (spans[3][1] - spans[3][0]), "the prepared one is not cached"
