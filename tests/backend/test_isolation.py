@@ -212,6 +212,7 @@ def test_a_stale_cache_answer_costs_time_not_correctness(small_engine, hf_model)
             engine.generator.span_cached = honest
         lowered = engine.lower(query(d, "CADB"))
         costs = await prepare_costs(engine, lowered)
+        await engine.prepare(lowered)  # the prompt's own prefix (the spans are cached by now), as a query would
         return answered, costs, lowered, await run_plain(engine, lowered)
 
     answered, costs, lowered, (cached, toks, lps) = asyncio.run(scenario())

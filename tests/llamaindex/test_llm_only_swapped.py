@@ -5,6 +5,7 @@ the second computes no span."""
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 import pytest
@@ -42,6 +43,8 @@ def engine(llm: SpanQueryLLM, index, mode: str, orders: list[list[int]]) -> Retr
 
 
 def test_compact_reuses_the_nodes_in_a_new_order(tiny_backend, town_index):
+    """The cache is emptied first (the town's nodes are every test's here), so the first question prepares each."""
+    assert tiny_backend.engine.reset_prefix_cache(), "the engine's prefix cache could not be reset"
     llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4, temperature=0.0)
     qe = engine(llm, town_index, "compact", [[0, 1, 2, 3], [3, 2, 1, 0]])
     first = qe.query("Which town hall is green?")
@@ -107,6 +110,12 @@ def test_a_prompt_that_does_not_hold_the_nodes_verbatim_goes_as_it_is_and_says_w
 
 
 def test_recover_documents_off_and_outside_a_query_engine_nothing_changes(tiny_backend, town_index):
+    """Run in a context of its own: a chat engine's retrieval (another test's, in this thread) stands for the LLM
+    calls after it (`run_nodes`), and would rightly cut the plain prompt below."""
+    contextvars.Context().run(recover_documents_off_and_outside_a_query_engine, tiny_backend, town_index)
+
+
+def recover_documents_off_and_outside_a_query_engine(tiny_backend, town_index):
     off = SpanQueryLLM(backend=tiny_backend, max_tokens=4, temperature=0.0, recover_documents="off")
     response = engine(off, town_index, "compact", [[0, 1, 2, 3]]).query("Which town hall is green?")
     assert response.metadata["spanq"]["spans"] == 0
@@ -114,6 +123,7 @@ def test_recover_documents_off_and_outside_a_query_engine_nothing_changes(tiny_b
     text = nodes_of(town_index)[0].get_content()
     plain = SpanQueryLLM(backend=tiny_backend, max_tokens=4, temperature=0.0).complete(f"Context:\n{text}\nWhich town?")
     assert plain.raw["spanq"]["prepared_spans"] == 0
+    assert [c["extra"].get("spans", 0) for c in plain.raw["spanq"]["per_call"]] == [0], "no span sent"
 
 
 def chat_spans(collector) -> list[dict[str, Any]]:
