@@ -86,7 +86,7 @@ def test_span_counters_are_readable_in_process_and_agree_with_the_calls(tiny_bac
 def test_a_span_prepared_after_an_anchor_the_prompt_does_not_hold_leaves_the_cached_count_whole(tiny_backend):
     """A call reads three documents from the cache and prepares a fourth after another anchor (the "system" one:
     the query's system message and the lead-in, not the prompt's own prefix). The answer reads the prefix and the
-    three documents from the cache: all counted as cached. Until 2026-12-03 the prepare's every token was taken
+    three documents from the cache: all counted as cached. Until 2026-12-02 the prepare's every token was taken
     off the cached count, the anchor's included, which the answer never reads: the three documents were
     under-counted by the anchor's length."""
     engine = tiny_backend.engine

@@ -5,8 +5,10 @@ bf16 case also checks that keys left unmoved land further from the reference tha
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import pytest
+import torch
 
 from benchmarks.hf_span import load_hf_model, span_reference_logprobs
 from spanq_backend.kv.relocation import KVRelocator
@@ -14,6 +16,8 @@ from spanq_integrations import cross, fragment, generate, plus, system, user
 from tests.backend.logprobs import run_with_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+BF16_SLACK = 1.5  # how far beyond bf16's own rounding of the reference the bf16 engine may land
 
 
 def docs(tag: str, tokenizer) -> dict[str, str]:
@@ -89,10 +93,17 @@ def test_a_bfloat16_engine_reads_reordered_spans_as_the_reference(tiny_model, hf
         wrong = (lps_w - ref_w).abs().max() if lps_w.shape == ref_w.shape else float("inf")
     finally:
         engine.close()
-    # bf16 rounds every key to 8 bits of mantissa, so the tolerance is bf16's, not fp32's 2e-4. On the random
-    # tiny model positions matter little (measured with the long preamble and 30-entry documents: moved 3.3e-3, unmoved 1.2e-2 from the
-    # reference), so the unmoved run is only required to be clearly further off; the fp32 mutation tests
-    # (test_mutations.py) are the sharp check.
-    print(f"bf16: moved {right:.2e}, unmoved {wrong:.2e} from the fp32 reference")
-    assert right < 1e-2, f"bf16 engine vs fp32 reference: max |diff| = {right:.2e}"
-    assert wrong > 2 * right, f"unmoved keys are not told apart: {wrong:.2e} vs {right:.2e}"
+    # bf16 rounds every key to 8 bits of mantissa, so the tolerance is bf16's, not fp32's 2e-4: how far the same
+    # span reference computed in bf16 lands from the fp32 one, on the same tokens (its rounding alone). The engine
+    # must land within 1.5x of that; keys left unmoved land further (measured 2026-12-02: bf16 reference 4.9e-3
+    # from fp32, the engine 3.3e-3, unmoved 1.2e-2 against a bound of 7.3e-3 on its own tokens).
+    hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
+
+    def bound(lowered, toks, ref):
+        rounding = (span_reference_logprobs(hf_bf16, lowered.token_ids, lowered.table, toks).double() - ref).abs().max()
+        return BF16_SLACK * float(rounding)
+
+    tol, tol_w = bound(lowered, toks, ref), bound(lowered_w, toks_w, ref_w)
+    print(f"bf16: moved {right:.2e} (bound {tol:.2e}), unmoved {wrong:.2e} (bound {tol_w:.2e}) from the fp32 reference")
+    assert right <= tol, f"bf16 engine vs fp32 reference: max |diff| = {right:.2e}, bf16's own rounding allows {tol:.2e}"
+    assert wrong > tol_w, f"the bound admits keys left unmoved: {wrong:.2e} <= {tol_w:.2e}"
