@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from spanq_integrations.query.errors import QueryValidationError
+from spanq_integrations.query.flatten import BLOCK_SEPARATOR
 from spanq_integrations.query.ir import AnchorPolicy, Assistant, Cross, Fragment, Node, Plus, System, User
 
 __all__ = [
-    "DOCUMENT_SEPARATOR",
     "PromptMessage",
     "Role",
     "SpanCandidate",
@@ -29,8 +29,6 @@ __all__ = [
     "split_at_documents",
     "with_instruction",
 ]
-
-DOCUMENT_SEPARATOR = "\n\n"  # between documents flattened for a server that knows nothing of spans
 
 Role = Literal["system", "user", "assistant"]
 
@@ -104,7 +102,7 @@ def query_input(prompt: Sequence[PromptMessage], *, span_aware: bool, anchor: An
             for i, part in enumerate(m.parts):
                 piece = part.text if isinstance(part, SpanPiece) else part
                 if i and (isinstance(part, SpanPiece) or isinstance(m.parts[i - 1], SpanPiece)):
-                    text = text.rstrip() + DOCUMENT_SEPARATOR + piece.lstrip()
+                    text = text.rstrip() + BLOCK_SEPARATOR + piece.lstrip()
                 else:
                     text += piece
             if text.strip():
