@@ -1,10 +1,13 @@
-"""A LangGraph agent on spanq: its tool retrieves documents (returned as span blocks), N agents answer, and a
-span-query judge ensemble chooses the final answer.
+"""A LangChain agent on spanq (`langchain.agents.create_agent`): its tool retrieves documents, read as spans; N
+agents answer, and a span-query judge ensemble chooses the final answer.
 
 - The model is `ChatSpanQuery` (the embedded engine, SmolLM2 by default): it calls the `search_towns` tool
   through constrained decoding (`bind_tools`), so even a 135M model writes a well-formed call.
-- The tool returns the documents it found as span blocks (`format_docs_as_spans`): every agent reads them as
-  order-free spans, so only the first agent computes them; the others read them from the span cache.
+- The tool returns the documents it found as its artifact, as `create_retriever_tool(...,
+  response_format="content_and_artifact")` does; `SpanCacheMiddleware` turns them into span blocks, so every agent
+  reads them as order-free spans: only the first agent computes them; the others read them from the span cache.
+- `SearchFirst`, the app's own middleware, makes the agent search before it answers (small models otherwise answer
+  from memory) and answer once it has searched.
 - `JudgeEnsemble` reads the N answers as a `plus` of candidates and picks one.
 
     .venv/bin/python examples/judge/langchain_agent.py               # embedded default model (SmolLM2)
@@ -18,13 +21,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain.agents import create_agent
+from langchain.agents.middleware import AgentMiddleware
+from langchain_core.documents import Document
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
-from langgraph.graph import END, START, MessagesState, StateGraph
-from langgraph.prebuilt import ToolNode
 from pydantic import BaseModel, Field
 
-from spanq_integrations.langchain import ChatSpanQuery, JudgeEnsemble, JudgeVerdict, format_docs_as_spans
+from spanq_integrations.langchain import ChatSpanQuery, JudgeEnsemble, JudgeVerdict, SpanCacheMiddleware
 
 DOCUMENTS = Path(__file__).parent.parent / "rag" / "documents.json"
 QUESTION = "Which town can only be reached by ferry, and from where?"
@@ -40,35 +44,37 @@ class Search(BaseModel):
     query: str = Field(description="words to look for", max_length=40)  # bounded: a call always ends
 
 
-@tool(args_schema=Search)
-def search_towns(query: str) -> list[dict[str, Any]]:
+@tool(args_schema=Search, response_format="content_and_artifact")
+def search_towns(query: str) -> tuple[str, list[Document]]:
     """Finds documents about towns that share words with the query."""
     words = {w.strip("?.,").lower() for w in query.split() if len(w) > 3}
     docs = load_documents()
     ranked = sorted(docs, key=lambda d: (-len(words & set(d["text"].lower().split())), d["id"]))
-    return format_docs_as_spans([d["text"] for d in ranked[:3]])
+    found = [Document(d["text"], id=d["id"]) for d in ranked[:3]]
+    return "\n\n".join(d.page_content for d in found), found
+
+
+class SearchFirst(AgentMiddleware):
+    """Search before answering, then answer from what was found: the first model call must call a tool; after a
+    search the model answers from the documents and the question alone, with no tools and no tool call in its
+    prompt (a small model shown a call of its own imitates it instead of answering). The documents stay the
+    span blocks `SpanCacheMiddleware` made of them."""
+
+    def wrap_model_call(self, request, handler):
+        found = [m for m in request.messages if isinstance(m, ToolMessage)]
+        if not found:  # the search, greedy: every agent looks for the same documents (their answers are sampled)
+            greedy = request.model.model_copy(update={"temperature": 0.0})
+            return handler(request.override(model=greedy, tool_choice="any"))
+        question = next(m for m in request.messages if isinstance(m, HumanMessage))
+        blocks = [b for m in found for b in (m.content if isinstance(m.content, list) else [m.content])]
+        ask = HumanMessage([*blocks, f"Question: {question.text}"])
+        return handler(request.override(messages=[ask], tools=[], tool_choice=None, system_prompt=ANSWER))
 
 
 def build_agent(llm: ChatSpanQuery):
-    """A two-step LangGraph agent: call the search tool (a call is required: small models otherwise answer from
-    memory), run it (`ToolNode`), then answer from what it returned."""
-    searcher = llm.bind_tools([search_towns], tool_choice="search_towns")
-
-    def search(state: MessagesState) -> dict:
-        return {"messages": [searcher.invoke([SystemMessage(SYSTEM), *state["messages"]])]}
-
-    def answer(state: MessagesState) -> dict:
-        return {"messages": [llm.invoke([SystemMessage(ANSWER), *state["messages"]])]}
-
-    graph = StateGraph(MessagesState)
-    graph.add_node("search", search)
-    graph.add_node("tools", ToolNode([search_towns]))
-    graph.add_node("answer", answer)
-    graph.add_edge(START, "search")
-    graph.add_edge("search", "tools")
-    graph.add_edge("tools", "answer")
-    graph.add_edge("answer", END)
-    return graph.compile()
+    """The agent: `create_agent` with the search tool, the app's rule and spanq's middleware."""
+    return create_agent(llm, tools=[search_towns], system_prompt=SYSTEM,
+                        middleware=[SearchFirst(), SpanCacheMiddleware()])  # fmt: skip
 
 
 def answer_once(llm: ChatSpanQuery, question: str, seed: int) -> dict[str, Any]:
