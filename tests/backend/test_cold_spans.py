@@ -29,9 +29,9 @@ def docs(tag: str) -> dict[str, str]:
             for c in "ABCD"}
 
 
-def query(d: dict[str, str], order: str, question: str = "Which drawer keeps 5 keys?"):
+def query(d: dict[str, str], order: str, question: str = "Which drawer keeps 5 keys?", instruction: str = "Answer from the cards."):
     return generate(
-        cross(system("Answer from the cards."), plus(*[fragment(d[c]) for c in order]), user(question)),
+        cross(system(instruction), plus(*[fragment(d[c]) for c in order]), user(question)),
         max_tokens=5, temperature=0.0,
     )
 
@@ -111,9 +111,11 @@ def test_isolate_prepares_cold_spans_first_and_answers_as_the_warm_spans_do(engi
     gen = engine.generator
     gen.cold_spans = "isolate"
 
+    own = "Answer from the cards (isolated)."  # a prefix no other test's query left in the cache
+
     async def scenario():
-        cold = await engine.generate(query(d, "ABCD"))
-        layout = await gen.layout(query(d, "ABCD"))  # all cached now
+        cold = await engine.generate(query(d, "ABCD", instruction=own))
+        layout = await gen.layout(query(d, "ABCD", instruction=own))  # all cached now
         return cold, layout, await run_with_logprobs(engine, layout.lowered, 5)
 
     try:

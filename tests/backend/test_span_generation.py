@@ -97,8 +97,10 @@ def test_spans_already_cached_are_not_counted_as_prepared(tokenizer):
 
 
 def test_tokens_the_calls_own_prepares_computed_are_not_counted_as_cached(tokenizer):
-    """The engine says the request found 300 tokens cached; 2 prepares of this call computed 2 x 96 of them
-    moments earlier: 108 existed before the call (invariant 8)."""
+    """The engine says the request found 300 tokens cached; 2 prepares of this call computed 2 x 96 tokens
+    moments earlier (invariant 8). The answer reads 160 of them from the cache: A's 64 and B's 32 span tokens and
+    the 32-token prefix each prepare computed (counted twice: the count errs low, never high); not B's padded
+    tail block (32), which the answer computes as context. 140 existed before the call."""
     pytest.importorskip("vllm")
 
     class Engine(ScriptedEngine):
@@ -111,7 +113,9 @@ def test_tokens_the_calls_own_prepares_computed_are_not_counted_as_cached(tokeni
     generator = span_generator(Engine(), tokenizer, default_anchor="prefix")  # no separate prefix request
     completion = asyncio.run(generator.generate(rag(max_tokens=2)))
     assert completion.metrics.prepared_spans == 2 and completion.metrics.prepared_tokens == 192
-    assert completion.metrics.cached_tokens == 300 - 192
+    lowered = generator.lower(rag(max_tokens=2))
+    assert lowered.table.spans == ((32, 96), (96, 128)) and len(lowered.prepare_tails[1]) == 32  # as said above
+    assert completion.metrics.cached_tokens == 300 - (64 + 32) - (32 + 32)
 
 
 def test_n_choices_run_as_separate_requests_with_their_own_seeds(tokenizer):
