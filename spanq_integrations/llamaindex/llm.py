@@ -311,13 +311,12 @@ class SpanQueryLLM(FunctionCallingLLM):
     def chat_query(self, messages: Sequence[ChatMessage], **options: Any) -> Generate:
         """The span query of a chat call: one `Generate` over the messages in a `cross`. With `tools` (what
         `chat_with_tools` passes): the tools in the system message, the answer constrained to a call or text.
-        Inside a query engine, the nodes the query retrieved are sent as spans where the prompt holds them
-        verbatim (`recover_documents`)."""
-        nodes = messages_to_nodes(messages)
+        Inside a query engine, a chat turn or an agent's run, the nodes retrieved there are sent as spans where
+        the prompt holds them verbatim (`recover_documents`): an agent reads its retriever tool's answer so."""
+        nodes = self._with_node_spans(messages_to_nodes(messages))
         tools: list[ToolSpec] = options.get("tools") or []
         if not tools:
-            return self.generate_call(cross(*self._with_node_spans(nodes)), **options)
-        _split_note.set(None)  # a call with tools sends its prompt as it is: no earlier call's note applies
+            return self.generate_call(cross(*nodes), **options)
         choice = check_choice(tools, options.get("tool_choice"))
         instruction = tools_instruction(tools, choice)
         if nodes and isinstance(nodes[0], System):

@@ -7,9 +7,13 @@ A handler on the root dispatcher opens a record at each `QueryStartEvent`, adds 
 each query (thread, or asyncio task) sees its own, and a query run inside another (a sub-question engine) gets
 its own record on top of its parent's.
 
-A retrieval outside any query (a chat engine's — `ContextChatEngine`, `CondensePlusContextChatEngine` — or a
-retriever called by hand) opens a record of its own that stands until the next such retrieval in the same
-context: the LLM calls that follow it (the chat engine's answer) look for its nodes in their prompts.
+A retrieval outside any query (a chat engine's — `ContextChatEngine`, `CondensePlusContextChatEngine` — an agent
+tool's, or a retriever called by hand) opens a record of its own that stands until the next such retrieval in the
+same context: the LLM calls that follow it (the chat engine's answer) look for its nodes in their prompts. Where the
+retrieval runs inside an instrumented call (a chat turn, an agent's run), the record also belongs to the outermost
+such call still open (`_SpanTree`, from the dispatcher's spans) and lasts as long as it: an agent workflow runs its
+tool and its LLM in different tasks, which share no context variable set in one of them, but share that span; the
+nodes of every retrieval in it are looked for.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.query import QueryEndEvent, QueryStartEvent
 from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
+from llama_index.core.instrumentation.span import active_span_id
+from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
 from llama_index.core.schema import MetadataMode
 
 from spanq_integrations.runtime.prompt_spans import SpanCandidate
@@ -68,11 +74,88 @@ _records: contextvars.ContextVar[tuple[QueryRecord, ...]] = contextvars.ContextV
 _latest: contextvars.ContextVar[QueryRecord | None] = contextvars.ContextVar("spanq_latest_retrieval", default=None)
 
 
+MAX_OPEN_SPANS = 10_000  # spans followed at once (one never closed, e.g. an abandoned stream, is dropped at last)
+
+
+class _SpanTree(BaseSpanHandler):
+    """The dispatcher's open spans and their parents, and the retrievals made outside a query under each outermost
+    open span (its scope: a chat turn, an agent's run). A scope's record goes when its span closes."""
+
+    _parents: dict[str, str | None] = PrivateAttr(default_factory=dict)
+    _scoped: dict[str, QueryRecord] = PrivateAttr(default_factory=dict)
+    _tree_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "SpanqSpanTree"
+
+    def span_enter(self, id_: str, bound_args: Any, instance: Any = None, parent_id: str | None = None,
+                   tags: Any = None, **kwargs: Any) -> None:  # fmt: skip
+        with self._tree_lock:
+            self._parents[id_] = parent_id
+            while len(self._parents) > MAX_OPEN_SPANS:
+                self._close(next(iter(self._parents)))
+
+    def span_exit(self, id_: str, bound_args: Any, instance: Any = None, result: Any = None, **kwargs: Any) -> None:
+        with self._tree_lock:
+            self._close(id_)
+
+    def span_drop(self, id_: str, bound_args: Any, instance: Any = None, err: Any = None, **kwargs: Any) -> None:
+        with self._tree_lock:
+            self._close(id_)
+
+    def _close(self, id_: str) -> None:
+        self._parents.pop(id_, None)
+        self._scoped.pop(id_, None)
+
+    def _root(self, span_id: str | None) -> str | None:
+        if span_id not in self._parents:
+            return None
+        while (parent := self._parents.get(span_id)) in self._parents:
+            span_id = parent
+        return span_id
+
+    def scope(self, span_id: str | None, nodes: list[Any]) -> QueryRecord | None:
+        """The record of the outermost open span around `span_id` (a retrieval's), with `nodes` added; None where
+        the retrieval is itself outermost (called by hand: its span closes as it returns)."""
+        with self._tree_lock:
+            root = self._root(span_id)
+            if root is None or root == span_id:
+                return None
+            record = self._scoped.get(root)
+            if record is None:
+                record = self._scoped[root] = QueryRecord(keep_calls=LOOSE_CALLS_KEPT)
+            record.add_nodes(nodes)
+            return record
+
+    def record_for(self, span_id: str | None) -> QueryRecord | None:
+        with self._tree_lock:
+            root = self._root(span_id)
+            return self._scoped.get(root) if root is not None else None
+
+    # BaseSpanHandler's abstract hooks (the three above are overridden whole)
+    def new_span(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def prepare_to_exit_span(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def prepare_to_drop_span(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_tree = _SpanTree()
+
+
 def current_record() -> QueryRecord | None:
-    """The innermost query being run in this context; outside a query engine, the latest retrieval made outside
-    one (a chat engine's); None if neither."""
+    """The innermost query being run in this context; outside a query engine, the retrievals made outside one in
+    the outermost instrumented call around this one (a chat turn, an agent's run), else the latest retrieval made
+    outside one in this context; None if none."""
     records = _records.get()
-    return records[-1] if records else _latest.get()
+    if records:
+        return records[-1]
+    scoped = _tree.record_for(active_span_id.get())
+    return scoped if scoped is not None else _latest.get()
 
 
 class _NodeTracker(BaseEventHandler):
@@ -90,8 +173,10 @@ class _NodeTracker(BaseEventHandler):
             if records:
                 records[-1].add_nodes(list(event.nodes or []))
             else:  # no query: this retrieval's nodes are the ones the next LLM calls here look for
+                nodes = list(event.nodes or [])
+                _tree.scope(event.span_id, nodes)  # and those of the call around it (an agent's other tasks)
                 record = QueryRecord(keep_calls=LOOSE_CALLS_KEPT)
-                record.add_nodes(list(event.nodes or []))
+                record.add_nodes(nodes)
                 _latest.set(record)
         elif isinstance(event, QueryEndEvent):
             records = _records.get()
@@ -117,4 +202,6 @@ def install_tracker() -> None:
     with _install_lock:
         if _installed is None:
             _installed = _NodeTracker()
-            get_dispatcher().add_event_handler(_installed)
+            root = get_dispatcher()
+            root.add_event_handler(_installed)
+            root.add_span_handler(_tree)

@@ -5,6 +5,7 @@ the second computes no span."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 from typing import Any
 
@@ -13,6 +14,7 @@ from llama_index.core import QueryBundle, get_response_synthesizer
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import NodeWithScore
+from pydantic import BaseModel, Field
 
 from spanq_integrations.llamaindex import SpanQueryLLM
 
@@ -163,3 +165,47 @@ def test_a_chat_engine_sends_the_retrieved_nodes_as_spans(tiny_backend, town_ind
     answered = chat_spans(events)
     assert answered[0]["prepared_spans"] == 4, answered[0]
     assert answered[-1]["prepared_spans"] == 0 and answered[-1]["cached_tokens"] > 0, answered[-1]
+
+
+class TownSearch(BaseModel):
+    query: str = Field(description="words to look for", max_length=20)  # bounded: the random model's call ends
+
+
+def test_a_function_agent_sends_the_nodes_its_tool_retrieved_as_spans(compact_tiny, town_index, events):
+    """#33 item 1: a `FunctionAgent`, only the LLM swapped, whose search tool runs a retriever and returns the
+    nodes' text. The agent's workflow runs the tool and the LLM in different tasks, so the retrieval's record, kept
+    in a context variable, never reached the LLM call after it: the nodes were sent as text (0 spans), and this test
+    failed. The record now also belongs to the agent's run (its outermost open span). A second run, opening
+    differently and retrieving the same nodes in another order, prepares none."""
+    from llama_index.core.agent.workflow import FunctionAgent
+    from llama_index.core.tools import FunctionTool
+
+    assert compact_tiny.engine.reset_prefix_cache(), "the engine's prefix cache could not be reset"
+    llm = SpanQueryLLM(backend=compact_tiny, max_tokens=64, temperature=0.0)
+
+    def ask(order: list[int], question: str) -> list[dict[str, Any]]:
+        retriever = FixedOrder(nodes_of(town_index), [order])
+
+        def search_towns(query: str) -> str:
+            """Search the town documents."""
+            return "\n\n".join(n.get_content() for n in retriever.retrieve(query))
+
+        tool = FunctionTool.from_defaults(search_towns, fn_schema=TownSearch)
+        agent = FunctionAgent(tools=[tool], llm=llm, initial_tool_choice="search_towns",
+                              system_prompt="Search the town documents, then answer.")  # fmt: skip
+        before = len(chat_spans(events))
+
+        async def run():
+            return await agent.run(question, max_iterations=4)
+
+        asyncio.run(run())
+        return chat_spans(events)[before:]
+
+    first = ask([0, 1, 2, 3], "Which town hall is green?")
+    second = ask([3, 1, 0, 2], "Good morning. Which town hall is dark red?")
+    # each run: the forced search call (no nodes yet), then the calls that read the tool's answer
+    for calls in (first, second):
+        spans = [sum(c["extra"].get("spans", 0) for c in call["per_call"]) for call in calls]
+        assert len(spans) >= 2 and spans[0] == 0 and all(n == 4 for n in spans[1:]), spans
+    assert first[1]["prepared_spans"] == 4, first[1]
+    assert second[1]["prepared_spans"] == 0 and second[1]["cached_tokens"] > 0, second[1]
