@@ -115,9 +115,10 @@ class _SpanTree(BaseSpanHandler):
             span_id = parent
         return span_id
 
-    def scope(self, span_id: str | None, nodes: list[Any]) -> QueryRecord | None:
-        """The record of the outermost open span around `span_id` (a retrieval's), with `nodes` added; None where
-        the retrieval is itself outermost (called by hand: its span closes as it returns)."""
+    def scope(self, span_id: str | None, candidates: list[SpanCandidate]) -> QueryRecord | None:
+        """The record of the outermost open span around `span_id` (a retrieval's), with the retrieval's
+        `candidates` added; None where the retrieval is itself outermost (called by hand: its span closes as it
+        returns)."""
         with self._tree_lock:
             root = self._root(span_id)
             if root is None or root == span_id:
@@ -125,7 +126,7 @@ class _SpanTree(BaseSpanHandler):
             record = self._scoped.get(root)
             if record is None:
                 record = self._scoped[root] = QueryRecord(keep_calls=LOOSE_CALLS_KEPT)
-            record.add_nodes(nodes)
+            record.candidates.extend(candidates)
             return record
 
     def record_for(self, span_id: str | None) -> QueryRecord | None:
@@ -173,11 +174,10 @@ class _NodeTracker(BaseEventHandler):
             if records:
                 records[-1].add_nodes(list(event.nodes or []))
             else:  # no query: this retrieval's nodes are the ones the next LLM calls here look for
-                nodes = list(event.nodes or [])
-                _tree.scope(event.span_id, nodes)  # and those of the call around it (an agent's other tasks)
                 record = QueryRecord(keep_calls=LOOSE_CALLS_KEPT)
-                record.add_nodes(nodes)
+                record.add_nodes(list(event.nodes or []))
                 _latest.set(record)
+                _tree.scope(event.span_id, record.candidates)  # and the call's around it (an agent's other tasks)
         elif isinstance(event, QueryEndEvent):
             records = _records.get()
             if not records:
