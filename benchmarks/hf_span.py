@@ -69,6 +69,7 @@ def span_attention_next_token_logprobs(
     spans: Sequence[tuple[int, int]] | Any,
     continuation: Sequence[int],
     anchors: Sequence[int | Sequence[int]] | None = None,
+    key_scale: float = 1.0,
 ) -> torch.Tensor:
     """`[len(continuation), vocab]` log-probabilities of the next token after `token_ids` + each prefix of
     `continuation`, under span attention with exact relocation.
@@ -77,6 +78,9 @@ def span_attention_next_token_logprobs(
     anchor is `token_ids[:anchors[i]]` for a length (default: the prefix before the first span; 0 for a
     stand-alone span) or the tokens `anchors[i]` themselves, which need not be in the prompt: the span attends to
     them alone, and nothing after the span does. Without spans this is full attention.
+
+    `key_scale` multiplies the spans' cached keys (every layer) after each span is computed: what reads them later
+    attends with their logits scaled so, a temperature of 1 / key_scale on span tokens (APE's); 1 leaves them.
     """
     if hasattr(spans, "spans"):  # a SpanTable
         table = spans
@@ -86,7 +90,7 @@ def span_attention_next_token_logprobs(
     cont = list(continuation)
     if not spans:
         return full_attention_next_token_logprobs(model, ids, cont)
-    kv, last_span_row, pos = _span_kv(model, ids, spans, anchors)
+    kv, last_span_row, pos = _span_kv(model, ids, spans, anchors, key_scale)
     rest = ids[pos:] + cont
     out = model(
         torch.tensor([rest]), position_ids=torch.arange(pos, pos + len(rest)).unsqueeze(0),
@@ -121,10 +125,11 @@ def full_layer_kv(model: Any, token_ids: Sequence[int]) -> list[tuple[torch.Tens
 
 
 def _span_kv(
-    model: Any, ids: list[int], spans: Sequence[tuple[int, int]], anchors: Sequence[Any] | None
+    model: Any, ids: list[int], spans: Sequence[tuple[int, int]], anchors: Sequence[Any] | None,
+    key_scale: float = 1.0,
 ) -> tuple[_SpanKV, torch.Tensor, int]:
     """The K/V of the prompt up to the last span's end under span attention, the last span's last logits row,
-    and where the K/V ends."""
+    and where the K/V ends; the spans' keys multiplied by `key_scale`."""
     a = spans[0][0]
     kv = _SpanKV()
     out = model(torch.tensor([ids[:a]]), position_ids=torch.arange(a).unsqueeze(0), use_cache=True)
@@ -144,7 +149,10 @@ def _span_kv(
         out = model(
             torch.tensor([own_ids + ids[s:e]]), position_ids=torch.arange(s - n, e).unsqueeze(0), use_cache=True
         )
-        kv.append(_kv(out.past_key_values), lo=n)
+        own_kv = _kv(out.past_key_values)
+        if key_scale != 1.0:
+            own_kv = [(k * key_scale, v) for k, v in own_kv]
+        kv.append(own_kv, lo=n)
         last_span_row = out.logits[0, -1:]
         pos = e
     return kv, last_span_row, pos

@@ -9,6 +9,10 @@
         what the span layout's padding costs under full attention (the layout alone, against the plain prompt):
         newline padding after each span (spanq's: the last span's tail unpadded), after every span (before
         that), before it, split around it, other pad tokens, none. `--layouts`: names starting so, only.
+    python scripts/quality_experiments.py temperature [--items 20] [--filler 12] [--model default] [--scales ...]
+        an attention temperature on span tokens (APE's): the spans' cached keys multiplied by each scale of
+        `--scales` (logits of span tokens scaled so for whatever reads them), with no recompute and with `first`;
+        KL and argmax agreement against full attention on the plain prompt (what a user sees).
 """
 
 from __future__ import annotations
@@ -179,21 +183,43 @@ def padding(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> N
               f"KL {sum(r[0] for r in rows) / n:.4f}")
 
 
+def temperature(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> None:
+    scales = [float(x) for x in args.scales.split(",")]
+    results: dict[str, list[tuple[float, float]]] = {}
+    for item in make_items(args.items, 5, seed=0, filler=args.filler):
+        query = qa_query(item, 16)
+        gold = tokenizer.encode(item.gold, add_special_tokens=False)
+        ref = hf_span.full_attention_next_token_logprobs(model, flattened_prompt_ids(tokenizer, query.input), gold)
+        low = lower(query.input, tokenizer, 32, pad)
+        for setting in ("0", "first"):
+            plan = plan_recompute(low, choose_blocks(low, "first", pad) if setting == "first" else [])
+            for scale in scales:
+                lp = hf_span.span_attention_next_token_logprobs(
+                    model, plan.lowered.token_ids, plan.lowered.table, gold, key_scale=scale)
+                results.setdefault(f"recompute {setting:5s} key scale {scale:.2f}", []).append((
+                    float(hf_span.kl_divergence(ref, lp).mean()), float((ref.argmax(-1) == lp.argmax(-1)).double().mean())))
+    for name, rows in results.items():
+        n = len(rows)
+        print(f"{name}  agreement {sum(r[1] for r in rows) / n:.3f}  KL {sum(r[0] for r in rows) / n:.4f}  ({n} items)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("experiment", choices=("criteria", "padding"))
+    parser.add_argument("experiment", choices=("criteria", "padding", "temperature"))
     parser.add_argument("--items", type=int, default=None)
     parser.add_argument("--filler", type=int, default=None)
     parser.add_argument("--model", default="default")
     parser.add_argument("--layouts", default="", help="padding: only the layouts whose names start so (comma list)")
+    parser.add_argument("--scales", default="0.9,1.0,1.1,1.2,1.3",
+                        help="temperature: the factors on the spans' keys (comma list)")
     args = parser.parse_args()
     args.items = args.items or (10 if args.experiment == "criteria" else 20)
-    args.filler = args.filler if args.filler is not None else (12 if args.experiment == "criteria" else 0)
+    args.filler = args.filler if args.filler is not None else (0 if args.experiment == "padding" else 12)
     path = resolve_model(args.model)
     tokenizer = load_chat_tokenizer(path)
     model = hf_span.load_hf_model(path)
     pad = tokenizer.encode("\n", add_special_tokens=False)[-1]
-    (criteria if args.experiment == "criteria" else padding)(model, tokenizer, pad, args)
+    {"criteria": criteria, "padding": padding, "temperature": temperature}[args.experiment](model, tokenizer, pad, args)
     return 0
 
 
