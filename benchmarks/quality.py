@@ -80,7 +80,10 @@ class QAItem:
         return self.gold_text or f"The town hall of {self.town} is painted {self.color}."
 
     def correct(self, answer: str) -> bool:
-        """Whether a greedy answer names what the gold answer names (exact match, by words)."""
+        """Whether a greedy answer names what the gold answer names (exact match, by words); a judge's, whether
+        the candidate it picks (the first number it names) is the right one."""
+        if self.task == "judge":
+            return judge_pick(answer) == self.target + 1
         return all(names_color(answer, x) for x in (self.expect or (self.color,)))
 
 
@@ -210,6 +213,12 @@ def make_task_items(task: str, count: int, docs: int, *, seed: int, filler: int 
 
 def names_color(answer: str, color: str) -> bool:
     return re.search(rf"\b{re.escape(color.lower())}\b", answer.lower()) is not None
+
+
+def judge_pick(answer: str) -> int | None:
+    """The candidate a judge's answer picks: the first candidate number (1-4) it names, None if it names none."""
+    found = re.search(r"\b([1-4])\b", answer)
+    return int(found.group(1)) if found else None
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -481,6 +490,10 @@ def summarize_rows(rows: list[dict[str, Any]], speed: list[dict[str, Any]], args
         at = [r for r in rows if r.get("task", "qa") == task and r["anchor"] == anchor and r["recompute"] == setting]
         if not at:
             continue
+        if task == "judge":  # the pick read from the answers (a run before judge_pick counted any "1" named)
+            for r in at:
+                for name in ("stock", "layout", "spans"):
+                    r[f"{name}_correct"] = judge_pick(r[f"{name}_answer"]) == r["target_doc"] + 1
         entry: dict[str, Any] = {
             "exact_match": {name: bootstrap([r[f"{name}_correct"] for r in at]) for name in ("stock", "layout", "spans")},
             # paired over items: spans' exact match minus stock's on the plain prompt
@@ -489,6 +502,9 @@ def summarize_rows(rows: list[dict[str, Any]], speed: list[dict[str, Any]], args
             "padding_overhead": sum(r["padded_tokens"] for r in at) / max(1, sum(r["prompt_tokens_spans"] for r in at)),
             "gold_lp": {name: summarize([r[f"gold_lp_{name}"] for r in at])["mean"] for name in ("stock", "layout", "spans")},
         }
+        if task == "judge":  # does the span judge pick what the stock judge picks over the same candidates
+            entry["same_pick"] = {name: bootstrap([float(judge_pick(r[f"{name}_answer"]) == judge_pick(r["stock_answer"]))
+                                                   for r in at]) for name in ("layout", "spans")}
         for comparison in ("layout", "attention", "both"):
             entry[comparison] = {m: bootstrap([r[f"{comparison}_{m}"] for r in at]) for m in METRICS}
         checked = [r for r in at if "hf_attention_kl" in r]
@@ -513,15 +529,17 @@ def _ci(b: dict[str, float], digits: int = 2) -> str:
 def render_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
     settings = summary["settings"]
     headers = ["anchor/recompute", "share", "agree attn", "agree both", "KL attn", "KL both", "gold lp Δ both",
-               "exact spans", "exact Δ stock", "warm TTFT", "x stock"]
+               "exact stock", "exact spans", "exact Δ stock", "warm TTFT", "x stock"]
     lines = []
-    first = next(iter(settings.values()), None)
+    firsts = {}  # per task, its first setting (the layout-only comparison is the same for all of a task's)
     for name, e in settings.items():
+        firsts.setdefault(name.partition(":")[0] if ":" in name else "", e)
         sp = e.get("speed", {})
         lines.append([
             name, e["recomputed_share"], _ci(e["attention"]["agreement"]), _ci(e["both"]["agreement"]),
             _ci(e["attention"]["kl"], 3), _ci(e["both"]["kl"], 3), _ci(e["both"]["gold_lp_delta"], 2),
-            _ci(e["exact_match"]["spans"]), _ci(e["exact_match_diff"]) if "exact_match_diff" in e else "-",
+            _ci(e["exact_match"]["stock"]), _ci(e["exact_match"]["spans"]),
+            _ci(e["exact_match_diff"]) if "exact_match_diff" in e else "-",
             sp.get("warm_ttft_s", float("nan")),
             sp.get("speedup_vs_stock_reordered") or float("nan"),
         ])
@@ -529,13 +547,18 @@ def render_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
              f"(filler {args.filler}), along the gold answer; engine prompt log-probs, top {TOP}; "
              "means with bootstrap 95% intervals")
     text = title + "\n" + format_table(headers, lines) if lines else "(no QA items)"
-    if first is not None:
+    for task, first in firsts.items():
         lay = first["layout"]
         em = first["exact_match"]
-        text += (f"\nlayout only (stock on the span layout vs stock plain): agreement {_ci(lay['agreement'])}, "
-                 f"KL {_ci(lay['kl'], 3)}, gold lp Δ {_ci(lay['gold_lp_delta'])}; exact match stock plain "
-                 f"{_ci(em['stock'])}, stock layout {_ci(em['layout'])} (chance {summary['chance']:.2f}); "
-                 f"padding {first['padding_overhead']:.0%} of the span layout")
+        chance = 0.25 if task == "judge" else summary["chance"] if task in ("", "qa") else None
+        text += (f"\n{task + ': ' if task else ''}layout only (stock on the span layout vs stock plain): agreement "
+                 f"{_ci(lay['agreement'])}, KL {_ci(lay['kl'], 3)}, gold lp Δ {_ci(lay['gold_lp_delta'])}; exact "
+                 f"match stock plain {_ci(em['stock'])}, stock layout {_ci(em['layout'])}"
+                 f"{f' (chance {chance:.2f})' if chance else ''}; padding {first['padding_overhead']:.0%} of the span layout")
+    for name, e in settings.items():
+        if "same_pick" in e:
+            text += (f"\n{name}: the same pick as the stock judge, spans {_ci(e['same_pick']['spans'])}, stock on the "
+                     f"span layout {_ci(e['same_pick']['layout'])}")
     for name, e in settings.items():
         if "hf_check" in e:
             h = e["hf_check"]

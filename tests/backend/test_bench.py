@@ -191,6 +191,18 @@ def test_quality_items_hold_their_answer_in_exactly_one_document():
     assert not names_color("It is painted redwood.", "red")
 
 
+def test_a_judge_item_is_right_when_its_pick_is_not_when_it_names_the_number_somewhere():
+    """The judge task's exact match reads the candidate the answer picks (its first number), not any mention of
+    the right number: "1. ... painted blue" picks 1, "The answer 4 is correct" picks 4."""
+    from benchmarks.quality import judge_pick, make_task_items
+
+    item = next(it for it in make_task_items("judge", 10, 5, seed=0) if it.target == 0)
+    assert item.correct("The answer 1 is correct.") and item.correct("1")
+    assert not item.correct("The answer 4 is correct, not 1.")  # names 1, picks 4
+    assert not item.correct("None of them.")
+    assert judge_pick("Answer 3: the town hall is painted 2 colours") == 3 and judge_pick("12 answers") is None
+
+
 def test_hf_span_reference_behaves_as_span_attention(tiny_model):
     """bench/hf_span.py (also the tests' reference): no spans is full attention; spans change the numbers;
     a stand-alone span differs from one after the anchor; a prompt may end with a span; KL is sane."""
