@@ -3,9 +3,12 @@
 Two questions over the same eight documents, retrieved in different orders. With spans, each document is a
 commutative span. The first question's documents are new and small (about 600 tokens in all), so by default the
 span engine reads them in context as stock does (the same answer at the same speed) and then computes each
-document's KV once, on its own (after the template's opening and a neutral lead-in), while it is idle; the second
-question reuses all of it, at a new position. The same two queries run on a stock vLLM engine (prefix caching on)
-beside it: there the reordered documents miss the prefix cache. Both engines' answers are printed side by side.
+document's KV once, on its own (after the template's opening and a neutral lead-in), while it is idle. The second
+question finds the documents cached both ways: in context, in Q1's order (a `plus` is order-free), and as spans;
+it reads them the way that computes least — here in context, so its answer is full attention's, stock's over that
+order (with `read_in_context=False`, as spans moved to the new order). The same two queries run on a stock vLLM
+engine (prefix caching on) beside it: there the reordered documents miss the prefix cache. Both engines' answers
+are printed side by side.
 
     make demo            # or: .venv/bin/python examples/rag/demo.py [--model default|tiny|PATH]
 """
@@ -88,10 +91,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{call.padded_tokens:>7} {new_docs:>9}"
         )
     spans_q1, spans_q2 = rows[0][2], rows[1][2]
+    read = {
+        "in-context": "found them cached in context in Q1's order and read them so (full attention, nothing moved)",
+        "warm": "read them as cached spans, moved to the new order",
+    }.get(spans_q2.extra.get("cold_spans"), f"read them {spans_q2.extra.get('cold_spans')}")
     print(
         f"\nWith spans, Q1 read its {spans_q1.deferred_spans or spans_q1.prepared_spans} new documents "
         f"{'in context, as stock does, and prepared them as spans afterwards' if spans_q1.deferred_spans else 'as spans'}; "
-        f"Q2 (documents reordered) reused {spans_q2.cached_tokens} of {spans_q2.prompt_tokens} prompt tokens from the cache."
+        f"Q2 (documents reordered) {read}: {spans_q2.cached_tokens} of {spans_q2.prompt_tokens} prompt tokens "
+        "from the cache."
     )
     if len(rows) == 4:
         stock_q1, stock_q2 = rows[2][2], rows[3][2]

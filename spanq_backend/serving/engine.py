@@ -80,6 +80,9 @@ class EngineConfig:
     span_lead_in: str = LEAD_IN_NEUTRAL  # what a canonical anchor reads before each span: "neutral", "auto", a text, "none"
     cold_spans: str = "auto"  # spans not cached: "auto", "isolate" or "context" (`SpanGenerator.cold_policy`)
     isolate_min_tokens: int = ISOLATE_MIN_TOKENS  # "auto": cold span tokens from which they are isolated
+    # A warm call whose documents the cache holds in context (read so before, in some order) is read as stock reads
+    # it where that computes at most a block more than the span layout (`SpanGenerator.in_context`); False: spans
+    read_in_context: bool = True
     compact_json: bool = False  # JSON answers without whitespace (for models that pad them with it)
     recompute: Recompute = DEFAULT_RECOMPUTE  # span blocks recomputed in context when a call says nothing (docs/design.md)
 
@@ -259,6 +262,7 @@ class SpanEngine:
             cold_spans=self.config.cold_spans,
             isolate_min_tokens=self.config.isolate_min_tokens,
             background=self.run_when_idle,
+            read_in_context=self.config.read_in_context,
         )
         self.pad_token_id = self.generator.pad_token_id
         log.info("%s ready in %.1f s", self.model_name, time.perf_counter() - started)

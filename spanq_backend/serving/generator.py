@@ -220,6 +220,43 @@ class SpanProbe(Protocol):
 
     def cached(self, token_ids: list[int]) -> bool: ...
 
+    def cached_blocks(self, token_ids: list[int]) -> int: ...
+
+
+def plus_orders(node: Any) -> list[tuple[str, ...]]:
+    """The texts of each `plus` whose children are all texts, distinct, in the order the node gives them."""
+    orders = []
+    for _, n in walk(node):
+        if (
+            isinstance(n, Plus)
+            and n.children
+            and all(isinstance(c, (Fragment, User)) and c.text for c in n.children)
+        ):
+            texts = tuple(c.text for c in n.children)
+            if len(set(texts)) == len(texts):
+                orders.append(texts)
+    return orders
+
+
+def in_order(node: Any, order_of: Callable[[frozenset[str]], tuple[str, ...] | None]) -> Any:
+    """`node` with each text-only `plus` whose set of texts `order_of` knows laid out in that order (a `plus`
+    says its children's order does not matter)."""
+    from spanq_integrations.query.ir import transform
+
+    def reorder(n: Any) -> Any:
+        if not isinstance(n, Plus) or len(n.children) < 2:
+            return n
+        if not all(isinstance(c, (Fragment, User)) and c.text for c in n.children):
+            return n
+        texts = [c.text for c in n.children]
+        order = order_of(frozenset(texts))
+        if order is None or len(set(texts)) != len(texts) or tuple(texts) == order:
+            return n
+        by_text = {c.text: c for c in n.children}
+        return n.model_copy(update={"children": tuple(by_text[t] for t in order)})
+
+    return transform(node, reorder)
+
 
 class SpanGenerator:
     """Lowers closed `Generate`s, prepares their spans and runs them on the engine behind `stream`."""
@@ -244,6 +281,7 @@ class SpanGenerator:
         cold_spans: str = "auto",
         isolate_min_tokens: int = ISOLATE_MIN_TOKENS,
         background: Callable[[list[tuple[list[int], concurrent.futures.Future[int]]]], None] | None = None,
+        read_in_context: bool = True,
     ):
         self.stream = stream
         # Requests opened inside `with batch():` reach the engine together, in order, before its next step (the
@@ -286,6 +324,13 @@ class SpanGenerator:
         # prompt (computed once), so that `cached_span_digests` can say which of them the cache still holds
         # (what a cluster router routes on).
         self._span_blocks: OrderedDict[str, tuple[Any, ...] | None] = OrderedDict()
+        # A warm call whose documents the cache holds in context, as a stock prompt laid them out (in the order
+        # given, or in the order an earlier call of this generator read them in context), is read that way when
+        # that computes at most a block more than the span layout would (`in_context`): stock canonical's speed
+        # and full attention.
+        # The order each set of `plus` texts was last read in context: set of texts -> texts in order.
+        self.read_in_context = read_in_context
+        self._orders: OrderedDict[frozenset[str], tuple[str, ...]] = OrderedDict()
         self.pad_token_id = tokenizer.encode("\n", add_special_tokens=False)[-1]
         self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
 
@@ -310,6 +355,53 @@ class SpanGenerator:
         self._generated.move_to_end(key)
         while len(self._generated) > self.REMEMBERED_GENERATIONS:
             self._generated.popitem(last=False)
+
+    REMEMBERED_ORDERS = 4096
+
+    def _remember_orders(self, node: Any) -> None:
+        for order in plus_orders(node):
+            key = frozenset(order)
+            self._orders[key] = order
+            self._orders.move_to_end(key)
+        while len(self._orders) > self.REMEMBERED_ORDERS:
+            self._orders.popitem(last=False)
+
+    def in_context(self, call: Generate, lowered: LoweredPrompt) -> LoweredPrompt | None:
+        """The stock layout of a call, where the prefix cache holds its documents in context so that it computes
+        at most a block more than the span layout `lowered` would with every span cached (the least it can); else
+        None.
+
+        A `plus` is order-free, so the stock layout is laid out in the order this generator last read the same
+        texts in context (a call that read them cold, in context, or this way); texts it never read so are not
+        probed at all. What it finds is the in-context KV of exactly these tokens (a plain prompt's block
+        hashes), so the answer is full attention: what stock vLLM answers over those documents in that order."""
+        probe = self.span_probe
+        counted = getattr(probe, "cached_blocks", None)
+        if not self.read_in_context or counted is None or not lowered.has_spans:
+            return None
+        if (call.cold_spans or self.cold_spans) == "isolate":
+            return None  # asked for answers that do not depend on what was read before (judges, bulk runs)
+        table, ids = lowered.table, lowered.token_ids
+        reused = sum(end - start for start, end in table.spans)
+        prefix = ids[: table.spans[0][0]]
+        if prefix and probe is not None and probe.cached(prefix):
+            reused += len(prefix)
+        span_computes = len(ids) - reused
+        orders = plus_orders(call.input)
+        if not orders or any(frozenset(order) not in self._orders for order in orders):
+            return None  # documents this generator never read in context: not cached so (and nothing to pay)
+        node = in_order(call.input, self._orders.get)
+        try:
+            stock, _ = self._lower(call.model_copy(update={"input": node}), stock=True)
+        except SpanQueryError:
+            return None
+        # Up to a block more than the spans: each computes a partial block before the question (stock its last
+        # document's end, spans the last document's tail), one as much as the other on average; for that, nothing
+        # moved and full attention's answer.
+        if len(stock.token_ids) - counted(stock.token_ids) * self.block_size > span_computes + self.block_size:
+            return None
+        self._remember_orders(node)  # read in this order again: the most recent
+        return stock
 
     REMEMBERED_SPANS = 65536
 
@@ -679,6 +771,15 @@ class SpanGenerator:
             return CallLayout(lowered, flattened, "warm")
         spans = len(lowered.table.spans)
         self._note_spans(lowered)
+        stock = None if span_output or lowered.generated_spans else self.in_context(call, lowered)
+        if stock is not None:  # cheaper than the spans even where all are cached: read so at once
+            # Its spans not cached (nor under way) are prepared when the engine is idle, as a cold read in context
+            # prepares them: another set or order of these documents reads them as spans.
+            cold = [i for i in self.cold_span_indices(lowered, count=False)
+                    if tuple(lowered.prepare_prompt(i)) not in self._pending]  # fmt: skip
+            return CallLayout(
+                stock, flattened, "in-context", deferred=[lowered.prepare_prompt(i) for i in cold], spans=spans
+            )
         cold = self.cold_span_indices(lowered)
         if cold and self._pending:
             await self._await_pending([lowered.prepare_prompt(i) for i in cold])
@@ -781,6 +882,8 @@ class SpanGenerator:
                 deferred, also = [], []
         if deferred:
             self.defer(deferred, also)
+        if mode == "context" and not lowered.has_spans:
+            self._remember_orders(call.input)  # read in context in this order: the cache holds it so
         sealed, sealed_new, seal_tokens = (0, 0, 0)
         if span_output and self.spans and not lowered.has_spans:
             sealed, sealed_new, seal_tokens = await self.seal(lowered, runs)
@@ -812,7 +915,8 @@ class SpanGenerator:
                 # the call's spans: read from the cache, prepared by it, or (cold, "context") read in context
                 "spans": layout.spans,
                 # Cold spans: "isolate" (prepared alone first), "context" (computed in context by the answer,
-                # prepared alone when the engine is idle: `deferred_spans`), "warm" (all cached)
+                # prepared alone when the engine is idle: `deferred_spans`), "warm" (all cached), "in-context"
+                # (all cached, and the documents too, in context: read as a stock prompt, `in_context`)
                 "cold_spans": mode,
                 "generated_spans": lowered.generated_spans,
                 "generated_as_text": lowered.generated_as_text,

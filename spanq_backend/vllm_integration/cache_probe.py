@@ -98,6 +98,19 @@ class BlockPoolProbe:
     def cached(self, token_ids: list[int]) -> bool:
         return self.holds(self.block_hashes(token_ids))
 
+    def cached_blocks(self, token_ids: list[int]) -> int:
+        """How many leading whole blocks of a plain prompt the pool holds (what stock prefix caching would hit)."""
+        whole = len(token_ids) // self.block_size * self.block_size
+        held = 0
+        try:
+            for h in block_hash_chain(self.hash_fn, token_ids[:whole], self.block_size, memo=self._memo):
+                if self.pool.get_cached_block(h, [0]) is None:
+                    break
+                held += 1
+        except Exception:  # noqa: BLE001  (the pool changed under us: what was read so far)
+            log.debug("block pool probe failed after %d blocks", held)
+        return held
+
 
 class KVEventsMirror:
     """The block hashes an engine core holds in its prefix cache, followed through vLLM's ZMQ KV events.
@@ -166,6 +179,18 @@ class KVEventsMirror:
 
     def cached(self, token_ids: list[int]) -> bool:
         return self.holds(self.block_hashes(token_ids))
+
+    def cached_blocks(self, token_ids: list[int]) -> int:
+        """How many leading whole blocks of a plain prompt the engine's cache holds."""
+        whole = len(token_ids) // self.block_size * self.block_size
+        hashes = self.block_hashes(token_ids[:whole]) or ()
+        held = 0
+        with self._lock:
+            for h in hashes:
+                if h not in self._hashes:
+                    break
+                held += 1
+        return held
 
     def close(self) -> None:
         self._stop.set()

@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 
-from benchmarks.hf_span import span_reference_logprobs
+from benchmarks.hf_span import full_attention_logprobs, span_reference_logprobs
 from spanq_backend.serving.generator import flattened_prompt_ids
 from spanq_integrations import cross, fragment, generate, plus, system, user
 from tests.backend.logprobs import run_with_logprobs
@@ -57,7 +57,9 @@ def test_a_cold_query_answers_as_stock_and_prepares_its_documents_when_idle(engi
         cold = await engine.generate(first)
         stock = await run_with_logprobs(engine, layout.lowered, 5, with_table=False)
         engine.settle()
-        second = query(d, "DBCA", "Which drawer keeps 2 keys?")
+        # Another instruction: the prefix cache does not hold these documents in context after it, so the spans
+        # are what the query reads (the same instruction is `test_documents_read_in_context_...`'s case).
+        second = query(d, "DBCA", "Which drawer keeps 2 keys?", instruction="Answer from these cards.")
         warm_layout = await gen.layout(second)
         warm = await engine.generate(second)
         return first, layout, cold, stock, warm_layout, warm, await run_with_logprobs(engine, warm_layout.lowered, 5)
@@ -106,6 +108,66 @@ def test_cached_documents_are_read_first_and_new_ones_in_context_after_them(engi
     assert (other - ref).abs().max().item() > 2 * TOL
 
 
+def test_documents_read_in_context_before_are_read_so_again_in_any_order_and_answer_as_stock(engine, hf_model):
+    """A query whose documents the prefix cache holds in context (an earlier query read them cold, in context, in
+    another order) is read as stock reads them, in the order the cache holds, where that computes at most a block more than the
+    span layout: stock's speed, and full attention's answer (docs/design.md, "Read in context again")."""
+    d = docs("again")
+    gen = engine.generator
+    question = "Which drawer keeps 6 keys?"
+
+    async def scenario():
+        await engine.generate(query(d, "ABCD"))  # cold: read in context, in this order
+        engine.settle()
+        again = query(d, "DBCA", question)
+        layout = await gen.layout(again)
+        result = await engine.generate(again)
+        spans_layout = gen._lower(again)[0]
+        isolated = await gen.layout(again.model_copy(update={"cold_spans": "isolate"}))
+        logprobs = await run_with_logprobs(engine, layout.lowered, 5, with_table=False)
+        return layout, result, spans_layout, isolated, logprobs
+
+    layout, result, spans_layout, isolated, (_, toks, lps) = asyncio.run(scenario())
+    m = result.metrics
+    assert layout.mode == "in-context" and m.extra["cold_spans"] == "in-context"
+    # A call that asks for answers independent of what was read before (a judge: "isolate") reads spans.
+    assert isolated.mode == "warm" and isolated.lowered.has_spans
+    # The stock prompt, in the order the cache holds (ABCD), with the new question.
+    assert layout.lowered.token_ids == flattened_prompt_ids(engine.tokenizer, query(d, "ABCD", question).input)
+    assert not layout.lowered.has_spans and m.padded_tokens == 0 and m.prepared_spans == 0
+    # Every document found cached; it computes at most a block more than the span layout would, every span cached.
+    span_computes = len(spans_layout.token_ids) - sum(e - s for s, e in spans_layout.table.spans)
+    span_computes -= spans_layout.table.spans[0][0]
+    assert m.prompt_tokens - m.cached_tokens <= span_computes + 32
+    asked = len(engine.tokenizer.encode(question, add_special_tokens=False)) + 16  # the question, the turn's end
+    assert m.cached_tokens >= m.prompt_tokens - asked - 32
+    # Full attention's answer, the HF reference's on the same tokens.
+    assert result.texts[0] == engine.tokenizer.decode(toks)
+    ref = full_attention_logprobs(hf_model, layout.lowered.token_ids, toks).double()
+    assert (lps - ref).abs().max().item() < TOL
+    # The check can fail: the same query read as spans answers otherwise (span attention).
+    as_spans = span_reference_logprobs(hf_model, spans_layout.token_ids, spans_layout.table, toks).double()
+    assert (as_spans - ref).abs().max().item() > 2 * TOL
+
+
+def test_documents_no_longer_cached_in_context_are_read_as_spans(engine, hf_model):
+    """The order remembered is only a guess of what the cache holds: once the in-context blocks are gone (evicted,
+    reset), the same query is not read in context (it would compute everything) but as spans, prepared anew."""
+    d = docs("gone")
+    gen = engine.generator
+
+    async def scenario():
+        await engine.generate(query(d, "ABCD"))
+        engine.settle()
+        assert engine.reset_prefix_cache()
+        again = query(d, "CADB", "Which drawer keeps 3 keys?")
+        return await gen.layout(again), await engine.generate(again)
+
+    layout, result = asyncio.run(scenario())
+    assert layout.mode != "in-context" and result.metrics.extra["cold_spans"] != "in-context"
+    assert result.metrics.deferred_spans + result.metrics.prepared_spans == 4
+
+
 def test_isolate_prepares_cold_spans_first_and_answers_as_the_warm_spans_do(engine, hf_model):
     d = docs("iso")
     gen = engine.generator
@@ -137,15 +199,17 @@ def test_a_query_right_after_a_cold_one_waits_for_its_documents_prepares_and_rea
     for them rather than reading the documents in context again."""
     d = docs("next")
 
+    other = "Answer from these cards."  # not the cold query's: its documents are not cached in context after it
+
     async def scenario():
         cold = await engine.generate(query(d, "ABCD"))
-        warm = await engine.generate(query(d, "CDAB", "Which drawer keeps 1 key?"))
+        warm = await engine.generate(query(d, "CDAB", "Which drawer keeps 1 key?", instruction=other))
         return cold.metrics, warm.metrics
 
     cold, warm = asyncio.run(scenario())
     assert cold.deferred_spans == 4
     assert warm.extra["cold_spans"] == "warm" and warm.deferred_spans == 0 and warm.prepared_spans == 0
-    lowered = engine.lower(query(d, "CDAB", "Which drawer keeps 1 key?"))
+    lowered = engine.lower(query(d, "CDAB", "Which drawer keeps 1 key?", instruction=other))
     assert warm.cached_tokens >= sum(e - s for s, e in lowered.table.spans)
 
 
@@ -220,7 +284,8 @@ def test_new_documents_read_in_context_cost_no_span_layout_before_the_answer(eng
     events, cold = probes_and_requests(engine, docs("unseen"))
     assert events[0] == "request" and "probe" in events, events  # probed, for the deferred prepares, after
     assert cold.metrics.extra["cold_spans"] == "context" and cold.metrics.deferred_spans == 4
-    warm = asyncio.run(engine.generate(query(docs("unseen"), "BADC")))
+    # (under another instruction: after the cold query's own, the documents are read in context again)
+    warm = asyncio.run(engine.generate(query(docs("unseen"), "BADC", instruction="Answer from these cards.")))
     assert warm.metrics.extra["cold_spans"] == "warm" and warm.metrics.prepared_spans == 0
     # The check can fail: laid out in full first (the way before), the documents are probed before the answer.
     monkeypatch.setattr(engine.generator, "unseen_in_context", lambda *a, **k: None)

@@ -47,10 +47,16 @@ DOCS = {
 }
 
 
-def rag_query(order: str, max_tokens: int = 6, docs: dict[str, str] = DOCS):
+OTHER_INSTRUCTION = "Answer from these documents."
+
+
+def rag_query(order: str, max_tokens: int = 6, docs: dict[str, str] = DOCS, instruction: str = "Answer from the documents."):
+    """A RAG query over `docs` in `order`. Under the instruction of an earlier query that read the same documents in
+    context, the server reads them in context again (in that query's order, `SpanGenerator.in_context`); under
+    another (`OTHER_INSTRUCTION`) it reads them as spans."""
     return generate(
         cross(
-            system("Answer from the documents."),
+            system(instruction),
             plus(*[fragment(docs[c]) for c in order]),
             user("Which door?"),
         ),
@@ -141,13 +147,23 @@ def test_reordered_fragments_are_served_from_the_span_cache(server: SpanqServe, 
         async with SpanBackend(server.url) as backend:
             first = await backend.generate(rag_query("ABCD", docs=new))
             wait_until_prepared(server.url, new.values())
-            second = await backend.generate(rag_query("DCBA", docs=new))
-            return first, second
+            again = await backend.generate(rag_query("DCBA", docs=new))
+            second = await backend.generate(rag_query("DCBA", docs=new, instruction=OTHER_INSTRUCTION))
+            return first, again, second
 
-    first, second = asyncio.run(scenario())
+    first, again, second = asyncio.run(scenario())
     tokenizer = load_chat_tokenizer(tiny_model)
+    # The same instruction: the documents are cached in context in the first query's order (the server follows its
+    # cache through KV events), and read so: the stock prompt in ABCD order, all of it cached but its last block.
+    from spanq_backend.serving.generator import flattened_prompt_ids
+
+    stock_ids = flattened_prompt_ids(tokenizer, rag_query("ABCD", docs=new).input)
+    assert again.metrics.prompt_tokens == len(stock_ids) and again.metrics.padded_tokens == 0
+    assert again.metrics.cached_tokens >= len(stock_ids) - 32 and again.metrics.prepared_spans == 0
+    # Another instruction: not cached in context after it; the documents are read as spans.
     lowered = lower(
-        rag_query("DCBA", docs=new).input, tokenizer, 32, tokenizer.encode("\n", add_special_tokens=False)[-1]
+        rag_query("DCBA", docs=new, instruction=OTHER_INSTRUCTION).input, tokenizer, 32,
+        tokenizer.encode("\n", add_special_tokens=False)[-1],
     )
     span_tokens = sum(e - s for s, e in lowered.table.spans)
     assert len(lowered.table.spans) == 4
@@ -228,9 +244,9 @@ def _settled_counters(url: str, timeout_s: float = 20.0) -> dict[str, float]:
 def test_span_counters_are_on_metrics_and_move_when_spans_are_reused(server: SpanqServe):
     fresh = {c: f"Invoice {c}: " + " ".join(f"line {i} of {c} costs {i * 7 % 11}." for i in range(30)) for c in "ABCD"}
 
-    def query(order: str):
+    def query(order: str, instruction: str = "Answer from the invoices."):
         return generate(
-            cross(system("Answer from the invoices."), plus(*[fragment(fresh[c]) for c in order]), user("Total?")),
+            cross(system(instruction), plus(*[fragment(fresh[c]) for c in order]), user("Total?")),
             max_tokens=2, temperature=0.0,
         )  # fmt: skip
 
@@ -238,7 +254,8 @@ def test_span_counters_are_on_metrics_and_move_when_spans_are_reused(server: Spa
         async with SpanBackend(server.url) as backend:
             first = await backend.generate(query("ABCD"))
             wait_until_prepared(server.url, fresh.values())  # prepared alone, off the first query's path
-            return first, await backend.generate(query("DBCA"))
+            # (another instruction: the invoices are read as spans, not in context again after the first's)
+            return first, await backend.generate(query("DBCA", "Answer from these invoices."))
 
     async def any_query():  # the engine's counters are on /metrics once a query has run
         async with SpanBackend(server.url) as backend:
@@ -265,7 +282,7 @@ def test_span_counters_are_on_metrics_and_move_when_spans_are_reused(server: Spa
 
 def test_execute_without_streaming_returns_the_closed_tree_and_usage(server: SpanqServe):
     documents_warm(server)
-    query = rag_query("BADC")
+    query = rag_query("BADC", instruction=OTHER_INSTRUCTION)  # read as spans (padded), not in context again
     answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(query), timeout=120)
     assert answer.status_code == 200, answer.text
     body = answer.json()
@@ -313,7 +330,8 @@ def test_recompute_travels_with_the_query_and_a_bad_setting_is_a_400(server: Spa
     """`"recompute"` on a `g`: the server recomputes the chosen blocks in context (after the spans were prepared by
     another order), counts them, and the same query again finds them cached; a bad value is a 400 naming it."""
     httpx.post(f"{server.url}{EXECUTE}", json=to_json(rag_query("CDAB")), timeout=120).raise_for_status()
-    query = rag_query("ADBC").model_copy(update={"recompute": "first"})
+    # (another instruction than the one the documents may be cached in context after: they are read as spans)
+    query = rag_query("ADBC", instruction=OTHER_INSTRUCTION).model_copy(update={"recompute": "first"})
     runs = []
     for _ in range(2):
         answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(query), timeout=120)
@@ -323,7 +341,9 @@ def test_recompute_travels_with_the_query_and_a_bad_setting_is_a_400(server: Spa
     assert first["extra"]["recomputed_tokens"] == 4 * 32  # each document's first block
     assert first["prepared_spans"] == 0 and first["prepared_tokens"] >= 3 * 32  # runs before later spans
     assert again["prepared_tokens"] <= 4, "the recomputed blocks were cached by the first run"
-    plain = httpx.post(f"{server.url}{EXECUTE}", json=to_json(rag_query("ADBC")), timeout=120).json()["calls"][0]
+    plain = httpx.post(
+        f"{server.url}{EXECUTE}", json=to_json(rag_query("ADBC", instruction=OTHER_INSTRUCTION)), timeout=120
+    ).json()["calls"][0]
     assert plain["extra"]["recomputed_tokens"] == 0
     bad = _post_raw(server, '{"g":{"max_tokens":1,"recompute":"most","input":{"user":"hi"}}}')
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("$.g.recompute"), bad.text
