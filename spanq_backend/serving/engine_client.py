@@ -47,6 +47,7 @@ class EngineClientBackend(Backend):
         default_lead_in: str = LEAD_IN_NEUTRAL,
         cold_spans: str = "auto",
         isolate_min_tokens: int = ISOLATE_MIN_TOKENS,
+        read_in_context: bool = True,
     ):
         """`span_probe`: the engine's prefix cache as this process sees it (`cache_probe.KVEventsMirror`); a span
         whose prepare prompt it holds wholly is not prepared again. `span_support`: what the engine's
@@ -69,6 +70,7 @@ class EngineClientBackend(Backend):
             default_lead_in=default_lead_in,
             cold_spans=cold_spans,
             isolate_min_tokens=isolate_min_tokens,
+            read_in_context=read_in_context,
         )
         self.capabilities = BackendCapabilities(
             name="spanq-serve",

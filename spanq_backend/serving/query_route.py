@@ -216,6 +216,7 @@ def build_query_router(
     default_lead_in: str = LEAD_IN_NEUTRAL,
     cold_spans: str = "auto",
     isolate_min_tokens: int = ISOLATE_MIN_TOKENS,
+    read_in_context: bool = True,
 ) -> Any:
     """The FastAPI router of `POST /v1/query/execute`, for an app whose state holds vLLM's engine client."""
     from fastapi import APIRouter
@@ -252,6 +253,7 @@ def build_query_router(
                 default_lead_in=default_lead_in,
                 cold_spans=cold_spans,
                 isolate_min_tokens=isolate_min_tokens,
+                read_in_context=read_in_context,
             )
         return backend
 

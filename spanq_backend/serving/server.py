@@ -134,6 +134,12 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         "(context: a stock answer first, at stock's speed, span answers after)",
     )
     parser.add_argument(
+        "--no-read-in-context", dest="spanq_read_in_context", action="store_false",
+        help="always read documents as spans; by default a query whose documents the cache holds in context (an "
+        "earlier query read them so, in some order) is read in that order as stock reads it, where that computes "
+        "at most a block more than the spans: stock's speed and full attention's answer",
+    )
+    parser.add_argument(
         "--isolate-min-tokens", dest="spanq_isolate_min_tokens", type=_positive_int, default=ISOLATE_MIN_TOKENS,
         metavar="N", help="--cold-spans auto: cold document tokens from which they are prepared alone first",
     )
@@ -255,7 +261,7 @@ def serve_main(argv: list[str]) -> int:
     with query_route_mounted(
         lambda: build_query_router(
             tokenizer, args.served_model_name, limits, anchor, redo, lead_in,
-            args.spanq_cold_spans, args.spanq_isolate_min_tokens,
+            args.spanq_cold_spans, args.spanq_isolate_min_tokens, args.spanq_read_in_context,
         )
     ):
         guard.deadline_s += args.shutdown_timeout  # vLLM's drain (--shutdown-timeout) comes first

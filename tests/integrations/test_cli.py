@@ -286,7 +286,7 @@ def test_serve_help_shows_every_flag_of_the_command(capsys):
     assert exit_.value.code == 0
     shown = capsys.readouterr().out
     for flag in ("--replicas", "--routing", "--ray-address", "--max-imbalance", "--recompute", "--span-anchor",
-                 "--max-body-bytes", "--model"):
+                 "--max-body-bytes", "--model", "--cold-spans", "--no-read-in-context"):
         assert flag in shown, flag
 
 
