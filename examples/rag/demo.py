@@ -5,8 +5,9 @@ commutative span. The first question's documents are new and small (about 600 to
 span engine reads them in context as stock does (the same answer at the same speed) and then computes each
 document's KV once, on its own (after the template's opening and a neutral lead-in), while it is idle. The second
 question finds the documents cached both ways: in context, in Q1's order (a `plus` is order-free), and as spans;
-it reads them the way that computes least — here in context, so its answer is full attention's, stock's over that
-order (with `read_in_context=False`, as spans moved to the new order). The same two queries run on a stock vLLM
+it reads them in context (no dearer here), so its answer is full attention's, stock's over that order (with
+`read_in_context=False`, as spans moved to the new order). The third reads five of the documents in another order:
+not cached so in context, it reads them as spans, at their new positions. The same queries run on a stock vLLM
 engine (prefix caching on) beside it: there the reordered documents miss the prefix cache. Both engines' answers
 are printed side by side.
 
@@ -26,7 +27,16 @@ HERE = Path(__file__).parent
 QUESTIONS = [
     "What color is the town hall of Corrow Ridge?",
     "Which town can only be reached by ferry, and from where?",
+    "What color is the town hall of Sarn Well?",
 ]
+SUBSET = ("island", "desert", "orchard", "forest", "river")  # Q3 reads five of the eight documents
+
+
+def document_orders(docs: list[dict]) -> list[list[dict]]:
+    """The documents each question reads, in the order its retrieval gives them: all eight (Q1), the same eight
+    reordered (Q2), five of them in another order (Q3)."""
+    return [list(docs), random.Random(7).sample(docs, len(docs)),
+            random.Random(3).sample([d for d in docs if d["id"] in SUBSET], len(SUBSET))]
 
 
 WARM_UP = " ".join(f"Line {i} of a warm-up text that is not about any town." for i in range(50))
@@ -54,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from spanq_backend.serving.embedded import EmbeddedBackend
 
     docs = json.loads((HERE / "documents.json").read_text())
-    orders = [list(docs), random.Random(7).sample(docs, len(docs))]
+    orders = document_orders(docs)
     engines = [("spans", EmbeddedBackend(args.model))]
     if not args.no_stock:
         engines.append(("stock", EmbeddedBackend(args.model, spans=False)))
@@ -87,26 +97,35 @@ def main(argv: list[str] | None = None) -> int:
         ttft = f"{call.ttft_s:.2f}" if call.ttft_s is not None else "-"
         new_docs = call.prepared_spans + call.deferred_spans
         print(
-            f"{name:<7} {'Q' + str(i % 2 + 1):<6} {ttft:>8} {call.prompt_tokens:>7} {call.cached_tokens:>7} "
+            f"{name:<7} {'Q' + str(i % len(QUESTIONS) + 1):<6} {ttft:>8} {call.prompt_tokens:>7} {call.cached_tokens:>7} "
             f"{call.padded_tokens:>7} {new_docs:>9}"
         )
-    spans_q1, spans_q2 = rows[0][2], rows[1][2]
-    read = {
-        "in-context": "found them cached in context in Q1's order and read them so (full attention, nothing moved)",
-        "warm": "read them as cached spans, moved to the new order",
-    }.get(spans_q2.extra.get("cold_spans"), f"read them {spans_q2.extra.get('cold_spans')}")
+    n = len(QUESTIONS)
+    spans_q1, spans_q2, spans_q3 = (call for _, _, call in rows[:n])
+
+    def how(call) -> str:
+        return {
+            "in-context": "found them cached in context in Q1's order and read them so (full attention, nothing moved)",
+            "warm": "read them as cached spans, moved to the new order",
+        }.get(call.extra.get("cold_spans"), f"read them {call.extra.get('cold_spans')}")
+
     print(
         f"\nWith spans, Q1 read its {spans_q1.deferred_spans or spans_q1.prepared_spans} new documents "
         f"{'in context, as stock does, and prepared them as spans afterwards' if spans_q1.deferred_spans else 'as spans'}; "
-        f"Q2 (documents reordered) {read}: {spans_q2.cached_tokens} of {spans_q2.prompt_tokens} prompt tokens "
-        "from the cache."
+        f"Q2 (the documents reordered) {how(spans_q2)}: {spans_q2.cached_tokens} of {spans_q2.prompt_tokens} prompt "
+        f"tokens from the cache; Q3 (five of them, in another order) {how(spans_q3)}: {spans_q3.cached_tokens} of "
+        f"{spans_q3.prompt_tokens}."
     )
-    if len(rows) == 4:
-        stock_q1, stock_q2 = rows[2][2], rows[3][2]
-        print(f"Stock vLLM reused {stock_q2.cached_tokens} of {stock_q2.prompt_tokens} for the same reordered query.")
-        for label, s, t in (("Q1", spans_q1, stock_q1), ("Q2", spans_q2, stock_q2)):
-            if s.ttft_s and t.ttft_s:
-                print(f"TTFT of {label}: spans {s.ttft_s:.2f} s vs stock {t.ttft_s:.2f} s ({t.ttft_s / s.ttft_s:.1f}x)")
+    if len(rows) == 2 * n:
+        stock_q1, stock_q2, stock_q3 = (call for _, _, call in rows[n:])
+        print(f"Stock vLLM reused {stock_q2.cached_tokens} of {stock_q2.prompt_tokens} for Q2 and "
+              f"{stock_q3.cached_tokens} of {stock_q3.prompt_tokens} for Q3.")
+        ttfts = [
+            f"{label} {s.ttft_s:.2f} vs {t.ttft_s:.2f} s ({t.ttft_s / s.ttft_s:.1f}x)"
+            for label, s, t in (("Q1", spans_q1, stock_q1), ("Q2", spans_q2, stock_q2), ("Q3", spans_q3, stock_q3))
+            if s.ttft_s and t.ttft_s
+        ]
+        print("TTFT, spans vs stock: " + "; ".join(ttfts))
     return 0
 
 
