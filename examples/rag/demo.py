@@ -91,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         print(question)
         for name, _ in engines:
             print(f"  [{name}] {answers[(name, question)]}")
-    print()
     print(f"{'engine':<7} {'query':<6} {'TTFT s':>8} {'prompt':>7} {'cached':>7} {'padded':>7} {'new docs':>9}")
     for i, (name, _question, call) in enumerate(rows):
         ttft = f"{call.ttft_s:.2f}" if call.ttft_s is not None else "-"
@@ -118,14 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     if len(rows) == 2 * n:
         stock_q1, stock_q2, stock_q3 = (call for _, _, call in rows[n:])
-        print(f"Stock vLLM reused {stock_q2.cached_tokens} of {stock_q2.prompt_tokens} for Q2 and "
-              f"{stock_q3.cached_tokens} of {stock_q3.prompt_tokens} for Q3.")
         ttfts = [
             f"{label} {s.ttft_s:.2f} vs {t.ttft_s:.2f} s ({t.ttft_s / s.ttft_s:.1f}x)"
             for label, s, t in (("Q1", spans_q1, stock_q1), ("Q2", spans_q2, stock_q2), ("Q3", spans_q3, stock_q3))
             if s.ttft_s and t.ttft_s
         ]
-        print("TTFT, spans vs stock: " + "; ".join(ttfts))
+        print(f"Stock vLLM reused {stock_q2.cached_tokens} of {stock_q2.prompt_tokens} for Q2 and "
+              f"{stock_q3.cached_tokens} of {stock_q3.prompt_tokens} for Q3. TTFT, spans vs stock: " + "; ".join(ttfts))
     return 0
 
 
