@@ -223,19 +223,19 @@ class SpanProbe(Protocol):
     def cached_blocks(self, token_ids: list[int]) -> int: ...
 
 
+def _plus_texts(n: Any) -> tuple[str, ...] | None:
+    """A `plus` whose children are all texts, distinct: their texts in its order (else None)."""
+    if not isinstance(n, Plus) or not n.children:
+        return None
+    if not all(isinstance(c, (Fragment, User)) and c.text for c in n.children):
+        return None
+    texts = tuple(c.text for c in n.children)
+    return texts if len(set(texts)) == len(texts) else None
+
+
 def plus_orders(node: Any) -> list[tuple[str, ...]]:
-    """The texts of each `plus` whose children are all texts, distinct, in the order the node gives them."""
-    orders = []
-    for _, n in walk(node):
-        if (
-            isinstance(n, Plus)
-            and n.children
-            and all(isinstance(c, (Fragment, User)) and c.text for c in n.children)
-        ):
-            texts = tuple(c.text for c in n.children)
-            if len(set(texts)) == len(texts):
-                orders.append(texts)
-    return orders
+    """The texts of each text-only `plus` of `node` (`_plus_texts`), in the order the node gives them."""
+    return [texts for _, n in walk(node) if (texts := _plus_texts(n)) is not None]
 
 
 def in_order(node: Any, order_of: Callable[[frozenset[str]], tuple[str, ...] | None]) -> Any:
@@ -244,13 +244,9 @@ def in_order(node: Any, order_of: Callable[[frozenset[str]], tuple[str, ...] | N
     from spanq_integrations.query.ir import transform
 
     def reorder(n: Any) -> Any:
-        if not isinstance(n, Plus) or len(n.children) < 2:
-            return n
-        if not all(isinstance(c, (Fragment, User)) and c.text for c in n.children):
-            return n
-        texts = [c.text for c in n.children]
-        order = order_of(frozenset(texts))
-        if order is None or len(set(texts)) != len(texts) or tuple(texts) == order:
+        texts = _plus_texts(n)
+        order = order_of(frozenset(texts)) if texts is not None else None
+        if order is None or texts == order:
             return n
         by_text = {c.text: c for c in n.children}
         return n.model_copy(update={"children": tuple(by_text[t] for t in order)})
@@ -324,10 +320,9 @@ class SpanGenerator:
         # prompt (computed once), so that `cached_span_digests` can say which of them the cache still holds
         # (what a cluster router routes on).
         self._span_blocks: OrderedDict[str, tuple[Any, ...] | None] = OrderedDict()
-        # A warm call whose documents the cache holds in context, as a stock prompt laid them out (in the order
-        # given, or in the order an earlier call of this generator read them in context), is read that way when
-        # that computes at most a block more than the span layout would (`in_context`): stock canonical's speed
-        # and full attention.
+        # A call whose documents the cache holds in context, as a stock prompt laid them out in the order an
+        # earlier call of this generator read them in context, is read that way when that computes at most a
+        # block more than the span layout would (`in_context`): stock canonical's speed and full attention.
         # The order each set of `plus` texts was last read in context: set of texts -> texts in order.
         self.read_in_context = read_in_context
         self._orders: OrderedDict[frozenset[str], tuple[str, ...]] = OrderedDict()
@@ -381,15 +376,15 @@ class SpanGenerator:
             return None
         if (call.cold_spans or self.cold_spans) == "isolate":
             return None  # asked for answers that do not depend on what was read before (judges, bulk runs)
+        orders = plus_orders(call.input)
+        if not orders or any(frozenset(order) not in self._orders for order in orders):
+            return None  # documents this generator never read in context: not cached so (and nothing to pay)
         table, ids = lowered.table, lowered.token_ids
         reused = sum(end - start for start, end in table.spans)
         prefix = ids[: table.spans[0][0]]
         if prefix and probe is not None and probe.cached(prefix):
             reused += len(prefix)
         span_computes = len(ids) - reused
-        orders = plus_orders(call.input)
-        if not orders or any(frozenset(order) not in self._orders for order in orders):
-            return None  # documents this generator never read in context: not cached so (and nothing to pay)
         node = in_order(call.input, self._orders.get)
         try:
             stock, _ = self._lower(call.model_copy(update={"input": node}), stock=True)
