@@ -889,6 +889,7 @@ class SpanGenerator:
             prepared_tokens=prepare_tokens + seal_tokens,
             padding_tokens=lowered.padded_tokens,
             deferred=len(deferred),
+            in_context=mode == "in-context",
         )
         call_metrics = CallMetrics(
             path=path,

@@ -10,11 +10,12 @@ and readable in process (`snapshot()`).
 | `spanq_padding_tokens_total`             | padding tokens laid out so spans start on a KV block                  |
 | `spanq_prepare_requests_saved_total`     | prepare requests skipped because the cache probe saw the span cached  |
 | `spanq_deferred_spans_total`             | cold spans a call computed in context, to be prepared alone when idle  |
+| `spanq_in_context_calls_total`           | calls that read their documents in context again (no span read)       |
 | `spanq_blocks_relocated_total`           | KV blocks whose keys were moved to a new position (ReRoPE)            |
 | `spanq_span_duplicates_total`            | private block copies planned for concurrent readers (CIDRA)           |
 | `spanq_relocation_seconds_total`         | host time spent moving keys (on a GPU: launching the moves)           |
 
-The first seven are counted where prompts are laid out (the process of `spanq serve`'s API server, or of an
+The first eight are counted where prompts are laid out (the process of `spanq serve`'s API server, or of an
 embedded engine). The last three are counted by the engine core and its workers: read directly when they run
 in this process (an embedded engine), and through vLLM's `collective_rpc` after each query otherwise (`spanq
 serve`, whose engine core runs in a process of its own): a scrape shows them as of the last finished query.
@@ -48,6 +49,7 @@ class LayoutCounters:
     padding_tokens: int = 0
     prepare_requests_saved: int = 0
     deferred_spans: int = 0
+    in_context_calls: int = 0
 
 
 _counters = LayoutCounters()
@@ -63,6 +65,8 @@ _HELP = {
     "padding_tokens": "Padding tokens laid out so that spans start on a KV block.",
     "prepare_requests_saved": "Prepare requests skipped because the cache probe saw the span cached.",
     "deferred_spans": "Cold spans a call computed in context, prepared alone later when the engine was idle.",
+    "in_context_calls": "Calls that read their documents in context again, as the stock prompt in an order the cache "
+    "holds (no span read, none counted as hit).",
 }
 _WORKER_HELP = {
     "blocks_relocated": ("moved_blocks", "KV blocks whose keys were moved to a new position (ReRoPE)."),
@@ -72,12 +76,17 @@ _WORKER_HELP = {
 
 
 def count_call(
-    *, spans: int, prepared: int, prepared_tokens: int, padding_tokens: int, deferred: int = 0
+    *, spans: int, prepared: int, prepared_tokens: int, padding_tokens: int, deferred: int = 0,
+    in_context: bool = False,
 ) -> None:
     """Count one call: `spans` it read, `prepared` of them it computed alone first and `deferred` cold ones it
-    computed in context (prepared alone later: `count_prepared`); the rest were hits."""
+    computed in context (prepared alone later: `count_prepared`); the rest were hits. A call that read its
+    documents `in_context` again read no span (its documents came from the prefix cache as a stock prompt's): it
+    is counted as such, its cold spans as deferred, and no hit."""
     with _lock:
-        if spans:
+        if in_context:
+            _counters.in_context_calls += 1
+        elif spans:
             _counters.span_calls += 1
             _counters.spans_hit += max(0, spans - prepared - deferred)
         _counters.spans_prepared += prepared

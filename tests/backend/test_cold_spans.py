@@ -15,6 +15,7 @@ import asyncio
 import pytest
 
 from benchmarks.hf_span import full_attention_logprobs, span_reference_logprobs
+from spanq_backend.serving import metrics
 from spanq_backend.serving.generator import flattened_prompt_ids
 from spanq_integrations import cross, fragment, generate, plus, system, user
 from tests.backend.logprobs import run_with_logprobs
@@ -121,15 +122,19 @@ def test_documents_read_in_context_before_are_read_so_again_in_any_order_and_ans
         engine.settle()
         again = query(d, "DBCA", question)
         layout = await gen.layout(again)
+        before = metrics.snapshot()
         result = await engine.generate(again)
+        counted = {k: v - before[k] for k, v in metrics.snapshot().items() if k in before}
         spans_layout = gen._lower(again)[0]
         isolated = await gen.layout(again.model_copy(update={"cold_spans": "isolate"}))
         logprobs = await run_with_logprobs(engine, layout.lowered, 5, with_table=False)
-        return layout, result, spans_layout, isolated, logprobs
+        return layout, result, spans_layout, isolated, logprobs, counted
 
-    layout, result, spans_layout, isolated, (_, toks, lps) = asyncio.run(scenario())
+    layout, result, spans_layout, isolated, (_, toks, lps), counted = asyncio.run(scenario())
     m = result.metrics
     assert layout.mode == "in-context" and m.extra["cold_spans"] == "in-context"
+    # `/metrics` counts it as read in context, not as a span call whose four documents were hits (it read none).
+    assert counted["in_context_calls"] == 1 and counted["span_calls"] == 0 and counted["spans_hit"] == 0, counted
     # A call that asks for answers independent of what was read before (a judge: "isolate") reads spans.
     assert isolated.mode == "warm" and isolated.lowered.has_spans
     # The stock prompt, in the order the cache holds (ABCD), with the new question.

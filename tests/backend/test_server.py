@@ -215,7 +215,8 @@ def test_cached_fragments_send_no_prepare_requests(server: SpanqServe):
 
 
 SPAN_COUNTERS = ("span_calls", "spans_prepared", "spans_hit", "prepared_tokens", "padding_tokens",
-                 "prepare_requests_saved", "blocks_relocated", "span_duplicates", "relocation_seconds", "deferred_spans")
+                 "prepare_requests_saved", "blocks_relocated", "span_duplicates", "relocation_seconds", "deferred_spans",
+                 "in_context_calls")
 
 
 def _spanq_counters(url: str) -> dict[str, float]:
