@@ -53,6 +53,50 @@ def test_an_import_against_the_layers_is_caught(tmp_path):
         assert contract in done.stdout and "BROKEN" in done.stdout
 
 
+def imports_of_a_package_above(root: Path) -> list[str]:
+    """Imports, function-local ones included, by which a module reaches a package it belongs to (its
+    `__init__`'s namespace: `from spanq_backend import vllm_integration` in `vllm_integration/worker.py`). The
+    package imports its modules, so each is a circle that import-linter's sibling contract does not see (parent and
+    child are not siblings)."""
+    import ast
+
+    def exists(dotted: str) -> bool:
+        path = root.joinpath(*dotted.split("."))
+        return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+    found = []
+    for top in ("spanq_integrations", "spanq_backend"):
+        for path in sorted((root / top).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            above = {".".join(parts[:i]) for i in range(1, len(parts))}
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    targets = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    targets = [f"{node.module}.{a.name}" if exists(f"{node.module}.{a.name}") else node.module
+                               for a in node.names]  # fmt: skip
+                else:
+                    continue
+                found += [f"{path.relative_to(root)}:{node.lineno} imports {t}" for t in targets if t in above]
+    return found
+
+
+def test_no_module_imports_a_package_it_belongs_to():
+    """#32: `vllm_integration/worker.py` imported its own package to read the span counters (now in
+    `vllm_integration/counters.py`). The check can fail: that import, put back in a copy, is caught."""
+    assert imports_of_a_package_above(ROOT) == []
+
+
+def test_an_import_of_a_package_above_is_caught(tmp_path):
+    copy = _copy(tmp_path)
+    worker = copy / "spanq_backend" / "vllm_integration" / "worker.py"
+    worker.write_text(worker.read_text() + "\n\ndef _later():\n    from spanq_backend import vllm_integration\n")
+    found = imports_of_a_package_above(copy)
+    assert len(found) == 1 and "worker.py" in found[0] and found[0].endswith("imports spanq_backend.vllm_integration")
+
+
 def test_nothing_cites_a_file_outside_the_repository():
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     outside = ("DESIGN.md", "ENVIRONMENT.md", "STYLE.md", "shared/")

@@ -9,6 +9,7 @@ every process it starts (front end, engine core, workers).
 | `frontend` | the process that drives an engine | in-process engine shutdown; the `spanq serve` route |
 | `support` | all | `SpanSupport`: does this engine honour span tables (invariant 9) |
 | `symbols` | all | every vLLM symbol used, with the version it was written for, checked at registration |
+| `counters` | worker, front end | the span runtime's counters of this process (`stats`), and the worker method that returns them |
 | `kv_layout`, `cache_probe` | worker / front end | a loaded model's RoPE and K layout; is a span cached already |
 
 `PATCHES` below is the whole list of what spanq changes in vLLM, each with why: `register()` applies the engine
@@ -20,9 +21,9 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 from spanq_backend.vllm_integration import engine_core, worker
+from spanq_backend.vllm_integration.counters import stats, worker_span_stats
 from spanq_backend.vllm_integration.frontend import FRONTEND_PATCHES
 from spanq_backend.vllm_integration.patching import Patch
 from spanq_backend.vllm_integration.support import (
@@ -78,7 +79,7 @@ PATCHES: tuple[Patch, ...] = (
           add=worker.worker_span_status),
     Patch("worker", "vllm.v1.worker.worker_base", f"WorkerBase.{WORKER_STATS_METHOD}",
           "`spanq serve` reads the span counters of the engine's processes (moves, relocation time, CIDRA "
-          "duplicates) through collective_rpc, for its /metrics", add=worker.worker_span_stats),
+          "duplicates) through collective_rpc, for its /metrics", add=worker_span_stats),
     *FRONTEND_PATCHES,  # scoped: applied where they are needed (frontend.py), not at registration
 )
 
@@ -122,17 +123,3 @@ def register() -> None:
     log.debug("spanq vLLM plugin registered (%d patches)", len(PATCHES))
 
 
-def stats() -> dict[str, Any]:
-    """Span-runtime counters of this process (in-process engines only): moves and the host time they took,
-    duplicates, conflicts, how many span runtimes run here, and how many runners move keys with spanq's compiled
-    CPU op (`kv.kernels.relocate_keys_op`) rather than torch."""
-    runtimes = [s.runtime for s in worker.runner_spans.values() if s.runtime is not None]
-    return {
-        "runtimes": len(runtimes),
-        "relocation_seconds": sum(rt.relocation_seconds for rt in runtimes),
-        "moved_blocks": sum(rt.relocator.moved_blocks for rt in runtimes),
-        "compiled_runners": sum(rt.relocator.uses_compiled_kernel for rt in runtimes),
-        "conflicts": sum(rt.tracker.conflicts for rt in runtimes),
-        "duplicates": sum(m.planner.duplicates_planned for m in engine_core.manager_spans.values()),
-        "hashing_seconds": engine_core.HASHING["seconds"],
-    }

@@ -203,13 +203,6 @@ def worker_span_status(worker: Any) -> tuple[bool, str]:
         return False, f"checking the model runner failed: {type(e).__name__}: {e}"
 
 
-def worker_span_stats(worker: Any) -> dict[str, Any]:
-    """Installed on vLLM's `WorkerBase` as `support.WORKER_STATS_METHOD`: the span counters of this process."""
-    from spanq_backend import vllm_integration
-
-    return vllm_integration.stats()
-
-
 # The runtime whose step is between its block copies and its forward pass, per thread (in-process engines
 # step on threads of their own).
 _stepping = threading.local()
