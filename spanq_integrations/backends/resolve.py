@@ -16,10 +16,12 @@ from spanq_integrations.query.errors import SpanQueryError
 
 __all__ = [
     "API_KEY_ENV",
+    "BACKEND_ENV",
     "BACKEND_URL_SCHEMES",
     "EMBEDDED",
     "check_backend_spec",
     "default_backend",
+    "env_backend",
     "resolve_backend",
 ]
 
@@ -28,6 +30,7 @@ __all__ = [
 EMBEDDED = "spanq_backend.serving.embedded"
 
 API_KEY_ENV = "SPANQ_API_KEY"  # the bearer token sent to URL backends when the caller passes none
+BACKEND_ENV = "SPANQ_BACKEND"  # the backend of callers that name none (None): a URL or "embedded"
 SPAN_SCHEMES = ("spanq+http://", "spanq+https://")
 BACKEND_URL_SCHEMES = ("http://", "https://", *SPAN_SCHEMES)
 
@@ -38,6 +41,11 @@ DEFAULT_MAX_RETRIES = 2
 def embedded(attr: str) -> Any:
     """An attribute of the embedded backend's module, imported on first use."""
     return getattr(importlib.import_module(EMBEDDED), attr)
+
+
+def env_backend() -> str | None:
+    """`$SPANQ_BACKEND` (a URL or "embedded"): where a caller that names no backend runs; None when unset."""
+    return os.environ.get(BACKEND_ENV) or None
 
 
 def default_backend(model: str | None = None) -> Backend:
@@ -73,12 +81,18 @@ def resolve_backend(
 ) -> tuple[Backend, bool]:
     """A backend for `spec`, and whether the caller owns it (must close it).
 
-    A `Backend`: itself (not owned). `None` or `"embedded"`: the shared embedded engine on `model` (the default
-    model when None; not owned). `"spanq+http://host:port"`: a `spanq serve` server; any other `http(s)://` URL:
+    A `Backend`: itself (not owned). `None`: `$SPANQ_BACKEND` where it is set, else as `"embedded"`. `"embedded"`:
+    the shared embedded engine on `model` (the default model when None; not owned). `"spanq+http://host:port"`: a `spanq serve` server; any other `http(s)://` URL:
     an OpenAI-compatible server — both owned, with `model` as the model of calls that name none, `timeout`
     seconds per request (default 600), `max_retries` retries of a connection that failed (default 2) and
     `api_key` as the bearer token (default: `$SPANQ_API_KEY`, if set).
     """
+    if spec is None and (from_env := env_backend()) is not None:
+        try:
+            check_backend_spec(from_env)
+        except SpanQueryError as e:
+            raise SpanQueryError(f"${BACKEND_ENV}: {e}") from None
+        spec = from_env
     check_backend_spec(spec)
     if isinstance(spec, Backend):
         return spec, False

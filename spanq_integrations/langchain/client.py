@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -22,6 +21,7 @@ from langchain_core.utils import secret_from_env
 from pydantic import BaseModel, Field, PrivateAttr, SecretStr, field_validator
 
 from spanq_integrations.backends.protocol import Backend, CallMetrics
+from spanq_integrations.backends.resolve import API_KEY_ENV, env_backend
 from spanq_integrations.langchain.messages import (
     PromptMessage,
     SpanCandidate,
@@ -166,7 +166,7 @@ _SPAN_INDEX = re.compile(r"\bspan (\d+)\b")
 class SpanQueryClient(BaseModel):
     """The parameters and machinery of spanq's LangChain models (a mixin; not used on its own)."""
 
-    backend: Any = Field(default_factory=lambda: os.environ.get("SPANQ_BACKEND") or None)
+    backend: Any = Field(default_factory=env_backend)
     """Where calls run: None or "embedded" — the embedded span-aware engine on the default model (SmolLM2);
     "spanq+http://host:port" — a `spanq serve` server; any other "http(s)://…" URL — an OpenAI-compatible
     server (spans flattened into ordinary messages); or a `Backend` instance. Default: $SPANQ_BACKEND."""
@@ -177,14 +177,15 @@ class SpanQueryClient(BaseModel):
     max_tokens: int | None = Field(default=None, ge=0)
     """The most tokens to generate; None: the backend's default."""
     timeout: float | None = None
-    """Seconds a whole call may take (also the HTTP timeout of URL backends); None: no limit."""
+    """Seconds a whole call may take (also the HTTP timeout of URL backends); None: no limit on the call (URL
+    backends keep the resolver's HTTP timeout, 600 s)."""
     stop: list[str] | None = None
     """Stop sequences."""
     max_retries: int = 2
     """URL backends: how often a failed connection is retried."""
     streaming: bool = False
     """Whether `invoke` streams (callbacks' `on_llm_new_token` then sees each piece)."""
-    api_key: SecretStr | None = Field(default_factory=secret_from_env("SPANQ_API_KEY", default=None))
+    api_key: SecretStr | None = Field(default_factory=secret_from_env(API_KEY_ENV, default=None))
     """URL backends: the bearer token sent. Default: $SPANQ_API_KEY."""
     seed: int | None = None
     """Sampling seed."""
@@ -237,7 +238,7 @@ class SpanQueryClient(BaseModel):
 
         key = self.api_key.get_secret_value() if self.api_key is not None else None
         return resolve_backend(
-            self.backend, self.model or None, timeout=self.timeout or 600, max_retries=self.max_retries, api_key=key
+            self.backend, self.model or None, timeout=self.timeout, max_retries=self.max_retries, api_key=key
         )
 
     def _get_backend(self) -> Backend:

@@ -394,6 +394,40 @@ def test_the_api_key_reaches_a_server_that_wants_one(stock_vllm_server, monkeypa
 
 
 @pytest.mark.vllm
+def test_spanq_backend_in_the_environment_is_where_calls_that_name_none_run(stock_vllm_server, monkeypatch, tmp_path,
+                                                                            capsys):  # fmt: skip
+    """#32, one resolver: `$SPANQ_BACKEND` was read by LangChain's model alone; `execute(q)`, LlamaIndex's
+    `SpanQueryLLM()` and `spanq run` without `--backend` started the embedded engine instead (and this test failed
+    at its first check). The resolver reads it now, for every caller that names no backend; a bad value is named
+    as the variable's."""
+    from spanq_integrations import SpanQueryError, execute, resolve_backend
+    from spanq_integrations.cli import main
+    from spanq_integrations.llamaindex import SpanQueryLLM
+
+    monkeypatch.setenv("SPANQ_BACKEND", stock_vllm_server)
+    backend, owned = resolve_backend(None, "tiny")
+    try:
+        assert owned and isinstance(backend, OpenAIBackend), backend
+        assert backend.base_url == normalize_base_url(stock_vllm_server)
+    finally:
+        asyncio.run(backend.aclose())
+    query = generate(user("Hi"), model="tiny", max_tokens=2, temperature=0)
+    assert execute(query).calls[-1].model == "tiny"  # the stock server's model, not the embedded engine's
+    llm = SpanQueryLLM(model="tiny", max_tokens=2, temperature=0.0)
+    try:
+        assert [c["model"] for c in llm.complete("Hi").raw["spanq"]["per_call"]] == ["tiny"]
+    finally:
+        llm.close()
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps({"g": {"model": "tiny", "input": {"user": "Hi"}, "max_tokens": 2, "temperature": 0}}))
+    assert main(["run", str(path), "--json"]) == 0
+    assert [c["model"] for c in json.loads(capsys.readouterr().out)["calls"]] == ["tiny"]
+    monkeypatch.setenv("SPANQ_BACKEND", "ftp://nowhere")
+    with pytest.raises(SpanQueryError, match=r"^\$SPANQ_BACKEND: unknown backend 'ftp://nowhere'"):
+        resolve_backend(None)
+
+
+@pytest.mark.vllm
 async def test_unknown_model_names_it_and_the_served_ones(backend):
     with pytest.raises(ModelNotFoundError, match=r"'no-such-model'.*serves tiny"):
         await backend.generate(generate(user("hi"), model="no-such-model", max_tokens=2))
