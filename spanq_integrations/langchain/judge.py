@@ -136,13 +136,16 @@ class JudgeEnsemble(RunnableSerializable[Any, JudgeVerdict]):
         return question, list(value.get("documents") or ()), candidates
 
     def generators(self, question: str, documents: Sequence[Any] = ()) -> list[Node]:
-        """The `n` candidate generations: one input (the documents as one `plus`), distinct seeds."""
+        """The `n` candidate generations: one input (the documents as one `plus`, under the model's `span_anchor`
+        and `recompute`), distinct seeds."""
         context = [
             fragment(d.page_content, id=document_span_id(d)) if isinstance(d, Document) else fragment(str(d))
             for d in documents
         ]
         generator_input = cross(
-            system(self.generator_instruction), *([plus(context)] if context else []), user(question)
+            system(self.generator_instruction),
+            *([plus(context, anchor=self.llm.span_anchor)] if context else []),
+            user(question),
         )
         return [
             generate(
@@ -151,6 +154,7 @@ class JudgeEnsemble(RunnableSerializable[Any, JudgeVerdict]):
                 max_tokens=self.candidate_max_tokens or self.llm.max_tokens or 0,
                 temperature=self.candidate_temperature,
                 seed=self.seed + i,
+                recompute=self.llm.recompute,
             )
             for i in range(self.n)
         ]

@@ -155,7 +155,12 @@ class SpanQueryPairwiseEvaluator(BaseEvaluator):
             question += f"\n\nReference:\n{reference}"
         spans = [fragment(candidates[i]) for i in canonical_order(candidates)]
         return self._llm.generate_call(
-            cross(system(self._system_prompt), user(question), plus(*spans), user(self._instruction)),
+            cross(
+                system(self._system_prompt),
+                user(question),
+                plus(*spans, anchor=self._llm.span_anchor),
+                user(self._instruction),
+            ),
             max_tokens=self._max_tokens,
             temperature=0.0,
         )

@@ -106,8 +106,9 @@ class SpanQuerySynthesizer(BaseSynthesizer):
         metadata_mode: MetadataMode = MetadataMode.LLM,
         span_anchor: AnchorPolicy | None = None,
     ) -> None:
-        """`span_anchor`: what each node's KV is computed after (see `spanq_integrations.plus`); None is the
-        backend's default, "template": a node is reused whatever question or system prompt precedes it."""
+        """`span_anchor`: what each node's KV is computed after (see `spanq_integrations.plus`); None is the LLM's
+        (`SpanQueryLLM.span_anchor`, whose None is the backend's default); "template": a node is reused whatever
+        question or system prompt precedes it."""
         span_llm = span_query_llm(llm)
         super().__init__(
             llm=span_llm,
@@ -153,7 +154,7 @@ class SpanQuerySynthesizer(BaseSynthesizer):
         return self._span_llm.generate_call(
             cross(
                 system(self._system_prompt),
-                plus(*fragments, anchor=self._span_anchor),
+                plus(*fragments, anchor=self._span_anchor or self._span_llm.span_anchor),
                 user(self._query_template.format(query_str=query_str)),
             ),
             max_tokens=self._max_tokens,

@@ -101,3 +101,15 @@ def test_strict_raises_when_the_judge_names_no_candidate(llm):
     assert lenient.parse_error and lenient.verdict == lenient.levels[-1].calls[0].output
     with pytest.raises(ReducerParseError, match="select"):
         JudgeEnsemble(llm=llm, strict=True).invoke({"question": QUESTION, "candidates": candidates})
+
+
+def test_the_models_span_anchor_and_recompute_reach_the_ensembles_generators():
+    """#32 item 9: the documents the candidates are generated from are spans under the model's `span_anchor`, and
+    the generations recompute as the model says (both were the backend's defaults, whatever the model said)."""
+    from spanq_integrations import Plus
+    from spanq_integrations.query.ir import walk
+
+    model = ChatSpanQuery(backend="http://127.0.0.1:9/v1", span_anchor="prefix", recompute="first")
+    generators = JudgeEnsemble(llm=model, n=2).generators("q", ["doc one", "doc two"])
+    assert [[n.anchor for _, n in walk(g) if isinstance(n, Plus)] for g in generators] == [["prefix"], ["prefix"]]
+    assert [g.recompute for g in generators] == ["first", "first"]

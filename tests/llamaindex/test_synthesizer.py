@@ -62,6 +62,24 @@ def test_recompute_set_on_the_llm_reaches_the_synthesizers_call(town_index, tiny
     assert synthesizer.build_query("q", ["a"]).recompute == 0.5
 
 
+def test_the_llms_span_anchor_and_recompute_reach_the_synthesizer_and_the_judge():
+    """#32 item 9: span settings set on the LLM reach every adapter that sends spans. The synthesizer's own
+    `span_anchor` wins; when it names none the LLM's applies (it was the backend's default, whatever the LLM
+    said); the pairwise judge's candidates carried no anchor at all. No call is made: the queries are built."""
+    from spanq_integrations.llamaindex import SpanQueryPairwiseEvaluator
+    from spanq_integrations.query.ir import walk
+
+    def anchors(query):
+        return [n.anchor for _, n in walk(query) if isinstance(n, Plus)]
+
+    llm = SpanQueryLLM(backend="http://127.0.0.1:9/v1", span_anchor="prefix", recompute="first")
+    built = SpanQuerySynthesizer(llm=llm).build_query("q", ["a", "b"])
+    assert anchors(built) == ["prefix"] and built.recompute == "first"
+    assert anchors(SpanQuerySynthesizer(llm=llm, span_anchor="system").build_query("q", ["a", "b"])) == ["system"]
+    judged = SpanQueryPairwiseEvaluator(llm=llm).build_query("q", ["a", "b"])
+    assert anchors(judged) == ["prefix"] and judged.recompute == "first"
+
+
 def test_every_node_is_its_own_span_with_its_id(span_llm):
     synthesizer = SpanQuerySynthesizer(llm=span_llm, system_prompt="S", query_template="Q: {query_str}")
     nodes = nodes_of("alpha", "  ", "gamma")
