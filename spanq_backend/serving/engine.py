@@ -193,24 +193,18 @@ class SpanEngine:
         self.config = config or EngineConfig(**overrides)
         if config is not None and overrides:
             self.config = EngineConfig(**{**config.__dict__, **overrides})
-        from spanq_backend.serving.models import resolve_model
-
-        self.model_path: Path = resolve_model(self.config.model)
-        self.model_name = self.config.served_model_name or self.model_path.name
-        from spanq_backend.serving.families import check_loadable
+        from spanq_backend.kv.rerope import RelocationError
+        from spanq_backend.serving.admission import admit
+        from spanq_backend.serving.families import UnsupportedModelError, family_line
 
         try:
-            check_loadable(self.model_path)
-        except ValueError as e:
+            self.admitted = admit(self.config.model, spans=self.config.spans)  # as `spanq serve` admits it
+        except UnsupportedModelError as e:
             raise BackendError(str(e)) from None
-        if self.config.spans:
-            from spanq_backend.kv.rerope import RelocationError
-            from spanq_backend.serving.families import check_spans, family_line
-
-            try:
-                check_spans(self.model_path)
-            except RelocationError as e:
-                raise BackendError(f"spans are refused for this model: {e}") from e
+        except RelocationError as e:
+            raise BackendError(f"spans are refused for this model: {e}") from e
+        self.model_path: Path = self.admitted.path
+        self.model_name = self.config.served_model_name or self.model_path.name
         _cpu_env_defaults()
         from spanq_backend.serving import logs
 
@@ -274,8 +268,6 @@ class SpanEngine:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        from spanq_backend.vllm_integration.kv_layout import has_sliding_window_layers
-
         c = self.config
         args = EngineArgs(
             model=str(self.model_path),
@@ -288,7 +280,7 @@ class SpanEngine:
             num_gpu_blocks_override=c.num_blocks,
             **c.engine_options(),  # dtype, enforce_eager, the KV cache's size: by platform
             # Sliding-window layers in the same KV cache group as the others: the group spans are moved in.
-            disable_hybrid_kv_cache_manager=True if c.spans and has_sliding_window_layers(self.model_path) else None,
+            disable_hybrid_kv_cache_manager=self.admitted.disable_hybrid_kv_cache_manager,
             **({"structured_outputs_config": StructuredOutputsConfig(**COMPACT_JSON)} if c.compact_json else {}),
         )
         with _kv_cache_size_of_its_own(c):

@@ -97,7 +97,7 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from spanq_backend.serving.models import resolve_model, served_names
+    from spanq_backend.serving.models import served_names
 
     parser = make_arg_parser(
         FlexibleArgumentParser(
@@ -165,14 +165,14 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
             "spanq serve runs one HTTP API server: --headless, --grpc and --api-server-count are not supported"
         )
     spec = args.model_tag or args.model
-    path = resolve_model(spec)
-    from spanq_backend.serving.families import check_loadable, check_spans
-    from spanq_backend.vllm_integration.kv_layout import has_sliding_window_layers
+    from spanq_backend.serving.admission import admit
 
-    check_loadable(path)  # an architecture vLLM does not run: refused here, in one line
-    check_spans(path)  # a RelocationError (a ValueError) refuses the model before vLLM starts
-    if has_sliding_window_layers(path) and args.disable_hybrid_kv_cache_manager is None:
-        args.disable_hybrid_kv_cache_manager = True  # one KV cache group: the one spans are moved in
+    # As `SpanEngine` admits it: an unknown name, an architecture vLLM does not run, a model spans are refused on
+    # (all ValueErrors) are refused here, in one line, before vLLM starts.
+    admitted = admit(spec, spans=True)
+    path = admitted.path
+    if args.disable_hybrid_kv_cache_manager is None:
+        args.disable_hybrid_kv_cache_manager = admitted.disable_hybrid_kv_cache_manager
     args.model, args.model_tag = str(path), None
     if not args.served_model_name:
         # Answer to the name the server was started with (`tiny`, a folder, a hub id) as well as the folder's:

@@ -124,3 +124,8 @@ def test_an_architecture_vllm_does_not_run_is_refused_before_any_engine_state(tm
     path = folder(tmp_path, architectures=["FrobnicatorForCausalLM"])
     with pytest.raises(BackendError, match="vLLM does not run the architecture FrobnicatorForCausalLM"):
         SpanEngine(model=str(path))
+    # `spanq serve` admits a model through the same step (`serving.admission.admit`), in the same words.
+    from spanq_backend.serving.server import parse_serve_args
+
+    with pytest.raises(ValueError, match="vLLM does not run the architecture FrobnicatorForCausalLM"):
+        parse_serve_args(["--model", str(path)])
