@@ -30,7 +30,12 @@ from spanq_integrations.query.errors import (
     SpanQueryError,
 )
 
+DEFAULT_TIMEOUT_S = 600.0  # seconds a URL backend waits for an answer, unless told otherwise (every front door)
+DEFAULT_MAX_RETRIES = 2  # retries of a connection that failed
+
 __all__ = [
+    "DEFAULT_MAX_RETRIES",
+    "DEFAULT_TIMEOUT_S",
     "ChunkStream",
     "HTTPBackend",
     "StreamResult",
@@ -274,8 +279,8 @@ class HTTPBackend(Backend):
         self,
         base_url: str,
         *,
-        timeout: float = 600,
-        max_retries: int = 2,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_retries: int = DEFAULT_MAX_RETRIES,
         headers: dict[str, str] | None = None,
         max_concurrency: int = 8,
         api_key: str | None = None,

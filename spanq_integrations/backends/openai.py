@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spanq_integrations.backends._http import HTTPBackend
+from spanq_integrations.backends._http import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, HTTPBackend
 from spanq_integrations.backends.protocol import BackendCapabilities, CallMetrics, Completion, TokenCallback
 from spanq_integrations.query.flatten import to_chat_messages
 from spanq_integrations.query.ir import Generate, child_paths
@@ -41,8 +41,8 @@ class OpenAIBackend(HTTPBackend):
         base_url: str,
         model: str | None = None,
         api_key: str | None = None,
-        timeout: float = 600,
-        max_retries: int = 2,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_retries: int = DEFAULT_MAX_RETRIES,
         max_concurrency: int = 8,
         headers: dict[str, str] | None = None,
     ):

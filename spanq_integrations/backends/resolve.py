@@ -11,6 +11,7 @@ import importlib
 import os
 from typing import Any
 
+from spanq_integrations.backends._http import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S
 from spanq_integrations.backends.protocol import Backend
 from spanq_integrations.query.errors import SpanQueryError
 
@@ -18,6 +19,8 @@ __all__ = [
     "API_KEY_ENV",
     "BACKEND_ENV",
     "BACKEND_URL_SCHEMES",
+    "DEFAULT_MAX_RETRIES",
+    "DEFAULT_TIMEOUT_S",
     "EMBEDDED",
     "check_backend_spec",
     "default_backend",
@@ -34,8 +37,6 @@ BACKEND_ENV = "SPANQ_BACKEND"  # the backend of callers that name none (None): a
 SPAN_SCHEMES = ("spanq+http://", "spanq+https://")
 BACKEND_URL_SCHEMES = ("http://", "https://", *SPAN_SCHEMES)
 
-DEFAULT_TIMEOUT_S = 600.0
-DEFAULT_MAX_RETRIES = 2
 
 
 def embedded(attr: str) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from spanq_integrations.backends._http import HTTPBackend
+from spanq_integrations.backends._http import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, HTTPBackend
 from spanq_integrations.backends.protocol import (
     BackendCapabilities,
     CallMetrics,
@@ -53,8 +53,8 @@ class SpanBackend(HTTPBackend):
         self,
         base_url: str,
         model: str | None = None,
-        timeout: float = 600,
-        max_retries: int = 2,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_retries: int = DEFAULT_MAX_RETRIES,
         max_concurrency: int = 8,
         headers: dict[str, str] | None = None,
         api_key: str | None = None,

@@ -21,7 +21,7 @@ from langchain_core.utils import secret_from_env
 from pydantic import BaseModel, Field, PrivateAttr, SecretStr, field_validator
 
 from spanq_integrations.backends.protocol import Backend, CallMetrics
-from spanq_integrations.backends.resolve import API_KEY_ENV, env_backend
+from spanq_integrations.backends.resolve import API_KEY_ENV, DEFAULT_MAX_RETRIES, env_backend
 from spanq_integrations.langchain.messages import (
     PromptMessage,
     SpanCandidate,
@@ -181,7 +181,7 @@ class SpanQueryClient(BaseModel):
     backends keep the resolver's HTTP timeout, 600 s)."""
     stop: list[str] | None = None
     """Stop sequences."""
-    max_retries: int = 2
+    max_retries: int = DEFAULT_MAX_RETRIES
     """URL backends: how often a failed connection is retried."""
     streaming: bool = False
     """Whether `invoke` streams (callbacks' `on_llm_new_token` then sees each piece)."""
@@ -196,7 +196,7 @@ class SpanQueryClient(BaseModel):
     """What each document's KV is computed after (see `spanq_integrations.plus`): None is the backend's default
     ("template": reused after any question or conversation); "prefix" is exact but reused only after the same
     prompt prefix."""
-    recompute: float | Literal["first", "last"] | None = None
+    recompute: float | Literal["first", "last", "question"] | None = None
     """How much of each document a span backend computes again in context, for quality: 0 none, "first" / "last"
     each document's first / last KV block, a share in (0, 1] of the document blocks; None is the backend's
     default. Other backends ignore it."""

@@ -36,7 +36,7 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 
 from spanq_integrations.backends import Backend, resolve_backend
-from spanq_integrations.backends.resolve import check_backend_spec
+from spanq_integrations.backends.resolve import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, check_backend_spec
 from spanq_integrations.llamaindex.run_nodes import current_record, install_tracker
 from spanq_integrations.llamaindex.usage import METADATA_KEY, usage_of
 from spanq_integrations.optimizer.context import TreeReduction
@@ -171,10 +171,10 @@ class SpanQueryLLM(FunctionCallingLLM):
     context_window: int | None = Field(
         default=None, description="The model's context window; None asks the embedded engine, else 4096."
     )
-    timeout: float = Field(default=600.0, gt=0, description="Seconds an HTTP backend waits for an answer.")
-    max_retries: int = Field(default=2, ge=0, description="Retries of an HTTP connection that failed.")
+    timeout: float = Field(default=DEFAULT_TIMEOUT_S, gt=0, description="Seconds an HTTP backend waits for an answer.")
+    max_retries: int = Field(default=DEFAULT_MAX_RETRIES, ge=0, description="Retries of an HTTP connection that failed.")
     seed: int | None = Field(default=None, description="Sampling seed, for temperature > 0.")
-    recompute: float | Literal["first", "last"] | None = Field(
+    recompute: float | Literal["first", "last", "question"] | None = Field(
         default=None,
         description="How much of each node a span backend computes again in context, for quality: 0 none, 'first' "
         "/ 'last' each node's first / last KV block, a share in (0, 1] of the node blocks; None: the backend's default.",
