@@ -179,6 +179,8 @@ class JudgeEnsemble(RunnableSerializable[Any, JudgeVerdict]):
                 temperature=0.0,
                 seed=self.seed,
                 combine=self.combine,
+                span_anchor=self.llm.span_anchor,
+                recompute=self.llm.recompute,
             )
         except ReducerParseError as e:
             if self.strict or getattr(e, "result", None) is None:

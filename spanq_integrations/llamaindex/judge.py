@@ -212,6 +212,8 @@ class SpanQueryPairwiseEvaluator(BaseEvaluator):
                 max_tokens=self._max_tokens,
                 temperature=0.0,
                 combine="code",
+                span_anchor=self._llm.span_anchor,
+                recompute=self._llm.recompute,
             )
             judged = await background_loop().arun(scored)
         except ReducerParseError as e:

@@ -40,6 +40,7 @@ from spanq_integrations.query.errors import QueryValidationError, ReducerParseEr
 from spanq_integrations.query.flatten import block_text
 from spanq_integrations.query.ir import (
     NODE_TYPES,
+    AnchorPolicy,
     Assistant,
     Combine,
     Cross,
@@ -49,6 +50,7 @@ from spanq_integrations.query.ir import (
     Node,
     Plus,
     Print,
+    Recompute,
     System,
     User,
     child_paths,
@@ -199,13 +201,17 @@ def _candidates(candidates: Sequence[Candidate]) -> list[Node]:
 
 
 def _judge_generate(
-    reducer: Reducer, candidates: Sequence[Node], instruction: str, settings: dict[str, Any]
+    reducer: Reducer,
+    candidates: Sequence[Node],
+    instruction: str,
+    settings: dict[str, Any],
+    span_anchor: AnchorPolicy | None = None,
 ) -> Generate:
     return Generate(
         input=Cross(
             children=(
                 System(text=reducer.system_prompt),
-                Plus(children=tuple(candidates)),
+                Plus(children=tuple(candidates), anchor=span_anchor),
                 User(text=reducer.instruction(instruction)),
             )
         ),
@@ -213,11 +219,13 @@ def _judge_generate(
     )
 
 
-def _settings(model: str, max_tokens: int, temperature: float, seed: int | None) -> dict[str, Any]:
+def _settings(
+    model: str, max_tokens: int, temperature: float, seed: int | None, recompute: Recompute | None = None
+) -> dict[str, Any]:
     # Candidates a span engine has not cached are read each alone first, whatever their size: the verdict must
     # not depend on which candidate came first, even the first time (docs/design.md, "Cold spans").
     return {"model": model, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-            "cold_spans": "isolate"}
+            "cold_spans": "isolate", "recompute": recompute}
 
 
 def judge_query(
@@ -229,12 +237,15 @@ def judge_query(
     max_tokens: int = DEFAULT_JUDGE_MAX_TOKENS,
     temperature: float = 0.0,
     seed: int | None = None,
+    span_anchor: AnchorPolicy | None = None,
+    recompute: Recompute | None = None,
 ) -> Generate:
     """The flat judge as a span query: one call that reads every candidate. `optimize(..., tree_reduction=
-    tree_reduction_of(reducer, instruction, k, "model"))` turns it into the tree."""
+    tree_reduction_of(reducer, instruction, k, "model"))` turns it into the tree. `span_anchor`, `recompute`:
+    the candidates' anchor policy and the judges' recompute setting on a span engine (None: the backend's)."""
     r = resolve_reducer(reducer)
     nodes = [r.present(i, c) for i, c in enumerate(_candidates(candidates))]
-    return _judge_generate(r, nodes, instruction, _settings(model, max_tokens, temperature, seed))
+    return _judge_generate(r, nodes, instruction, _settings(model, max_tokens, temperature, seed, recompute), span_anchor)
 
 
 def tree_reduction_of(
@@ -265,6 +276,8 @@ def judge_plan(
     temperature: float = 0.0,
     seed: int | None = None,
     combine: CombineMode = "auto",
+    span_anchor: AnchorPolicy | None = None,
+    recompute: Recompute | None = None,
 ) -> Node:
     """The optimized query `judge` runs: the flat judge rewritten by the optimizer's tree-reduction rule.
 
@@ -282,7 +295,9 @@ def judge_plan(
     nodes = _candidates(candidates)
     nonce = secrets.token_hex(6)
     placeholders = [Fragment(text=f"\u27e6spanq-judge-candidate:{i}:{nonce}\u27e7") for i in range(len(nodes))]
-    flat = _judge_generate(r, placeholders, instruction, _settings(model, max_tokens, temperature, seed))
+    flat = _judge_generate(
+        r, placeholders, instruction, _settings(model, max_tokens, temperature, seed, recompute), span_anchor
+    )
     tree = optimize(flat, capabilities, tree_reduction=tree_reduction_of(r, instruction, k, mode or "model"))
     presented = {
         p.text: r.present(i, optimize(c, capabilities)) for i, (p, c) in enumerate(zip(placeholders, nodes))
@@ -435,12 +450,16 @@ async def ajudge(
     seed: int | None = None,
     max_concurrency: int | None = None,
     combine: CombineMode = "auto",
+    span_anchor: AnchorPolicy | None = None,
+    recompute: Recompute | None = None,
 ) -> JudgeResult:
     """Judge `candidates` by `instruction` with a reducer template; `k` (>= 2) makes it a k-ary tree of judges,
     `k=None` one flat judge. `backend` is a `Backend`, a URL, or None for the embedded default. `combine`:
     how a tree combines its judges' answers, `code` (model calls at the leaves only; `auto`, the default, where
     the reducer's combine is exact in code: extract, select by scores, count, vote) or `model` (model calls at
-    every level: the only way for `merge`).
+    every level: the only way for `merge`). `span_anchor`, `recompute`: on a span engine, what each candidate's
+    KV is computed after (see `plus`) and how much of it the judges compute again in context (see `generate`);
+    None: the backend's defaults.
 
     Errors: `QueryValidationError` for k < 2, no candidates or an unknown reducer (before any call);
     `ReducerParseError` when the root's answer cannot be parsed: it names the call's path, shows the output
@@ -458,6 +477,7 @@ async def ajudge(
         plan = judge_plan(
             nodes, instruction, k, r, be.capabilities,
             model=model, max_tokens=max_tokens, temperature=temperature, seed=seed, combine=mode or "model",
+            span_anchor=span_anchor, recompute=recompute,
         )  # fmt: skip
         run = await aexecute(
             plan, be, optimize=False, max_concurrency=max_concurrency, reducers={r.name: r}

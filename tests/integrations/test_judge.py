@@ -361,6 +361,21 @@ def test_plan_is_the_optimizer_rule_applied_to_the_flat_judge():
     assert sum(isinstance(n, Generate) for _, n in walk(in_code)) == 4
 
 
+def test_span_anchor_and_recompute_reach_every_judge_of_the_tree():
+    """#32 item 9: `judge(span_anchor=, recompute=)` (and the adapters' judges, from their model's settings): every
+    judge of the tree reads its candidates or answers under that anchor, and recomputes as told; by default
+    neither is set (the backend's defaults)."""
+    for combine in ("model", "code"):
+        plan = judge_plan(CANDIDATES, INSTRUCTION, k=2, combine=combine, span_anchor="system", recompute="first")
+        judges = [n for _, n in walk(plan) if isinstance(n, Generate)]
+        groups = [c for g in judges for c in g.input.children if isinstance(c, Plus)]  # what each judge reads
+        assert judges and all(g.recompute == "first" for g in judges), combine
+        assert groups and all(p.anchor == "system" for p in groups), combine
+        plain = judge_plan(CANDIDATES, INSTRUCTION, k=2, combine=combine)
+        assert all(n.recompute is None for _, n in walk(plain) if isinstance(n, Generate))
+        assert all(n.anchor is None for _, n in walk(plain) if isinstance(n, Plus))
+
+
 def test_candidates_are_opaque_to_the_rewrite():
     # a candidate's own plus is neither flattened into the judge's nor tree-reduced
     inner = generate(Cross(children=(Plus(children=tuple(user(c) for c in CANDIDATES)), user("sum up"))))
