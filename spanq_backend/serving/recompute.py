@@ -15,7 +15,9 @@ that cached span blocks follow is computed by a request of its own over the prom
 (`RecomputePlan.ends`); the last run, when no span follows it, is left to the request itself.
 
 Which blocks (`choose_blocks`): `"first"` (each span's first block: the tokens that, computed alone, saw the
-least), `"last"` (each span's last block: what the text after the spans reads first), or a share in (0, 1] of all
+least), `"last"` (each span's last block: what the text after the spans reads first), `"question"` (as many blocks
+as spans, those that share the most with the question by the score below, wherever they sit; none that shares
+nothing), or a share in (0, 1] of all
 span blocks, picked by a cheap criterion that needs no model pass: first the spans' first blocks, then the other
 blocks; within each, those that share the most with the text after the spans (the question, not the last span's
 tail left as context), each shared token weighted by its rarity among the span blocks (an inverse document
@@ -32,7 +34,7 @@ from dataclasses import dataclass, replace
 
 from spanq_backend.kv.span_table import MAX_ANCHOR_TOKENS, Anchor, SpanTable
 from spanq_backend.serving.lowering import LoweredPrompt
-from spanq_integrations.query.ir import Recompute
+from spanq_integrations.query.ir import RECOMPUTE_POLICIES, Recompute
 
 __all__ = ["DEFAULT_RECOMPUTE", "RecomputePlan", "choose_blocks", "plan_recompute", "recompute_arg", "recompute_setting"]
 
@@ -44,15 +46,17 @@ DEFAULT_RECOMPUTE: Recompute = 0.0
 
 
 def recompute_setting(value: Recompute | str | float | None) -> Recompute:
-    """A recompute setting read from a flag or a config: "first", "last", or a share in [0, 1] ("none" is 0)."""
+    """A recompute setting read from a flag or a config: "first", "last", "question", or a share in [0, 1] ("none"
+    is 0)."""
     if value is None or value == "none":
         return 0.0
-    if value in ("first", "last"):
+    if value in RECOMPUTE_POLICIES:
         return value  # type: ignore[return-value]
     try:
         share = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"recompute must be a share between 0 and 1, 'first', 'last' or 'none'; got {value!r}") from None
+        names = ", ".join(repr(p) for p in RECOMPUTE_POLICIES)
+        raise ValueError(f"recompute must be a share between 0 and 1, {names} or 'none'; got {value!r}") from None
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"recompute must be a share between 0 and 1, got {share:g}")
     return share
@@ -99,11 +103,30 @@ def choose_blocks(lowered: LoweredPrompt, setting: Recompute, pad_token_id: int 
         return [(i, 0) for i in spans]
     if setting == "last":
         return [(i, sizes[i] - 1) for i in spans]
+    if setting == "question":  # as many blocks as "first", the ones the question shares most with, wherever
+        ranked = sorted((-score, start, pair) for pair, start, score in _question_scores(lowered, spans, pad_token_id)
+                        if score > 0)  # fmt: skip
+        return sorted(pair for *_, pair in ranked[: len(spans)])
     share = float(setting)
     if share <= 0.0 or not spans:
         return []
     total = sum(sizes)
     budget = max(1, math.floor(share * total + 1e-9))
+    # Each span's first block comes first (computed alone, it saw least: measured the most useful block to
+    # recompute), the most relevant spans' first; then the blocks that share most with the question.
+    scored = [(pair[1] != 0, -score, start, pair) for pair, start, score in _question_scores(lowered, spans, pad_token_id)]
+    scored.sort()
+    return sorted(pair for *_, pair in scored[:budget])
+
+
+def _question_scores(
+    lowered: LoweredPrompt, spans: list[int], pad_token_id: int | None
+) -> list[tuple[tuple[int, int], int, float]]:
+    """Each block of `spans` — (span, block), its first token's position — and how much it shares with the text
+    after the spans (the question)."""
+    table = lowered.table
+    bs = table.block_size
+    sizes = [(e - s) // bs for s, e in table.spans]
     # What the question reads: the tokens after the last span, less that span's own tail where the prompt keeps
     # it as context (its prepare tail without the padding: the last document's words are not the question's).
     tail = lowered.prepare_tails.get(len(table.spans) - 1, ())
@@ -120,11 +143,7 @@ def choose_blocks(lowered: LoweredPrompt, setting: Recompute, pad_token_id: int 
     # the town a question names counts, the words every document repeats do not.
     held = Counter(t for _, _, toks in blocks for t in toks & after)
     weight = {t: math.log((1 + len(blocks)) / (1 + n)) for t, n in held.items()}
-    # Each span's first block comes first (computed alone, it saw least: measured the most useful block to
-    # recompute), the most relevant spans' first; then the blocks that share most with the question.
-    scored = [(pair[1] != 0, -sum(weight[t] for t in toks & after), start, pair) for pair, start, toks in blocks]
-    scored.sort()
-    return sorted(pair for *_, pair in scored[:budget])
+    return [(pair, start, sum(weight[t] for t in toks & after)) for pair, start, toks in blocks]
 
 
 def plan_recompute(lowered: LoweredPrompt, blocks: Iterable[tuple[int, int]]) -> RecomputePlan:

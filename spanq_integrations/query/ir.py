@@ -132,12 +132,13 @@ class Fragment(_Node):
         return f"fragment{ident}: {_clip(self.text)!r}"
 
 
-RECOMPUTE_POLICIES: tuple[str, ...] = ("first", "last")
+RECOMPUTE_POLICIES: tuple[str, ...] = ("first", "last", "question")
 COLD_SPAN_POLICIES: tuple[str, ...] = ("auto", "context", "isolate")
 ColdSpans = Literal["auto", "context", "isolate"]
 """How a span engine computes a call's documents it has not cached (docs/design.md, "Cold spans")."""
-Recompute = float | Literal["first", "last"]
-"""A recompute setting: a share of span blocks in [0, 1], or a block of each span by name."""
+Recompute = float | Literal["first", "last", "question"]
+"""A recompute setting: a share of span blocks in [0, 1], a block of each span by name ("first", "last"), or as
+many blocks as spans, those the question shares most with ("question")."""
 
 
 class Generate(_Node):
@@ -157,8 +158,9 @@ class Generate(_Node):
     as JSON text, that the answer matches (constrained decoding where the backend has it)."""
     recompute: Recompute | None = None
     """How much of each span a span engine computes again in context, for quality (docs/design.md, "Recompute"):
-    0 none, "first" / "last" each span's first / last KV block, a share in (0, 1] of the span blocks (those the
-    text after the spans mentions most); None: the backend's default. Servers without spans ignore it."""
+    0 none, "first" / "last" each span's first / last KV block, "question" as many blocks as spans, those the text
+    after the spans shares most with, a share in (0, 1] of the span blocks (first blocks first, then those the text
+    after the spans mentions most); None: the backend's default. Servers without spans ignore it."""
     cold_spans: ColdSpans | None = None
     """How a span engine computes the spans it has not cached (docs/design.md, "Cold spans"): "isolate" (each
     alone first: the answer is the one the same spans give warm, in any order), "context" (in context, as stock

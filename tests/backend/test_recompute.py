@@ -110,6 +110,19 @@ def test_choices_first_last_and_a_share():
     assert len(choose_blocks(low, 1.0)) == 5
 
 
+def test_question_recomputes_as_many_blocks_as_first_those_the_question_shares_most_with():
+    """"question": the blocks the text after the spans shares the most (rarest) tokens with, wherever they sit in
+    their spans, at most one per span on average (first's count), none that shares nothing."""
+    low = _lowered([(8, 20), (20, 28)], n=40)
+    assert choose_blocks(low, "question") == []  # the question shares nothing: nothing recomputed
+    low.token_ids[36:40] = low.token_ids[16:20]  # the question repeats span 0's third block…
+    assert choose_blocks(low, "question") == [(0, 2)]  # …which is chosen, not span 0's first
+    low.token_ids[32:34] = low.token_ids[20:22]  # and half of span 1's first block
+    low.token_ids[34:35] = low.token_ids[12:13]  # and a token of span 0's second
+    assert choose_blocks(low, "question") == [(0, 2), (1, 0)]  # two spans: two blocks, the most shared
+    assert recompute_setting("question") == "question"
+
+
 def test_the_last_spans_tail_left_as_context_is_not_read_as_the_question():
     low = _lowered([(8, 20), (20, 28)], n=40)
     pad = 999
@@ -149,7 +162,7 @@ def _run(engine, first, second):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("setting", ["first", "last", 0.25])
+@pytest.mark.parametrize("setting", ["first", "last", "question", 0.25])
 def test_recomputed_blocks_match_the_reference_built_the_same_way(engine, hf_model, setting):
     tag = f"r{setting}"
     d = docs(tag)
