@@ -119,12 +119,15 @@ class SpanQueryPairwiseEvaluator(BaseEvaluator):
         max_tokens: int = 64,
         k: int = 2,
         min_overlap: float = 0.5,
-        combine: Literal["model", "code"] = "model",
+        combine: Literal["model", "code", "auto"] = "model",
     ) -> None:
         check_fan_in(k, "k", "candidates")
-        if combine not in ("model", "code"):
-            raise QueryValidationError("combine", f"unknown combine mode {combine!r}: model or code")
-        self._combine = combine
+        from spanq_integrations.runtime.judge import combine_mode
+        from spanq_integrations.runtime.reducers import SelectReducer
+
+        # The words `judge(combine=)` takes, meaning the same: "auto" is "code" here (picking the best by the leaf
+        # judges' scores combines exactly in code); "model" (the default) a tree of pairwise judges.
+        self._combine = combine_mode(SelectReducer(), combine, k)
         self._llm = span_query_llm(llm)
         self._system_prompt = system_prompt
         self._instruction = instruction

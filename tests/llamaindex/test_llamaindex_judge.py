@@ -42,6 +42,10 @@ def test_bad_arguments():
         judge.evaluate(query="q", response=PARIS)
     with pytest.raises(QueryValidationError, match="k must be an integer >= 2"):
         SpanQueryPairwiseEvaluator(llm=SpanQueryLLM(), k=1)
+    # "combine" takes judge()'s words, meaning the same (#32 item 3): "auto" combines in code, as `select` can.
+    with pytest.raises(QueryValidationError, match="unknown combine mode 'tree': one of auto, code, model"):
+        SpanQueryPairwiseEvaluator(llm=SpanQueryLLM(), combine="tree")
+    assert SpanQueryPairwiseEvaluator(llm=SpanQueryLLM(), combine="auto")._combine == "code"
 
 
 # --------------------------------------------------------------------------------------------- tiny engine
