@@ -104,6 +104,8 @@ def choose_blocks(lowered: LoweredPrompt, setting: Recompute, pad_token_id: int 
     if setting == "last":
         return [(i, sizes[i] - 1) for i in spans]
     if setting == "question":  # as many blocks as "first", the ones the question shares most with, wherever
+        if not spans:
+            return []
         ranked = sorted((-score, start, pair) for pair, start, score in _question_scores(lowered, spans, pad_token_id)
                         if score > 0)  # fmt: skip
         return sorted(pair for *_, pair in ranked[: len(spans)])
