@@ -178,10 +178,24 @@ def test_a_function_agent_sends_the_nodes_its_tool_retrieved_as_spans(compact_ti
     failed. The record now also belongs to the agent's run (its outermost open span). A second run, opening
     differently and retrieving the same nodes in another order, prepares none."""
     from llama_index.core.agent.workflow import FunctionAgent
+
+    llm = SpanQueryLLM(backend=compact_tiny, max_tokens=64, temperature=0.0)
+    # each run: the forced search call (no nodes yet), then the calls that read the tool's answer
+    two_agent_runs_reuse_the_nodes(compact_tiny, town_index, events, lambda tool: FunctionAgent(
+        tools=[tool], llm=llm, initial_tool_choice="search_towns", system_prompt=AGENT_PROMPT))  # fmt: skip
+
+
+AGENT_PROMPT = "Search the town documents, then answer."
+
+
+def two_agent_runs_reuse_the_nodes(backend, town_index, events, make_agent: Any) -> None:
+    """Two runs of an agent (`make_agent(search_tool)`) whose search tool returns the index's nodes' text, the
+    second opening differently and retrieving the same nodes in another order. In each run the call that chose
+    the search (no nodes yet) sends no span and every later call the four nodes as spans; the first run prepares
+    them, the second prepares none and reads them from the cache."""
     from llama_index.core.tools import FunctionTool
 
-    assert compact_tiny.engine.reset_prefix_cache(), "the engine's prefix cache could not be reset"
-    llm = SpanQueryLLM(backend=compact_tiny, max_tokens=64, temperature=0.0)
+    assert backend.engine.reset_prefix_cache(), "the engine's prefix cache could not be reset"
 
     def ask(order: list[int], question: str) -> list[dict[str, Any]]:
         retriever = FixedOrder(nodes_of(town_index), [order])
@@ -190,9 +204,7 @@ def test_a_function_agent_sends_the_nodes_its_tool_retrieved_as_spans(compact_ti
             """Search the town documents."""
             return "\n\n".join(n.get_content() for n in retriever.retrieve(query))
 
-        tool = FunctionTool.from_defaults(search_towns, fn_schema=TownSearch)
-        agent = FunctionAgent(tools=[tool], llm=llm, initial_tool_choice="search_towns",
-                              system_prompt="Search the town documents, then answer.")  # fmt: skip
+        agent = make_agent(FunctionTool.from_defaults(search_towns, fn_schema=TownSearch))
         before = len(chat_spans(events))
 
         async def run():
@@ -203,13 +215,11 @@ def test_a_function_agent_sends_the_nodes_its_tool_retrieved_as_spans(compact_ti
 
     first = ask([0, 1, 2, 3], "Which town hall is green?")
     second = ask([3, 1, 0, 2], "Good morning. Which town hall is dark red?")
-    # each run: the forced search call (no nodes yet), then the calls that read the tool's answer
     for calls in (first, second):
         spans = [sum(c["extra"].get("spans", 0) for c in call["per_call"]) for call in calls]
         assert len(spans) >= 2 and spans[0] == 0 and all(n == 4 for n in spans[1:]), spans
     assert first[1]["prepared_spans"] == 4, first[1]
     assert second[1]["prepared_spans"] == 0 and second[1]["cached_tokens"] > 0, second[1]
-
 
 def search_first_parser():
     """ReAct's output parser, except that it reads the agent's first answer as a call of the search tool.
@@ -248,34 +258,7 @@ def test_a_react_agent_sends_the_nodes_its_tool_retrieved_as_spans(compact_tiny,
     paths: streaming (its default) and not. Measured 2026-12-03, it passed with no change to spanq; with
     `recover_documents="off"` the call after the observation sends 0 spans and it fails (`[0, 0]`)."""
     from llama_index.core.agent.workflow import ReActAgent
-    from llama_index.core.tools import FunctionTool
 
-    assert compact_tiny.engine.reset_prefix_cache(), "the engine's prefix cache could not be reset"
     llm = SpanQueryLLM(backend=compact_tiny, max_tokens=8, temperature=0.0)
-
-    def ask(order: list[int], question: str) -> list[dict[str, Any]]:
-        retriever = FixedOrder(nodes_of(town_index), [order])
-
-        def search_towns(query: str) -> str:
-            """Search the town documents."""
-            return "\n\n".join(n.get_content() for n in retriever.retrieve(query))
-
-        tool = FunctionTool.from_defaults(search_towns, fn_schema=TownSearch)
-        agent = ReActAgent(tools=[tool], llm=llm, output_parser=search_first_parser(), streaming=streaming,
-                           system_prompt="Search the town documents, then answer.")  # fmt: skip
-        before = len(chat_spans(events))
-
-        async def run():
-            return await agent.run(question, max_iterations=4)
-
-        asyncio.run(run())
-        return chat_spans(events)[before:]
-
-    first = ask([0, 1, 2, 3], "Which town hall is green?")
-    second = ask([3, 1, 0, 2], "Good morning. Which town hall is dark red?")
-    # each run: the call that chose the search (no nodes yet), then the calls that read its observation
-    for calls in (first, second):
-        spans = [sum(c["extra"].get("spans", 0) for c in call["per_call"]) for call in calls]
-        assert len(spans) >= 2 and spans[0] == 0 and all(n == 4 for n in spans[1:]), spans
-    assert first[1]["prepared_spans"] == 4, first[1]
-    assert second[1]["prepared_spans"] == 0 and second[1]["cached_tokens"] > 0, second[1]
+    two_agent_runs_reuse_the_nodes(compact_tiny, town_index, events, lambda tool: ReActAgent(
+        tools=[tool], llm=llm, output_parser=search_first_parser(), streaming=streaming, system_prompt=AGENT_PROMPT))  # fmt: skip
