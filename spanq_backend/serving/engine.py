@@ -268,6 +268,8 @@ class SpanEngine:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        from spanq_backend.serving import logs
+
         c = self.config
         args = EngineArgs(
             model=str(self.model_path),
@@ -278,6 +280,7 @@ class SpanEngine:
             max_num_seqs=c.max_num_seqs,
             seed=c.seed,
             num_gpu_blocks_override=c.num_blocks,
+            use_tqdm_on_load=logs.shows_progress(),  # quiet by default (spanq_backend/serving/logs.py)
             **c.engine_options(),  # dtype, enforce_eager, the KV cache's size: by platform
             # Sliding-window layers in the same KV cache group as the others: the group spans are moved in.
             disable_hybrid_kv_cache_manager=self.admitted.disable_hybrid_kv_cache_manager,

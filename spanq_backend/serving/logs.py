@@ -67,6 +67,12 @@ def level(verbose: bool = False) -> str:
     return chosen.upper()
 
 
+def shows_progress() -> bool:
+    """Whether vLLM's progress bars (loading the weights) are shown: at INFO or DEBUG, not on a quiet run, where
+    a bar is several lines of a captured log, more the slower the disk."""
+    return level(_verbose) in ("DEBUG", "INFO")
+
+
 class _DropNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.ERROR:
