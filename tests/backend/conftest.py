@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    """A span-aware embedded engine on the tiny model, one per test module (a module's monkeypatches and cached
-    spans stay with it)."""
+@pytest.fixture(scope="session")
+def shared_engine(tiny_model):
+    """The span-aware embedded engine on the tiny model that the backend test modules share (one start, ~4 s,
+    instead of one per module); each module gets it through `engine`, its cache emptied first."""
     from spanq_backend.serving.engine import SpanEngine
 
     # Documents not cached are prepared alone first ("isolate") and no span block is recomputed in context
@@ -19,3 +19,12 @@ def engine(tiny_model):
                      recompute=0)
     yield eng
     eng.close()
+
+
+@pytest.fixture(scope="module")
+def engine(shared_engine):
+    """The shared engine, as a module finds it: nothing cached (no span or prefix another module left), so what a
+    module's first call prepares and reads from the cache is its own doing. (A module's monkeypatches are undone
+    after each test by pytest's `monkeypatch`.)"""
+    assert shared_engine.reset_prefix_cache(), "the shared engine was still running requests between modules"
+    return shared_engine
