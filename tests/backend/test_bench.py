@@ -342,13 +342,9 @@ def test_haystack_bench_writes_through_the_shared_report(tmp_path, monkeypatch, 
 def engines(tiny_model):
     """The engine benchmarks' pair, shared by them: stock vLLM in its own process with the plugin off (as
     `engine_pair` starts it), the span-aware engine in this one."""
-    from benchmarks.common import close_backend, make_backend, warm_up
-    from benchmarks.process_backend import ProcessBackend
+    from benchmarks.common import close_backend, start_pair
 
-    stock = ProcessBackend(str(tiny_model), spans=False, plugin=False, max_model_len=4096, max_num_seqs=8)
-    spans = make_backend(str(tiny_model), spans=True, max_model_len=4096, max_num_seqs=8)
-    warm_up(stock)
-    warm_up(spans)
+    stock, spans = start_pair(str(tiny_model), max_model_len=4096, max_num_seqs=8)
     yield stock, spans
     close_backend(spans)
     close_backend(stock)
