@@ -142,8 +142,9 @@ def stock_vllm_server(tiny_model) -> Iterator[str]:
 # A test session on this 2-core machine leaves a core idle much of the time (most of a test's work is one Python
 # thread). What waits mostly on other processes starts as soon as the session's tests are collected, in the
 # background, when a selected test needs it: the two session servers, and whatever a test module starts in its
-# own `start_ahead(items)` (stopped by its `stop_ahead()` when the session ends), e.g. tests/test_extras.py's
-# fresh environments and tests/backend/test_quiet_logs.py's demo runs. Each fixture or test waits for its own.
+# own `start_ahead(items)` (stopped by its `stop_ahead()`, if it has one, when the session ends): the jobs of
+# tests/ahead.py's queue (the demo runs of tests/backend/test_quiet_logs.py, the notebooks), tests/test_extras.py's
+# fresh environments. Each fixture or test waits for its own.
 
 _AHEAD: dict = {}  # fixture name -> tests.servers.Started, until its fixture takes it
 _MODULES: list = []  # the collected test modules with a start_ahead, once started
@@ -192,10 +193,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """What was started ahead stops (a session that ends early does not wait for it), and its files go."""
+    from tests import ahead
     from tests.servers import stop
 
     while _MODULES:
-        _MODULES.pop().stop_ahead()
+        module = _MODULES.pop()
+        if hasattr(module, "stop_ahead"):
+            module.stop_ahead()
+    ahead.stop()
     while _AHEAD:
         stop(_AHEAD.popitem()[1].proc)
     while _LOGS:

@@ -7,10 +7,11 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from tests import ahead
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_INFO = re.compile(r"\bINFO\b .*\[[\w.]+\.py:\d+\]")  # vLLM's own format: "INFO 11-30 19:50:24 [core.py:402]"
@@ -26,37 +27,23 @@ def _demo(args: tuple[str, ...], env: dict[str, str]) -> subprocess.CompletedPro
 
 def run_demo(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     """The demo run with these arguments and environment: the one started ahead, or one run now."""
-    key = (args, tuple(sorted(env.items())))
-    ahead = _AHEAD.pop(key, None)
-    return ahead.result() if ahead is not None else _demo(args, env)
+    return ahead.result(("demo", args, tuple(sorted(env.items()))), lambda: _demo(args, env))
 
 
-# The demo runs each test checks (the quick refusal of a bad log level is run when its test runs): started in the
-# background, one at a time, as soon as the session's tests are collected (`start_ahead`, from tests/conftest.py).
+# The demo runs each test checks (the quick refusal of a bad log level is run when its test runs), started in the
+# background as soon as the session's tests are collected (tests/ahead.py).
 AHEAD_RUNS = {
     "test_the_demo_fits_on_a_screen_and_shows_spanqs_progress": [((), {})],
     "test_spanq_log_level_brings_vllms_info_lines_back_and_a_bad_one_is_named": [
         (("--no-stock",), {"SPANQ_LOG_LEVEL": "INFO"})
     ],
 }
-_AHEAD: dict[tuple, Future] = {}
-_POOL: list[ThreadPoolExecutor] = []
 
 
 def start_ahead(items: list[pytest.Item]) -> None:
-    pool = ThreadPoolExecutor(1, thread_name_prefix="demo-ahead")
-    _POOL.append(pool)
     for item in items:
         for args, env in AHEAD_RUNS.get(item.name, ()):
-            _AHEAD[(args, tuple(sorted(env.items())))] = pool.submit(_demo, args, env)
-
-
-def stop_ahead() -> None:
-    for future in _AHEAD.values():
-        future.cancel()
-    _AHEAD.clear()
-    while _POOL:
-        _POOL.pop().shutdown(wait=False, cancel_futures=True)
+            ahead.submit(("demo", args, tuple(sorted(env.items()))), lambda a=args, e=env: _demo(a, e))
 
 
 @pytest.mark.vllm
