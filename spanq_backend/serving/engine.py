@@ -37,7 +37,7 @@ from spanq_backend.serving.lowering import DEFAULT_ANCHOR, LoweredPrompt
 from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE, recompute_setting
 from spanq_backend.vllm_integration.cache_probe import BlockPoolProbe
 from spanq_backend.vllm_integration.frontend import in_process_engines
-from spanq_backend.vllm_integration.support import SpanSupport, query_span_support
+from spanq_backend.vllm_integration.support import STOCK, STOCK_ENGINE_KEY, query_span_support
 from spanq_integrations.backends.protocol import Completion, TokenCallback
 from spanq_integrations.query.errors import BackendError, BackendUnavailableError
 from spanq_integrations.query.ir import COLD_SPAN_POLICIES, AnchorPolicy, Generate, Recompute
@@ -284,12 +284,14 @@ class SpanEngine:
             **c.engine_options(),  # dtype, enforce_eager, the KV cache's size: by platform
             # Sliding-window layers in the same KV cache group as the others: the group spans are moved in.
             disable_hybrid_kv_cache_manager=self.admitted.disable_hybrid_kv_cache_manager,
+            # a stock engine says so to the engine core: no workers' self-check, no span table honoured
+            **({} if c.spans else {"additional_config": {STOCK_ENGINE_KEY: True}}),
             **({"structured_outputs_config": StructuredOutputsConfig(**COMPACT_JSON)} if c.compact_json else {}),
         )
         with _kv_cache_size_of_its_own(c):
             engine = self.llm_engine = LLMEngine.from_engine_args(args)  # stepped by the engine thread only
         self.max_model_len = engine.model_config.max_model_len
-        self.span_support = SpanSupport(False, "a stock engine (spans=False)")
+        self.span_support = STOCK
         if c.spans:
             # The engine core asked its workers the same at start-up and ignores span tables unless all move
             # keys; this engine then lays prompts out as stock and says why on every call.

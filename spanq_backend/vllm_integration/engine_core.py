@@ -26,7 +26,13 @@ from spanq_backend.kv.cidra import CidraPlanner
 from spanq_backend.kv.span_hashing import span_block_hashes
 from spanq_backend.kv.span_table import SpanTable, SpanTableError
 from spanq_backend.vllm_integration.state import Extension
-from spanq_backend.vllm_integration.support import UNCHECKED, SpanSupport, query_span_support
+from spanq_backend.vllm_integration.support import (
+    STOCK,
+    UNCHECKED,
+    SpanSupport,
+    query_span_support,
+    started_stock,
+)
 
 __all__ = [
     "CONTEXT_TAG",
@@ -149,6 +155,9 @@ _startup = threading.local()
 def wrap_initialize_kv_caches(orig: Any) -> Any:
     def _initialize_kv_caches(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = orig(self, *args, **kwargs)
+        if started_stock(self.vllm_config):
+            _startup.support = STOCK  # nothing to check, nothing to say: the engine said it starts as stock
+            return result
         support = query_span_support(self.collective_rpc)
         if not support.enabled:
             log.warning("spanq: span reuse is off for this engine (span tables run as stock requests): %s",

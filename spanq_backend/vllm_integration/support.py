@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["UNCHECKED", "WORKER_STATS_METHOD", "WORKER_STATUS_METHOD", "SpanSupport", "aquery_span_support", "query_span_support"]
+__all__ = ["STOCK", "STOCK_ENGINE_KEY", "UNCHECKED", "WORKER_STATS_METHOD", "WORKER_STATUS_METHOD", "SpanSupport", "aquery_span_support", "query_span_support", "started_stock"]
 
 # The method the plugin adds to vLLM's workers (`worker.worker_span_status`).
 WORKER_STATUS_METHOD = "spanq_span_status"
@@ -37,6 +37,17 @@ class SpanSupport:
 
 
 UNCHECKED = SpanSupport(False, "the engine has not checked its workers")
+STOCK = SpanSupport(False, "a stock engine (spans=False)")
+
+# In vLLM's `additional_config`: the engine was started as a stock one (`SpanEngine(spans=False)`, a benchmark's
+# or the demo's baseline). Its engine core does not ask its workers (no start-up self-check) and honours no span
+# table, whatever a request carries.
+STOCK_ENGINE_KEY = "spanq_stock_engine"
+
+
+def started_stock(vllm_config: Any) -> bool:
+    """Whether the engine of `vllm_config` was started as a stock one (`STOCK_ENGINE_KEY`)."""
+    return bool((getattr(vllm_config, "additional_config", None) or {}).get(STOCK_ENGINE_KEY))
 
 
 def _unreachable(e: Exception) -> SpanSupport:
