@@ -157,19 +157,19 @@ def _log_file(name: str) -> Path:
     return folder / "server.log"
 
 
-def _start_spanq_serve():
+def _start_spanq_serve(ahead: bool = False):
     from tests.servers import Started, free_port
 
-    return Started(_spanq_serve_command(free_port()), _log_file("spanq-serve"))
+    return Started(_spanq_serve_command(free_port()), _log_file("spanq-serve"), ahead=ahead)
 
 
-def _start_stock_server():
+def _start_stock_server(ahead: bool = False):
     from spanq_backend.serving.models import tiny_model_path
     from tests.servers import Started, free_port
 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_PLUGINS": ""}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server keeps vLLM's default engine mode
-    return Started(_stock_server_command(tiny_model_path(), free_port()), _log_file("stock-vllm"), env)
+    return Started(_stock_server_command(tiny_model_path(), free_port()), _log_file("stock-vllm"), env, ahead)
 
 
 _SERVERS_AHEAD = {"stock_vllm_server": _start_stock_server, "spanq_serve": _start_spanq_serve}
@@ -180,7 +180,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if needed & set(_SERVERS_AHEAD) and importlib.util.find_spec("vllm") is not None:
         for name, start in _SERVERS_AHEAD.items():
             if name in needed:
-                _AHEAD[name] = start()
+                _AHEAD[name] = start(ahead=True)
     by_module: dict = {}
     for item in session.items:
         module = getattr(item, "module", None)

@@ -46,22 +46,23 @@ def run_notebook(relative: str, **env: str) -> str:
 def start_notebook(relative: str, **env: str) -> None:
     """Queue the notebook's run in the background (tests/ahead.py), for `run_notebook` with the same arguments."""
     if importlib.util.find_spec("ipykernel") is not None:
-        ahead.submit(_key(relative, env), lambda: _execute(relative, env))
+        ahead.submit(_key(relative, env), lambda: _execute(relative, env, in_background=True))
 
 
 def _key(relative: str, env: dict[str, str]) -> tuple:
     return ("notebook", relative, tuple(sorted(env.items())))
 
 
-def _execute(relative: str, env: dict[str, str]) -> tuple[int, str, str]:
+def _execute(relative: str, env: dict[str, str], in_background: bool = False) -> tuple[int, str, str]:
     with tempfile.TemporaryDirectory(prefix="spanq-notebook-") as work:
         outputs = Path(work) / "outputs.txt"
         environment = {
             **os.environ, "JUPYTER_PATH": str(Path(work) / "jupyter"), "JUPYTER_RUNTIME_DIR": str(Path(work) / "runtime"),
             "PYDEVD_DISABLE_FILE_VALIDATION": "1", **env,
         }  # fmt: skip
+        command = [sys.executable, "-m", "tests.examples", relative, str(outputs)]
         done = subprocess.run(
-            [sys.executable, "-m", "tests.examples", relative, str(outputs)],
+            ahead.in_background(command) if in_background else command,
             cwd=ROOT, env=environment, capture_output=True, text=True, timeout=1200, check=False,
         )  # fmt: skip
         return done.returncode, outputs.read_text() if outputs.exists() else "", done.stdout + done.stderr

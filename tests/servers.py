@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ahead import in_background
+
 START_TIMEOUT_S = 420  # a loaded 2-core machine can take minutes
 
 
@@ -64,14 +66,16 @@ class Started:
     command once it is up. Started ahead of need (see `start_ahead` in tests/conftest.py) or when a fixture
     wants it; `running_server` waits for it."""
 
-    def __init__(self, command: Sequence[str], log: Path, env: Mapping[str, str] | None = None):
+    def __init__(
+        self, command: Sequence[str], log: Path, env: Mapping[str, str] | None = None, ahead: bool = False
+    ):
         self.command = list(command)
         self.log = log
         self.url = f"http://127.0.0.1:{self.command[self.command.index('--port') + 1]}"
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
-                self.command, stdout=out, stderr=subprocess.STDOUT, env=dict(env) if env else None,
-                start_new_session=True,
+                in_background(self.command) if ahead else self.command, stdout=out, stderr=subprocess.STDOUT,
+                env=dict(env) if env else None, start_new_session=True,
             )  # fmt: skip
 
 
