@@ -139,12 +139,14 @@ def stock_vllm_server(tiny_model) -> Iterator[str]:
 
 
 # --------------------------------------------------------------------------------------------- ahead of need
-# A test session on this 2-core machine leaves a core idle much of the time (most of a test's work is one Python
-# thread). What waits mostly on other processes starts as soon as the session's tests are collected, in the
-# background, when a selected test needs it: the two session servers, and whatever a test module starts in its
-# own `start_ahead(items)` (stopped by its `stop_ahead()`, if it has one, when the session ends): the jobs of
-# tests/ahead.py's queue (the demo runs of tests/backend/test_quiet_logs.py, the notebooks), tests/test_extras.py's
-# fresh environments. Each fixture or test waits for its own.
+# The two session servers start as soon as the session's tests are collected, when a selected test needs them, at
+# the lowest CPU priority: their start-up (~30 s each, mostly one thread importing and loading) overlaps the tests
+# before them, and each waits idle for its tests (`make test-fast`: 343 -> 251 s with the shared backend engine).
+# Engine work in the background does not pay on this 2-core machine: vLLM's CPU engines run OpenMP on both cores,
+# so a background engine slows the foreground's as much as it saves (the demo and notebook runs started ahead
+# made the full run 1336-1358 s against 1273 s). A test module may start its own work the same way, in a
+# `start_ahead(items)` (stopped by its `stop_ahead()` when the session ends): tests/test_extras.py's fresh
+# environments, which wait on the disk more than on a core.
 
 _AHEAD: dict = {}  # fixture name -> tests.servers.Started, until its fixture takes it
 _MODULES: list = []  # the collected test modules with a start_ahead, once started
@@ -193,14 +195,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """What was started ahead stops (a session that ends early does not wait for it), and its files go."""
-    from tests import ahead
     from tests.servers import stop
 
     while _MODULES:
-        module = _MODULES.pop()
-        if hasattr(module, "stop_ahead"):
-            module.stop_ahead()
-    ahead.stop()
+        _MODULES.pop().stop_ahead()
     while _AHEAD:
         stop(_AHEAD.popitem()[1].proc)
     while _LOGS:

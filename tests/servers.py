@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.ahead import in_background
-
 START_TIMEOUT_S = 420  # a loaded 2-core machine can take minutes
 
 
@@ -59,6 +57,11 @@ def stop(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def in_background(command: Sequence[str]) -> list[str]:
+    """`command` at the lowest CPU priority, it and all it starts (the process keeps the pid `nice` had)."""
+    return ["nice", "-n", "19", *command]
 
 
 class Started:

@@ -11,40 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from tests import ahead
-
 REPO = Path(__file__).resolve().parents[2]
 VLLM_INFO = re.compile(r"\bINFO\b .*\[[\w.]+\.py:\d+\]")  # vLLM's own format: "INFO 11-30 19:50:24 [core.py:402]"
 
 
-def _demo(args: tuple[str, ...], env: dict[str, str], in_background: bool = False) -> subprocess.CompletedProcess[str]:
+def run_demo(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if k not in ("SPANQ_LOG_LEVEL", "VLLM_LOGGING_LEVEL")}
-    command = [sys.executable, str(REPO / "examples" / "rag" / "demo.py"), "--model", "tiny", "--max-tokens", "4", *args]
     return subprocess.run(
-        ahead.in_background(command) if in_background else command,
+        [sys.executable, str(REPO / "examples" / "rag" / "demo.py"), "--model", "tiny", "--max-tokens", "4", *args],
         check=False, capture_output=True, text=True, timeout=600, cwd=REPO, env={**environment, **env},
     )  # fmt: skip
-
-
-def run_demo(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """The demo run with these arguments and environment: the one started ahead, or one run now."""
-    return ahead.result(("demo", args, tuple(sorted(env.items()))), lambda: _demo(args, env))
-
-
-# The demo runs each test checks (the quick refusal of a bad log level is run when its test runs), started in the
-# background as soon as the session's tests are collected (tests/ahead.py).
-AHEAD_RUNS = {
-    "test_the_demo_fits_on_a_screen_and_shows_spanqs_progress": [((), {})],
-    "test_spanq_log_level_brings_vllms_info_lines_back_and_a_bad_one_is_named": [
-        (("--no-stock",), {"SPANQ_LOG_LEVEL": "INFO"})
-    ],
-}
-
-
-def start_ahead(items: list[pytest.Item]) -> None:
-    for item in items:
-        for args, env in AHEAD_RUNS.get(item.name, ()):
-            ahead.submit(("demo", args, tuple(sorted(env.items()))), lambda a=args, e=env: _demo(a, e, True))
 
 
 @pytest.mark.vllm

@@ -6,25 +6,9 @@ from __future__ import annotations
 import pytest
 
 from spanq_integrations.langchain import ChatSpanQuery
-from tests.examples import load_example, run_notebook, start_notebook
+from tests.examples import load_example, run_notebook
 
 pytestmark = pytest.mark.vllm
-
-# The notebooks the tests run (path, environment), started in the background once the session's tests are
-# collected (tests/ahead.py): each takes ~30 s, mostly in its own processes.
-NOTEBOOKS = {
-    "test_notebook_runs_on_the_embedded_default": ("examples/rag/langchain_rag.ipynb", {"SPANQ_EXAMPLE_MAX_TOKENS": "8"}),
-    "test_agent_notebook_runs_on_the_embedded_default": (
-        "examples/judge/langchain_agent.ipynb", {"SPANQ_EXAMPLE_MAX_TOKENS": "64", "SPANQ_EXAMPLE_AGENTS": "2"}
-    ),
-}
-
-
-def start_ahead(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.name in NOTEBOOKS:
-            path, env = NOTEBOOKS[item.name]
-            start_notebook(path, **env)
 
 
 def test_rag_script_reuses_the_reordered_documents(tiny_backend):
@@ -40,9 +24,8 @@ def test_rag_script_reuses_the_reordered_documents(tiny_backend):
 
 
 @pytest.mark.slow
-def test_notebook_runs_on_the_embedded_default():
-    path, env = NOTEBOOKS["test_notebook_runs_on_the_embedded_default"]
-    outputs = run_notebook(path, **env)
+def test_notebook_runs_on_the_embedded_default(tmp_path, monkeypatch):
+    outputs = run_notebook("examples/rag/langchain_rag.ipynb", tmp_path, monkeypatch, SPANQ_EXAMPLE_MAX_TOKENS="8")
     assert "4 spans, 0 computed now" in outputs  # the second question: every document from the span cache
     assert "from the span cache, with its 4 documents in a new order" in outputs
     assert "fallback: text other than whitespace" in outputs
@@ -63,9 +46,9 @@ def test_agent_script_searches_reuses_the_found_documents_and_judges(compact_tin
 
 
 @pytest.mark.slow
-def test_agent_notebook_runs_on_the_embedded_default():
-    path, env = NOTEBOOKS["test_agent_notebook_runs_on_the_embedded_default"]
-    outputs = run_notebook(path, **env)
+def test_agent_notebook_runs_on_the_embedded_default(tmp_path, monkeypatch):
+    outputs = run_notebook("examples/judge/langchain_agent.ipynb", tmp_path, monkeypatch,
+                           SPANQ_EXAMPLE_MAX_TOKENS="64", SPANQ_EXAMPLE_AGENTS="2")
     assert "agent 0: searched" in outputs and "3 spans, 3 computed now" in outputs
     assert "agent 1: searched" in outputs and "3 spans, 0 computed now" in outputs
     assert "verdict:" in outputs

@@ -5,18 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.examples import load_example, run_notebook, start_notebook
+from tests.examples import load_example, run_notebook
 
 pytestmark = pytest.mark.vllm
-
-NOTEBOOK = "examples/rag/llamaindex_rag.ipynb"
-
-
-def start_ahead(items: list[pytest.Item]) -> None:
-    """The notebook (~40 s, mostly in its own processes) starts in the background once the session's tests are
-    collected (tests/ahead.py)."""
-    if any(item.name == "test_notebook_runs_on_the_embedded_default" for item in items):
-        start_notebook(NOTEBOOK)
 
 
 def test_rag_script(tiny_backend, capsys):
@@ -45,8 +36,8 @@ def test_judge_scripts(tiny_backend, capsys):
 
 
 @pytest.mark.slow
-def test_notebook_runs_on_the_embedded_default():
-    outputs = run_notebook(NOTEBOOK)
+def test_notebook_runs_on_the_embedded_default(tmp_path, monkeypatch):
+    outputs = run_notebook("examples/rag/llamaindex_rag.ipynb", tmp_path, monkeypatch)
     assert "shared documents:" in outputs and "cached tokens:" in outputs
     assert "spans computed for this question: 0 of 3" in outputs  # the same nodes reordered: all cached
     assert "$.g.input.cross[1].plus[0]" in outputs  # the tree's first leaf
