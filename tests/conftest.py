@@ -83,7 +83,7 @@ def spanq_serve(tiny_model: Path, request):
 
     New documents are read in context and prepared as spans when idle (`--cold-spans context`: the policy no
     other served test runs; judges ask for isolation themselves). A test that needs documents warm warms them.
-    Started as soon as the session's tests are collected (`_start_servers_ahead`).
+    Started as soon as the session's tests are collected ("ahead of need", below).
     """
     pytest.importorskip("vllm")
     from tests.servers import SpanqServe, log_tail, running_server
@@ -123,7 +123,7 @@ def stock_vllm_server(tiny_model) -> Iterator[str]:
 
     Prefix caching is on and usage reports cached tokens (`--enable-prompt-tokens-details`). Plugins are off
     (`VLLM_PLUGINS=`), so even with spanq installed this is the stock server. One per test session, started as
-    soon as the session's tests are collected (`_start_servers_ahead`).
+    soon as the session's tests are collected ("ahead of need", below).
 
     It wants an API key, as a hosted server does; the tests set it where a user sets it, `SPANQ_API_KEY`, so
     every test that calls this server through spanq (execute, judge, `spanq run`, LangChain, LlamaIndex) shows the
