@@ -141,7 +141,7 @@ def stock_vllm_server(tiny_model) -> Iterator[str]:
 # --------------------------------------------------------------------------------------------- ahead of need
 # The two session servers start as soon as the session's tests are collected, when a selected test needs them, at
 # the lowest CPU priority: their start-up (~30 s each, mostly one thread importing and loading) overlaps the tests
-# before them, and each waits idle for its tests (`make test-fast`: 343 -> 251 s with the shared backend engine).
+# before them, and each waits idle for its tests (`make test-fast`: 343 -> 243 s of pytest with the shared backend engine).
 # Engine work in the background does not pay on this 2-core machine: vLLM's CPU engines run OpenMP on both cores,
 # so a background engine slows the foreground's as much as it saves (the demo and notebook runs started ahead
 # made the full run 1336-1358 s against 1273 s). A test module may start its own work the same way, in a
