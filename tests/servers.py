@@ -66,8 +66,8 @@ def in_background(command: Sequence[str]) -> list[str]:
 
 class Started:
     """A server process started in its own process group (its output to `log`), answering on the `--port` of its
-    command once it is up. Started ahead of need (see `start_ahead` in tests/conftest.py) or when a fixture
-    wants it; `running_server` waits for it."""
+    command once it is up. Started ahead of need (`ahead`: at the lowest CPU priority; tests/conftest.py, "ahead
+    of need") or when a fixture wants it; `running_server` waits for it."""
 
     def __init__(
         self, command: Sequence[str], log: Path, env: Mapping[str, str] | None = None, ahead: bool = False
