@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spanq_backend.vllm_integration.state import Extension
+from spanq_backend.vllm_integration.support import STOCK, started_stock
 
 __all__ = [
     "RunnerSpans",
@@ -164,6 +165,8 @@ class RunnerSpans:
 
 
 def _start_runtime(runner: Any) -> RunnerSpans:
+    if started_stock(getattr(runner, "vllm_config", None)):  # no self-check, no hooks at work: a stock engine
+        return RunnerSpans(None, STOCK.reason)
     try:
         return RunnerSpans(SpanRuntime(runner))
     except Exception as e:  # noqa: BLE001  (a runtime that cannot start means: no spans on this engine)

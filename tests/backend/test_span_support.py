@@ -213,6 +213,25 @@ def test_a_failed_start_up_self_check_turns_spans_off_instead_of_serving_wrong_k
         engine.close()
 
 
+@pytest.mark.slow
+def test_a_stock_engine_never_starts_the_span_runtime(tiny_model):
+    """`SpanEngine(spans=False)`, the demo's and the benchmarks' in-process baseline, tells its engine so: its
+    workers run no self-check, at start-up or at the first step (where it would land in the baseline's time to
+    first token), and report a stock engine. (Until 2026-12-03 the engine core asked them at start-up, so they ran
+    the self-check and answered yes; with the engine core told but not the workers, the first step ran it.)"""
+    from spanq_backend.serving.engine import SpanEngine
+    from spanq_backend.vllm_integration.support import STOCK, query_span_support
+
+    engine = SpanEngine(model=str(tiny_model), spans=False, block_size=32, max_model_len=1024, max_num_seqs=2)
+    try:
+        assert asyncio.run(engine.generate(query(docs("k"), "ABCD"))).text
+        # asked only now, after a step, and on an idle engine (the in-process executor calls the worker here)
+        support = query_span_support(engine.llm_engine.collective_rpc)
+        assert not support.enabled and support.reason == f"worker 0: {STOCK.reason}"
+    finally:
+        engine.close()
+
+
 # --------------------------------------------------------------------------------------------- processes
 
 
