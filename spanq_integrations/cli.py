@@ -31,7 +31,7 @@ EXIT_INTERRUPTED = 130
 EXIT_SOME_FAILED = 1  # `run --bulk`: every query ran or was reported, some of them with an error
 
 # Subcommands that live in the server package; each module has `<name>_main(argv) -> int`.
-DELEGATED = {"serve": "spanq_backend.serving.server", "bench": "benchmarks"}
+DELEGATED = {"serve": "spanq_backend.serving.server", "bench": "benchmarks", "prepare": "spanq_backend.serving.prepare"}
 BACKEND_EXTRA_HINT = "pip install 'spanq[backend]'"
 CLUSTER_MODULE = "spanq_backend.cluster.app"
 CLUSTER_BULK_MODULE = "spanq_backend.cluster.bulk"
@@ -371,7 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "default: a local Ray for this run")
     run.set_defaults(handler=cmd_run)
 
-    for name, help_text in (("serve", "start the span-aware server"), ("bench", "run the benchmarks")):
+    for name, help_text in (
+        ("serve", "start the span-aware server"),
+        ("bench", "run the benchmarks"),
+        ("prepare", "compile a corpus's span KV into a span tier that engines started later load"),
+    ):
         commands.add_parser(name, help=f"{help_text} (needs the backend extra; see `spanq {name} --help`)")
     return parser
 

@@ -118,6 +118,12 @@ class BlockPositionTracker:
         self._ids([src, dst])
         self._pos[dst] = self._pos[src]
 
+    def loaded(self, block_id: int, position: int) -> None:
+        """Block `block_id` was filled from a tier with keys that encode `position` (the next placement that
+        reads it elsewhere moves it, as any cached block)."""
+        self._ids([block_id])
+        self._pos[block_id] = position
+
     def finish(self, req_id: str) -> None:
         ids = self._blocks.pop(req_id, None)
         if ids is not None and len(ids):

@@ -35,6 +35,7 @@ from spanq_backend.serving.generator import (
 )
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR, LoweredPrompt
 from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE, recompute_setting
+from spanq_backend.vllm_integration import tier
 from spanq_backend.vllm_integration.cache_probe import BlockPoolProbe
 from spanq_backend.vllm_integration.frontend import in_process_engines
 from spanq_backend.vllm_integration.support import STOCK, STOCK_ENGINE_KEY, query_span_support
@@ -85,6 +86,9 @@ class EngineConfig:
     read_in_context: bool = True
     compact_json: bool = False  # JSON answers without whitespace (for models that pad them with it)
     recompute: Recompute = DEFAULT_RECOMPUTE  # span blocks recomputed in context when a call says nothing (docs/design.md)
+    # A folder where span KV outlives the engine (`spanq_backend/vllm_integration/tier.py`): prepared spans are saved there and
+    # loaded instead of computed, by this engine and by the next one started on it. None: no tier.
+    tier_dir: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", recompute_setting(self.recompute))  # refused here, before any engine
@@ -224,6 +228,7 @@ class SpanEngine:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._closed = False
+        self.tier: tier.DiskTier | None = None  # set when the engine is built with `tier_dir`
         self._active: dict[str, _Request] = {}
         self.steps = 0  # engine steps taken (each one forward pass over the scheduled batch)
         # Prompts to compute when the engine has nothing else to do (deferred span prepares), and those running.
@@ -287,6 +292,7 @@ class SpanEngine:
             # a stock engine says so to the engine core: no workers' self-check, no span table honoured
             **({} if c.spans else {"additional_config": {STOCK_ENGINE_KEY: True}}),
             **({"structured_outputs_config": StructuredOutputsConfig(**COMPACT_JSON)} if c.compact_json else {}),
+            **({"kv_transfer_config": tier.transfer_config(c.tier_dir)} if c.tier_dir else {}),
         )
         with _kv_cache_size_of_its_own(c):
             engine = self.llm_engine = LLMEngine.from_engine_args(args)  # stepped by the engine thread only
@@ -299,14 +305,27 @@ class SpanEngine:
             if not self.span_support.enabled:
                 log.warning("spans are off for %s: %s", self.model_path.name, self.span_support.reason)
         self._probe = BlockPoolProbe.of(engine, c.block_size) if self.span_support.enabled else None
+        self.tier = tier.tier_for(c.tier_dir, engine.vllm_config) if c.tier_dir else None
+        if self._probe is not None:
+            self._probe.tier = self.tier
         return engine
 
     def _run(self) -> None:
+        has_tier = bool(self.config.tier_dir)
         try:
-            in_process_engines.starting()
+            if has_tier:
+                if not self.config.spans:
+                    raise tier.TierError("a span tier holds span KV: a stock engine (spans=False) takes none")
+                tier.check_tier_dir(self.config.tier_dir)
+            in_process_engines.starting(tier=has_tier)
+        except (tier.TierError, RuntimeError) as e:  # a tier refused, or another engine in the way
+            self._start_error = e
+            self._ready.set()
+            return
+        try:
             engine = self._build()
         except BaseException as e:  # noqa: BLE001  (reported to the constructor's caller)
-            in_process_engines.failed_to_start()
+            in_process_engines.failed_to_start(tier=has_tier)
             self._start_error = e
             self._ready.set()
             return
@@ -356,7 +375,7 @@ class SpanEngine:
                 if not waiter.done():
                     waiter.set_result(False)
             try:
-                in_process_engines.retire(engine)
+                in_process_engines.retire(engine, tier=has_tier)
                 del engine
             except UnboundLocalError:
                 pass
@@ -376,7 +395,10 @@ class SpanEngine:
                 continue
             rid = f"spanq-idle-{next(self._ids)}"
             try:
-                engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), SamplingParams(max_tokens=1, temperature=0.0))
+                params = SamplingParams(max_tokens=1, temperature=0.0)
+                if self.tier is not None:
+                    params.extra_args = tier.tier_params()  # a span prepare: saved to the tier
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
             except Exception as e:  # noqa: BLE001  (a deferred prepare is an optimisation, never an error)
                 log.warning("a deferred span prepare was refused: %s", e)
                 done.cancel()
@@ -512,6 +534,65 @@ class SpanEngine:
 
         Returns how many spans had to be computed (the others were already cached)."""
         return await self.generator.prepare(lowered)
+
+    COMPILE_BATCH_TOKENS = 8192  # document tokens lowered and prepared together by `compile`
+
+    async def compile(self, texts: list[str]) -> dict[str, Any]:
+        """Compute each document's span KV (its `[anchor][span]` under this engine's default anchor and lead-in,
+        exactly as a query's `plus` of it is prepared) and, on an engine with a tier, write it there: a later
+        engine on the same tier answers queries over them without computing them. Documents whose span the tier
+        holds already are skipped. Returns counts: documents, spans (distinct), already held, prepared, tokens
+        computed, and the tier's blocks and bytes written."""
+        from spanq_integrations.query.ir import Cross, Fragment, Plus, User
+
+        before = self.tier.stats.as_dict() if self.tier is not None else {}
+        seen: set[tuple[int, ...]] = set()
+        report = {"documents": len(texts), "spans": 0, "held": 0, "prepared": 0, "tokens": 0}
+        batch: list[str] = []
+
+        async def run(batch: list[str]) -> None:
+            call = Generate(input=Cross(children=[Plus(children=[Fragment(text=t) for t in batch]), User(text="?")]))
+            lowered = self.generator.lower(call)
+            prompts = []
+            for i in range(len(lowered.table.spans)):
+                prompt = lowered.prepare_prompt(i)
+                if tuple(prompt) in seen:
+                    continue
+                seen.add(tuple(prompt))
+                report["spans"] += 1
+                if self._probe is not None and self.tier is not None and self._probe.tier_holds_all(prompt):
+                    report["held"] += 1
+                    continue
+                prompts.append(prompt)
+            with self.generator.batch():
+                opened = [self.generator.open_compute(p) for p in prompts]
+            for p, o in zip(prompts, opened):
+                computed = await self.generator._computed(len(p), o)
+                report["prepared"] += 1
+                report["tokens"] += computed
+
+        size = 0
+        for text in texts:
+            n = len(text) // 3  # a rough token count: batches only need to be of a sensible size
+            if batch and size + n > self.COMPILE_BATCH_TOKENS:
+                await run(batch)
+                batch, size = [], 0
+            batch.append(text)
+            size += n
+        if batch:
+            await run(batch)
+        if self.tier is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.tier.flush)
+            after = self.tier.stats.as_dict()
+            report["blocks_written"] = after["saved_blocks"] - before["saved_blocks"]
+            report["bytes_written"] = after["bytes_written"] - before["bytes_written"]
+        return report
+
+    def tier_stats(self) -> dict[str, Any] | None:
+        """The span tier's counters (loads, blocks loaded and saved, failures, bytes), or None without a tier."""
+        if self.tier is None:
+            return None
+        return {"dir": str(self.tier.dir), "blocks": len(self.tier), **self.tier.stats.as_dict()}
 
     async def generate(
         self,

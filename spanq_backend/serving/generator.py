@@ -311,6 +311,11 @@ class SpanGenerator:
         # prepare request would compute nothing, so it is skipped.
         self.span_probe = span_probe
         self.span_cached: Callable[[list[int]], bool] | None = span_probe.cached if span_probe is not None else None
+        # Whether a `[anchor][span]` prompt the cache does not hold is in the engine's span tier (loaded by its
+        # prepare request, `spanq_backend/vllm_integration/tier.py`); None: the engine has no tier.
+        self.span_in_tier: Callable[[list[int]], bool] | None = (
+            span_probe.in_tier if getattr(span_probe, "tier", None) is not None else None  # type: ignore[attr-defined]
+        )
         metrics.register()  # spanq's counters in vLLM's Prometheus registry (once per process)
         # Nested generation: the output ids of the aligned generations this generator ran itself (by prompt
         # and text), unless the host supplies its own lookup.
@@ -652,7 +657,12 @@ class SpanGenerator:
 
         # One token past the span: vLLM always recomputes a prompt's last token, and this way that is all it
         # recomputes when the span is cached already (not the span's whole last block).
-        return self.open(prompt + [self.pad_token_id], SamplingParams(max_tokens=1, temperature=0.0), table)
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        if table is None and self.span_in_tier is not None:
+            from spanq_backend.vllm_integration.tier import tier_params
+
+            params.extra_args = tier_params()  # a prepare: its blocks are saved to the engine's span tier
+        return self.open(prompt + [self.pad_token_id], params, table)
 
     async def _computed(self, length: int, opened: AsyncIterator[Any]) -> int:
         run = await self.consume(opened)
@@ -737,6 +747,8 @@ class SpanGenerator:
         setting = setting or self.cold_spans
         if setting != "auto":
             return setting
+        if self.span_in_tier is not None and all(self.span_in_tier(lowered.prepare_prompt(i)) for i in cold):
+            return "isolate"  # their prepares load them from the engine's span tier: cheaper than reading them
         table = lowered.table
         cold_tokens = sum(table.spans[i][1] - table.spans[i][0] for i in cold)
         return "isolate" if cold_tokens >= self.isolate_min_tokens else "context"
@@ -811,6 +823,8 @@ class SpanGenerator:
         setting = call.cold_spans or self.cold_spans
         if not self.spans or self.span_probe is None or span_output or setting == "isolate":
             return None
+        if self.span_in_tier is not None:
+            return None  # a text never laid out here may be in the engine's span tier: look it up
         texts: list[str] = []
         for _, node in walk(call.input):
             if isinstance(node, Plus):

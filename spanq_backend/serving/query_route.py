@@ -239,6 +239,11 @@ def build_query_router(
             if not support.enabled:
                 log.warning("spanq serve: spans are off for this engine; queries run as stock: %s", support.reason)
             mirror = state.spanq_kv_mirror = KVEventsMirror.for_engine(config) if support.enabled else None
+            transfer = getattr(config, "kv_transfer_config", None)
+            if mirror is not None and transfer is not None and transfer.kv_connector == "SpanTierConnector":
+                from spanq_backend.vllm_integration.tier import tier_for
+
+                mirror.tier = tier_for(transfer.kv_connector_extra_config["tier_dir"], config)
             backend = state.spanq_backend = EngineClientBackend(
                 state.engine_client,
                 tokenizer,

@@ -150,6 +150,11 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         "question shares most with), or a share of span blocks such as 0.1",
     )
     parser.add_argument(
+        "--tier-dir", dest="spanq_tier_dir", default=None, metavar="DIR",
+        help="a span tier: a folder where span KV outlives the server (spans this server prepares are saved there; "
+        "spans found there, by this server, another replica or `spanq prepare`, are loaded instead of computed)",
+    )
+    parser.add_argument(
         "--verbose", dest="spanq_verbose", action="store_true",
         help="show vLLM's INFO log lines (by default its warnings and errors only; or set SPANQ_LOG_LEVEL)",
     )  # fmt: skip
@@ -165,6 +170,13 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         raise ValueError(
             "spanq serve runs one HTTP API server: --headless, --grpc and --api-server-count are not supported"
         )
+    if args.spanq_tier_dir is not None:
+        from spanq_backend.vllm_integration import tier
+
+        if args.kv_transfer_config is not None:
+            raise ValueError("--tier-dir is served through vLLM's KV connector: --kv-transfer-config cannot be given too")
+        tier.check_tier_dir(args.spanq_tier_dir)  # a TierError is a ValueError: reported below
+        args.kv_transfer_config = tier.transfer_config(args.spanq_tier_dir)
     spec = args.model_tag or args.model
     from spanq_backend.serving.admission import admit
 

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["BlockPoolProbe", "KVEventsMirror", "block_hash_chain"]
+__all__ = ["BlockPoolProbe", "KVEventsMirror", "block_hash_chain", "in_tier"]
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +59,32 @@ def block_hash_chain(
         yield parent
 
 
+def in_tier(tier: Any, hashes: tuple[Any, ...] | None, cached: Callable[[Any], bool]) -> bool:
+    """Whether a prompt of whole blocks (`hashes`) that the engine's cache does not hold wholly is, past the blocks
+    it holds (`cached`), wholly in the engine's span tier: then its request loads them (the tier's connector looks
+    up what follows the engine's own hit, contiguously)."""
+    if tier is None or not hashes:
+        return False
+    local = True
+    try:
+        for h in hashes:
+            if local and cached(h):
+                continue
+            local = False
+            if not tier.holds(h):
+                return False
+    except Exception:  # noqa: BLE001  (the cache changed under us: read it as a miss)
+        return False
+    return not local
+
+
 class BlockPoolProbe:
     """Looks blocks up in an in-process engine's block pool (`cached_block_hash_to_block`)."""
 
     def __init__(self, pool: Any, hash_fn: Callable[[Any], bytes], block_size: int):
         self.pool, self.hash_fn, self.block_size = pool, hash_fn, block_size
         self._memo: dict[tuple[Any, tuple[int, ...]], Any] = {}
+        self.tier: Any = None  # the engine's span tier (`spanq_backend/kv/tier.DiskTier`), if it has one
 
     @classmethod
     def of(cls, engine: Any, block_size: int) -> BlockPoolProbe | None:
@@ -98,6 +118,14 @@ class BlockPoolProbe:
     def cached(self, token_ids: list[int]) -> bool:
         return self.holds(self.block_hashes(token_ids))
 
+    def tier_holds_all(self, token_ids: list[int]) -> bool:
+        """Whether the engine's span tier holds every whole block of this prompt."""
+        hashes = self.block_hashes(token_ids)
+        return self.tier is not None and bool(hashes) and all(self.tier.holds(h) for h in hashes)
+
+    def in_tier(self, token_ids: list[int]) -> bool:
+        return in_tier(self.tier, self.block_hashes(token_ids), lambda h: self.pool.get_cached_block(h, [0]) is not None)
+
     def cached_blocks(self, token_ids: list[int]) -> int:
         """How many leading whole blocks of a plain prompt the pool holds (what stock prefix caching would hit)."""
         whole = len(token_ids) // self.block_size * self.block_size
@@ -125,6 +153,7 @@ class KVEventsMirror:
 
         self.endpoint, self.topic, self.hash_fn, self.block_size = endpoint, topic, hash_fn, block_size
         self.root = BlockHash(hash_fn(resolve_none_hash_seed(hash_fn)))  # the engine core's NONE_HASH
+        self.tier: Any = None  # the engine's span tier as this process reads the folder, if it has one
         self._hashes: set[Any] = set()
         self._memo: dict[tuple[Any, tuple[int, ...]], Any] = {}
         self._lock = threading.Lock()
@@ -179,6 +208,9 @@ class KVEventsMirror:
 
     def cached(self, token_ids: list[int]) -> bool:
         return self.holds(self.block_hashes(token_ids))
+
+    def in_tier(self, token_ids: list[int]) -> bool:
+        return in_tier(self.tier, self.block_hashes(token_ids), lambda h: h in self._hashes)
 
     def cached_blocks(self, token_ids: list[int]) -> int:
         """How many leading whole blocks of a plain prompt the engine's cache holds."""

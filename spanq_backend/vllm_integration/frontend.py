@@ -45,20 +45,37 @@ class InProcessEngines:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._live = 0
+        self._tiers = 0  # live engines with a span tier (a KV connector: vLLM keeps one per process)
 
-    def starting(self) -> None:
+    def starting(self, tier: bool = False) -> None:
+        """Count an engine in; refused (RuntimeError) where it and another would share vLLM's one KV connector of
+        the process: an engine with a span tier is the only in-process engine while it lives."""
         with self._lock:
+            if tier and self._live:
+                raise RuntimeError(
+                    f"an engine with a span tier must be the only vLLM engine in its process ({self._live} other "
+                    "running here: vLLM keeps one KV connector per process); close the others first, or serve the "
+                    "tier engine from its own process (spanq serve --tier-dir)"
+                )
+            if self._tiers:
+                raise RuntimeError(
+                    "an engine with a span tier is running in this process and must be the only one (vLLM keeps one "
+                    "KV connector per process): close it first, or start this engine in another process"
+                )
             self._live += 1
+            self._tiers += int(tier)
 
-    def failed_to_start(self) -> None:
+    def failed_to_start(self, tier: bool = False) -> None:
         with self._lock:
             self._live -= 1
+            self._tiers -= int(tier)
 
-    def retire(self, engine: Any) -> None:
+    def retire(self, engine: Any, tier: bool = False) -> None:
         """Shut an `LLMEngine` down now (not at garbage collection), sparing the process's distributed state
         unless it is the last in-process engine."""
         with self._lock:
             self._live -= 1
+            self._tiers -= int(tier)
             spared = SPARE_DIST_STATE.applied(_collect_garbage_instead) if self._live > 0 else contextlib.nullcontext()
             with spared:
                 try:

@@ -27,6 +27,7 @@ __all__ = [
     "runner_span_status",
     "runner_spans",
     "runtime_of",
+    "stepping_runtime",
     "worker_span_status",
     "wrap_copy_blocks",
     "wrap_execute_model",
@@ -209,6 +210,12 @@ def worker_span_status(worker: Any) -> tuple[bool, str]:
 # The runtime whose step is between its block copies and its forward pass, per thread (in-process engines
 # step on threads of their own).
 _stepping = threading.local()
+
+
+def stepping_runtime() -> SpanRuntime | None:
+    """The span runtime of the step this thread is in (between `execute_model`'s start and end), if any: what a
+    KV connector called inside the step (spanq's tier) tells about the blocks it fills."""
+    return getattr(_stepping, "runtime", None)
 
 
 def wrap_execute_model(orig: Any) -> Any:

@@ -1,0 +1,124 @@
+"""`spanq prepare CORPUS --tier-dir DIR`: compile a corpus into a span tier.
+
+Each document's span KV (`[anchor][document]`, as a query's `plus` of it is prepared under the engine's default
+anchor and lead-in) is computed once and written to the tier; an engine started later on the same tier
+(`SpanEngine(tier_dir=...)`, `spanq serve --tier-dir`) loads it instead of computing it, after a restart or on
+another replica. The corpus is JSON lines, one document each: a JSON string, or an object with its text under
+`text`, `page_content` (LangChain's documents) or `content`; or one JSON array of those. A line that is not a
+document is named by its number and the rest are compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["prepare_main", "read_corpus"]
+
+TEXT_KEYS = ("text", "page_content", "content")
+
+
+def _text_of(item: Any) -> str | None:
+    if isinstance(item, str):
+        return item if item.strip() else None
+    if isinstance(item, dict):
+        for key in TEXT_KEYS:
+            if isinstance(item.get(key), str) and item[key].strip():
+                return item[key]
+    return None
+
+
+def read_corpus(path: Path) -> tuple[list[str], list[str]]:
+    """The documents of a corpus file, and what was wrong with the lines that are not documents."""
+    raw = path.read_text(encoding="utf-8")
+    problems: list[str] = []
+    stripped = raw.lstrip()
+    if stripped.startswith("["):
+        try:
+            items = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a JSON array of documents: {e}") from None
+        texts = []
+        for i, item in enumerate(items):
+            text = _text_of(item)
+            if text is None:
+                problems.append(f"{path}: item {i}: not a document (a string, or an object with one of {', '.join(TEXT_KEYS)})")
+            else:
+                texts.append(text)
+        return texts, problems
+    texts = []
+    for n, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"{path}:{n}: not JSON ({e.msg})")
+            continue
+        text = _text_of(item)
+        if text is None:
+            problems.append(f"{path}:{n}: not a document (a string, or an object with one of {', '.join(TEXT_KEYS)})")
+        else:
+            texts.append(text)
+    return texts, problems
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="spanq prepare",
+        description="Compute each document's span KV once and write it to a span tier (a folder), where engines "
+        "started on it later find it.",
+    )
+    parser.add_argument("corpus", metavar="CORPUS", help="JSON lines, one document each (a string, or an object "
+                        "with text, page_content or content), or one JSON array of them")
+    parser.add_argument("--tier-dir", required=True, metavar="DIR", help="the span tier's folder (made if need be)")
+    parser.add_argument("--model", default="default", metavar="NAME", help="the model the KV is for: default, tiny, "
+                        "tiny-<family>, a model folder or a Hugging Face id (default: default)")
+    parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
+    return parser.parse_args(argv)
+
+
+def prepare_main(argv: list[str]) -> int:
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    corpus = Path(args.corpus)
+    try:
+        texts, problems = read_corpus(corpus)
+    except (OSError, ValueError) as e:
+        print(f"spanq prepare: error: {e}", file=sys.stderr)
+        return 2
+    for problem in problems:
+        print(f"spanq prepare: skipped {problem}", file=sys.stderr)
+    if not texts:
+        print(f"spanq prepare: error: {corpus} holds no document", file=sys.stderr)
+        return 2
+    from spanq_backend.serving.engine import EngineConfig, SpanEngine
+    from spanq_integrations.query.errors import SpanQueryError
+
+    started = time.perf_counter()
+    try:
+        with SpanEngine(EngineConfig(model=args.model, tier_dir=args.tier_dir)) as engine:
+            report = asyncio.run(engine.compile(texts))
+            report["tier"] = str(engine.tier.dir) if engine.tier is not None else None
+    except (SpanQueryError, ValueError) as e:
+        print(f"spanq prepare: error: {e}", file=sys.stderr)
+        return 2
+    report["skipped_lines"] = len(problems)
+    report["seconds"] = round(time.perf_counter() - started, 2)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(
+            f"{report['documents']} documents, {report['spans']} spans: {report['prepared']} prepared "
+            f"({report['tokens']} tokens computed), {report['held']} already in the tier; "
+            f"{report.get('blocks_written', 0)} blocks ({report.get('bytes_written', 0) / 1e6:.1f} MB) written to "
+            f"{report['tier']} in {report['seconds']} s"
+        )
+    return 1 if problems else 0

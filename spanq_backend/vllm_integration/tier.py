@@ -1,0 +1,556 @@
+"""A disk tier for span KV: spans computed once outlive the engine, through vLLM's KV-connector interface.
+
+What is stored: the blocks of spanq's *prepare* requests, `[anchor][span]` computed alone (and the prompt prefixes
+prepared beside them) — the isolated KV that span reuse reads. One file per block, named by the block's vLLM
+prefix-cache hash: a stock hash chain over the anchor's and the span's tokens, so the name says exactly which
+tokens, after which tokens, the KV is of. Everything else that makes KV differ (the model's files, dtype, KV
+cache dtype, block size, vLLM's version, this layout's version, the hash function and its seed, the CPU's
+attention kernels) is folded into the *namespace*, a folder of its own: a tier written for another model or
+setting is never read, it is simply not there.
+
+How it is reached (`SpanTierConnector`, loaded by vLLM from `kv_connector_module_path`; no patch):
+
+- scheduler side: a request without a span table whose next blocks (after what the engine's own cache holds)
+  are in the tier is told they are external hits, loaded asynchronously (vLLM holds the request until the
+  load is done, so no other request reads the blocks before they hold data); prepare requests the generator
+  marks (`TIER_PARAM` in `kv_transfer_params`) have their blocks saved once their prompt is computed;
+- worker side: loads copy each file's bytes into the engine's blocks and tell spanq's block position tracker
+  which position the keys encode (what the file records), so the next step moves them as any cached span's;
+  saves copy a block's bytes out after the step's forward pass (the tracker says where its keys sit then) and
+  write them from a thread: to a temporary name, then renamed, with a checksum over header and payload. A file
+  that fails its checksum (truncated, corrupt) is moved aside and the request's blocks are computed instead.
+
+Only requests without a span table load: a tier span reaches a query through its prepare request (the shape
+vLLM's connector interface can load, contiguous after the local hit), which the generator sends for spans the
+tier holds. One tier engine per process (vLLM keeps one connector per process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "LAYOUT_VERSION",
+    "TIER_PARAM",
+    "DiskTier",
+    "SpanTierConnector",
+    "TierError",
+    "check_tier_dir",
+    "namespace_of",
+    "tier_for",
+    "tier_params",
+    "transfer_config",
+]
+
+log = logging.getLogger("spanq.tier")
+
+LAYOUT_VERSION = 1  # the file format and what a block's bytes mean; a new version is a new namespace
+TIER_PARAM = "spanq_tier"  # key in a request's kv_transfer_params: save this prepare request's blocks
+MAGIC = b"SPQKVT01"
+CHECKSUM_BYTES = 16
+CONNECTOR_NAME = "SpanTierConnector"
+MODEL_SAMPLE_BYTES = 1 << 20  # of each weight file's start and end, in the model's digest
+
+
+def tier_params() -> dict[str, Any]:
+    """`SamplingParams.extra_args` of a prepare request whose blocks a tier engine saves."""
+    return {"kv_transfer_params": {TIER_PARAM: True}}
+
+
+class TierError(ValueError):
+    """A tier that cannot be used as asked (a folder that cannot be written, another tier engine in the process)."""
+
+
+# ------------------------------------------------------------------------------------------------ namespace
+
+_MODEL_DIGESTS: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
+
+
+def model_digest(path: str | Path) -> str:
+    """A digest of a model folder's contents: its config and tokenizer files whole, each weight file's size and
+    its first and last MiB (cached per process by the files' sizes and times)."""
+    root = Path(path)
+    if not root.is_dir():
+        return hashlib.sha256(str(path).encode()).hexdigest()  # a hub id: its name is all that is known here
+    files = sorted(p for p in root.iterdir() if p.is_file())
+    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    key = (str(root.resolve()), stamp)
+    if key in _MODEL_DIGESTS:
+        return _MODEL_DIGESTS[key]
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode() + b"\0" + str(p.stat().st_size).encode() + b"\0")
+        with p.open("rb") as f:
+            if p.suffix in (".json", ".txt", ".model", ".jinja"):
+                h.update(f.read())
+            else:
+                h.update(f.read(MODEL_SAMPLE_BYTES))
+                f.seek(max(0, p.stat().st_size - MODEL_SAMPLE_BYTES))
+                h.update(f.read(MODEL_SAMPLE_BYTES))
+    _MODEL_DIGESTS[key] = digest = h.hexdigest()
+    return digest
+
+
+def namespace_of(vllm_config: Any) -> tuple[str, dict[str, Any]]:
+    """The namespace a tier engine reads and writes: `(digest, what it is made of)`. Every setting that changes
+    the bytes of a block's KV for the same tokens is in it."""
+    import vllm
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import _NON_CRYPTO_HASH_FUNCTIONS, resolve_none_hash_seed
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
+    if hash_fn in _NON_CRYPTO_HASH_FUNCTIONS and os.environ.get("PYTHONHASHSEED") is None:
+        raise TierError(
+            f"prefix_caching_hash_algo={cache.prefix_caching_hash_algo} seeds its hashes at random in each process, "
+            "so a span tier's blocks would never be found again: use sha256 (vLLM's default) or set PYTHONHASHSEED"
+        )
+    hf = model.hf_config
+    parts: dict[str, Any] = {
+        "layout": LAYOUT_VERSION,
+        "vllm": vllm.__version__,
+        "model": model_digest(model.model),
+        "hf_config": hashlib.sha256(hf.to_json_string(use_diff=False).encode()).hexdigest(),
+        "dtype": str(model.dtype),
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "block_size": int(cache.block_size),
+        "hash": str(cache.prefix_caching_hash_algo),
+        "hash_seed": resolve_none_hash_seed(hash_fn),  # as the engine core seeds its chains
+        "device": str(vllm_config.device_config.device_type),
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "amx": bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()),
+    }
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+    return digest, parts
+
+
+# ------------------------------------------------------------------------------------------------ the store
+
+
+@dataclass
+class TierStats:
+    loads: int = 0  # requests served from the tier
+    loaded_blocks: int = 0
+    saved_blocks: int = 0
+    skipped_saves: int = 0  # blocks not saved: their keys were not at their prepare position
+    failed_loads: int = 0  # files refused (checksum, header, read error): their requests computed instead
+    failed_saves: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Block:
+    """One stored block: the position its keys encode, and each layer's bytes."""
+
+    position: int
+    layers: list[tuple[str, tuple[int, ...], str, bytes]] = field(default_factory=list)  # name, shape, dtype, bytes
+
+
+class DiskTier:
+    """One namespace of a tier folder: `root/<namespace>/<hash[:2]>/<hash>.kv`, one file per block."""
+
+    def __init__(self, root: str | Path, namespace: str, parts: dict[str, Any] | None = None):
+        self.root = Path(root)
+        self.namespace = namespace
+        self.dir = self.root / namespace
+        check_tier_dir(self.dir)
+        if parts is not None:
+            about = self.dir / "namespace.json"
+            if not about.exists():
+                _write_atomically(about, json.dumps(parts, indent=1, sort_keys=True).encode())
+        self.stats = TierStats()
+        self._lock = threading.Lock()
+        self._held: set[bytes] = set()
+        self._writes: queue.Queue[tuple[bytes, Block] | threading.Event] = queue.Queue()
+        self._writing: set[bytes] = set()
+        self._writer: threading.Thread | None = None
+        self._write_error_said = False
+        self.rescan()
+
+    # -- index
+
+    def rescan(self) -> int:
+        """Read which blocks the folder holds (another process may have written some); how many."""
+        held: set[bytes] = set()
+        for sub in self.dir.iterdir() if self.dir.is_dir() else ():
+            if sub.is_dir() and len(sub.name) == 2:
+                for f in sub.iterdir():
+                    if f.suffix == ".kv":
+                        try:
+                            held.add(bytes.fromhex(f.stem))
+                        except ValueError:
+                            continue
+        with self._lock:
+            self._held = held
+        return len(held)
+
+    def holds(self, block_hash: Any) -> bool:
+        """Whether the folder holds the block: the index, else the disk (another process, a replica or `spanq
+        prepare`, may have written it since the folder was read)."""
+        key = bytes(block_hash)
+        if key in self._held:
+            return True
+        if self.path_of(key).exists():
+            with self._lock:
+                self._held.add(key)
+            return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def path_of(self, block_hash: Any) -> Path:
+        name = bytes(block_hash).hex()
+        return self.dir / name[:2] / f"{name}.kv"
+
+    # -- reading
+
+    def read(self, block_hash: Any) -> Block:
+        """The stored block, checked: its checksum, and that it is the block asked for. Raises `ValueError`
+        (or `OSError`) for anything else."""
+        data = self.path_of(block_hash).read_bytes()
+        self.stats.bytes_read += len(data)
+        if len(data) < len(MAGIC) + 4 + CHECKSUM_BYTES or not data.startswith(MAGIC):
+            raise ValueError("not a span tier block (truncated, or another format)")
+        body, checksum = data[:-CHECKSUM_BYTES], data[-CHECKSUM_BYTES:]
+        if not self._verified(body, checksum):
+            raise ValueError("its checksum does not match (a corrupt or truncated file)")
+        (header_len,) = struct.unpack_from("<I", body, len(MAGIC))
+        start = len(MAGIC) + 4
+        header = json.loads(body[start : start + header_len])
+        if header.get("namespace") != self.namespace or header.get("hash") != bytes(block_hash).hex():
+            raise ValueError("it holds another block (its header names another hash or namespace)")
+        offset = start + header_len
+        block = Block(int(header["position"]))
+        for name, shape, dtype, nbytes in header["layers"]:
+            block.layers.append((name, tuple(shape), dtype, body[offset : offset + nbytes]))
+            offset += nbytes
+        if offset != len(body):
+            raise ValueError("its payload is not the size its header says")
+        return block
+
+    @staticmethod
+    def _verified(body: bytes, checksum: bytes) -> bool:
+        return hashlib.blake2b(body, digest_size=CHECKSUM_BYTES).digest() == checksum
+
+    def forget(self, block_hash: Any, why: str) -> None:
+        """A block that failed to load: out of the index, its file moved aside (kept for a look, never read)."""
+        key = bytes(block_hash)
+        with self._lock:
+            self._held.discard(key)
+        path = self.path_of(key)
+        try:
+            path.replace(path.with_suffix(".bad"))
+        except OSError:
+            pass
+        log.warning("span tier: block %s… not loaded (%s); it is computed instead", key.hex()[:12], why)
+
+    # -- writing
+
+    def write_later(self, block_hash: Any, block: Block) -> None:
+        """Write a block from the writer thread (its bytes are already copied out of the engine)."""
+        key = bytes(block_hash)
+        with self._lock:
+            if key in self._held or key in self._writing:
+                return
+            self._writing.add(key)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="spanq-tier-writer", daemon=True)
+                self._writer.start()
+        self._writes.put((key, block))
+
+    def flush(self, timeout: float = 120.0) -> None:
+        """Wait until every block handed to `write_later` is on disk (or failed)."""
+        if self._writer is None:
+            return
+        done = threading.Event()
+        self._writes.put(done)  # type: ignore[arg-type]
+        done.wait(timeout)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            key, block = item
+            try:
+                self._write(key, block)
+                with self._lock:
+                    self._held.add(key)
+                self.stats.saved_blocks += 1
+            except OSError as e:  # a full or read-only disk: computing stays correct, say it once
+                self.stats.failed_saves += 1
+                if not self._write_error_said:
+                    self._write_error_said = True
+                    log.warning("span tier: blocks cannot be written to %s (%s); spans are computed as without "
+                                "a tier until it can", self.dir, e)
+            finally:
+                with self._lock:
+                    self._writing.discard(key)
+
+    def _write(self, key: bytes, block: Block) -> None:
+        header = json.dumps({
+            "namespace": self.namespace,
+            "hash": key.hex(),
+            "position": block.position,
+            "layers": [[name, list(shape), dtype, len(data)] for name, shape, dtype, data in block.layers],
+        }).encode()
+        body = b"".join([MAGIC, struct.pack("<I", len(header)), header, *(data for *_, data in block.layers)])
+        payload = body + hashlib.blake2b(body, digest_size=CHECKSUM_BYTES).digest()
+        path = self.path_of(key)
+        path.parent.mkdir(exist_ok=True)
+        _write_atomically(path, payload)
+        self.stats.bytes_written += len(payload)
+
+
+def _bytes_of(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()  # any dtype (numpy has no bfloat16)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Whole or absent: written under a name of its own, then renamed (concurrent writers of one block leave
+    one good copy: the last rename wins, and each is whole)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def check_tier_dir(path: str | Path) -> None:
+    """Make the folder if need be and check it can be written: `TierError` naming it, before an engine starts."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-check-{os.getpid()}-{threading.get_ident()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise TierError(f"the span tier folder {folder} cannot be written: {e}") from e
+
+
+_TIERS: dict[tuple[str, str], DiskTier] = {}
+_TIERS_LOCK = threading.Lock()
+
+
+def tier_for(root: str | Path, vllm_config: Any, starting: bool = False) -> DiskTier:
+    """This process's `DiskTier` of `root` for an engine's config (the scheduler and the worker of an engine in
+    one process share it, and with it the index of what is held). `starting`: an engine starts on it (its
+    scheduler's connector): the folder is read again and the counters start over."""
+    namespace, parts = namespace_of(vllm_config)
+    key = (str(Path(root).resolve()), namespace)
+    with _TIERS_LOCK:
+        tier = _TIERS.get(key)
+        if tier is None:
+            tier = _TIERS[key] = DiskTier(root, namespace, parts)
+        elif starting:
+            tier.flush()
+            tier.rescan()
+            tier.stats = TierStats()
+        return tier
+
+
+def transfer_config(tier_dir: str | Path) -> Any:
+    """vLLM's `KVTransferConfig` for an engine with the span tier in `tier_dir`."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector=CONNECTOR_NAME,
+        kv_connector_module_path=__name__,
+        kv_role="kv_both",
+        # a block that fails to load: the request starts over, and the block is no longer in the tier's index
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"tier_dir": str(tier_dir)},
+    )
+
+
+# ------------------------------------------------------------------------------------------------ connector
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        KVConnectorTransferResults,
+    )
+except ImportError:  # pragma: no cover - the backend extra is not installed: no connector to define
+    KVConnectorBase_V1 = object  # type: ignore[assignment,misc]
+    KVConnectorMetadata = object  # type: ignore[assignment,misc]
+
+
+@dataclass
+class TierMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    # request id -> [(block hash, block id)] to load
+    loads: dict[str, list[tuple[bytes, int]]] = field(default_factory=dict)
+    # (block hash, block id, logical index) to save after this step's forward pass
+    saves: list[tuple[bytes, int, int]] = field(default_factory=list)
+
+
+class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """spanq's span tier, as vLLM's KV connector (both roles; see the module's docstring)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        root = self._kv_transfer_config.kv_connector_extra_config.get("tier_dir")
+        if not root:
+            raise TierError("the span tier connector needs kv_connector_extra_config['tier_dir']")
+        self.tier = tier_for(root, vllm_config, starting=role == KVConnectorRole.SCHEDULER)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        # scheduler side
+        self._lookups: dict[str, tuple[int, list[bytes]]] = {}
+        self._loads: dict[str, list[tuple[bytes, int]]] = {}
+        self._marked: dict[str, Any] = {}
+        # worker side
+        self._layers: list[tuple[str, torch.Tensor]] = []
+        self._received: set[str] = set()
+        self._failed: set[str] = set()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save that does not happen is a later miss
+
+    # ---------------------------------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        from spanq_backend.vllm_integration.engine_core import span_table_of
+
+        if getattr(request, "skip_reading_prefix_cache", False) or span_table_of(request) is not None:
+            return 0, False
+        bs, hashes = self.block_size, request.block_hashes
+        start = num_computed_tokens // bs
+        limit = min(len(hashes), (request.num_prompt_tokens - 1) // bs)  # vLLM computes at least one token
+        found: list[bytes] = []
+        for j in range(start, limit):
+            if not self.tier.holds(hashes[j]):
+                break
+            found.append(bytes(hashes[j]))
+        if not found:
+            return 0, False
+        self._lookups[request.request_id] = (start, found)
+        return len(found) * bs, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        params = request.kv_transfer_params or {}
+        if params.get(TIER_PARAM):
+            self._marked[rid] = request
+        if not num_external_tokens:
+            self._lookups.pop(rid, None)
+            return
+        start, found = self._lookups.pop(rid)
+        ids = blocks.get_block_ids()[0]
+        self._loads[rid] = [(h, int(ids[start + i])) for i, h in enumerate(found)]
+
+    def build_connector_meta(self, scheduler_output: Any) -> TierMetadata:
+        meta = TierMetadata(loads=self._loads)
+        self._loads = {}
+        scheduled = scheduler_output.num_scheduled_tokens
+        for rid, request in list(self._marked.items()):
+            n = scheduled.get(rid, 0)
+            if not n or request.num_computed_tokens + n < request.num_prompt_tokens:
+                continue  # not scheduled this step, or its prompt not done by it (chunked)
+            del self._marked[rid]
+            ids = self._kv_cache_manager.get_block_ids(rid)[0] if self._kv_cache_manager is not None else []
+            whole = min(len(ids), request.num_prompt_tokens // self.block_size, len(request.block_hashes))
+            for j in range(whole):
+                h = bytes(request.block_hashes[j])
+                if not self.tier.holds(h):
+                    meta.saves.append((h, int(ids[j]), j))
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._marked.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._layers = list(kv_caches.items())
+
+    def _tracker(self) -> Any:
+        from spanq_backend.vllm_integration.worker import stepping_runtime
+
+        rt = stepping_runtime()
+        return None if rt is None else rt.tracker
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TierMetadata) or not meta.loads:
+            return
+        tracker = self._tracker()
+        for rid, items in meta.loads.items():
+            self._received.add(rid)
+            for h, block_id in items:
+                try:
+                    stored = self.tier.read(h)
+                    self._copy_in(stored, block_id)
+                except (OSError, ValueError, RuntimeError) as e:
+                    self.tier.stats.failed_loads += 1
+                    self.tier.forget(h, str(e))
+                    self._failed.add(rid)
+                    break
+                if tracker is not None:
+                    tracker.loaded(block_id, stored.position)
+            else:
+                self.tier.stats.loads += 1
+                self.tier.stats.loaded_blocks += len(items)
+
+    def _copy_in(self, stored: Block, block_id: int) -> None:
+        if len(stored.layers) != len(self._layers):
+            raise ValueError(f"it has {len(stored.layers)} layers, the engine {len(self._layers)}")
+        for (name, shape, dtype, data), (layer, cache) in zip(stored.layers, self._layers):
+            target = cache[block_id]
+            if name != layer or tuple(target.shape) != shape or str(target.dtype) != dtype:
+                raise ValueError(f"its layer {name} {shape} {dtype} is not the engine's {layer} "
+                                 f"{tuple(target.shape)} {target.dtype}")
+            source = torch.frombuffer(bytearray(data), dtype=target.dtype).view(target.shape)
+            target.copy_(source)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole blocks are copied out after the forward pass (`wait_for_save`)
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TierMetadata) or not meta.saves:
+            return
+        tracker = self._tracker()
+        for h, block_id, j in meta.saves:
+            position = None if tracker is None else tracker.position_of(block_id)
+            if position != j * self.block_size:  # keys not where the prepare computed them: not stored
+                self.tier.stats.skipped_saves += 1
+                continue
+            layers = [(name, tuple(cache[block_id].shape), str(cache.dtype), _bytes_of(cache[block_id]))
+                      for name, cache in self._layers]
+            self.tier.write_later(h, Block(position, layers))
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        received, failed = self._received, self._failed
+        self._received, self._failed = set(), set()
+        return KVConnectorTransferResults(finished_recving=received, failed_recving=failed)
+
+    def shutdown(self) -> None:
+        if self.role == KVConnectorRole.WORKER:
+            self.tier.flush()

@@ -1,0 +1,157 @@
+"""The span tier: span KV that outlives the engine (spanq_backend/vllm_integration/tier.py, `spanq prepare`).
+
+The engine tests run in a process of their own (`tier_run.py`: an engine with a tier must be the only vLLM
+engine of its process): a corpus compiled by `spanq prepare`'s entry point, then engines started one after
+another on the tier, each a restart that finds only the folder. What they answer is checked here against the
+independent HF reference of span attention, and the two broken tiers in that run (keys loaded without telling
+where they sit; a flipped byte read without its checksum) must answer wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.hf_span import span_reference_logprobs
+from spanq_backend.kv.span_table import SpanTable
+from spanq_backend.serving.prepare import read_corpus
+from spanq_backend.vllm_integration import tier
+from spanq_backend.vllm_integration.frontend import InProcessEngines
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 2e-4
+DOCS = [
+    f"Document {c}. " + " ".join(f"The {w} of {c} is {i}." for i, w in enumerate(["key", "door", "lamp", "road", "tree", "bell", "cup"] * 3))
+    for c in "ABCD"
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tier")
+    corpus = folder / "corpus.jsonl"
+    lines = [json.dumps({"text": DOCS[0]}), json.dumps({"page_content": DOCS[1]}), "{not json", json.dumps(DOCS[2]),
+             json.dumps({"title": "no text"}), json.dumps({"content": DOCS[3]})]
+    corpus.write_text("\n".join(lines) + "\n")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests/backend/tier_run.py"), str(corpus), str(folder / "tier")],
+        check=False, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr, folder
+
+
+def reference(hf_model, out):
+    table = SpanTable(block_size=32, spans=tuple(tuple(s) for s in out["spans"]),
+                      anchors=tuple(a if isinstance(a, int) else tuple(a) for a in out["anchors"]) if out["anchors"] else None)
+    return span_reference_logprobs(hf_model, out["token_ids"], table, out["tokens"]).double()
+
+
+def max_diff(hf_model, out) -> float:
+    got = torch.tensor(out["logprobs"], dtype=torch.float64)
+    diff = (got - reference(hf_model, out)).abs()
+    return float("inf") if torch.isnan(diff).any() else float(diff.max())
+
+
+@pytest.mark.vllm
+def test_spanq_prepare_compiles_a_corpus_names_bad_lines_and_skips_what_the_tier_holds(run):
+    result, stderr, _ = run
+    first, again = result["prepare"], result["prepare_again"]
+    assert result["prepare_exit"] == 1, "lines that are not documents make the exit status 1"
+    assert "corpus.jsonl:3: not JSON" in stderr and "corpus.jsonl:5: not a document" in stderr
+    assert first["documents"] == 4 and first["spans"] == 4 and first["prepared"] == 4 and first["held"] == 0
+    assert first["blocks_written"] > 4 and first["bytes_written"] > 0
+    assert again["prepared"] == 0 and again["held"] == 4 and again["blocks_written"] == 0
+
+
+@pytest.mark.vllm
+def test_a_restarted_engine_loads_every_span_from_the_tier_and_answers_span_attention_exactly(run, hf_model):
+    out = run[0]["restart"]
+    assert out["prepared"] == 0, "every span was in the tier: none computed"
+    assert out["tier"]["loads"] >= 4 and out["tier"]["failed_loads"] == 0
+    assert max_diff(hf_model, out) < TOL
+
+
+@pytest.mark.vllm
+def test_keys_loaded_without_their_position_would_answer_wrong(run, hf_model):
+    """The check above can fail: a tier that fills blocks and does not tell spanq where their keys sit (into
+    blocks that held keys at other positions) moves them by the wrong distance."""
+    out = run[0]["stale"]
+    assert out["prepared"] == 0 and out["tier"]["loads"] >= 4
+    assert max_diff(hf_model, out) > 10 * TOL
+
+
+@pytest.mark.vllm
+def test_a_corrupt_block_is_refused_and_its_span_computed_and_unchecked_it_answers_wrong(run, hf_model):
+    result = run[0]
+    out = result["corrupt"]
+    assert out["tier"]["failed_loads"] == 1
+    assert out["prepared"] == 1, "the span with the corrupt block was computed"
+    assert max_diff(hf_model, out) < TOL
+    assert Path(result["flipped"]).with_suffix(".bad").exists(), "moved aside, never read again"
+    assert max_diff(hf_model, result["unchecked"]) > 10 * TOL, "read without its checksum, the flip reaches the answer"
+
+
+def test_a_stored_block_reads_back_and_a_truncated_one_is_refused(tmp_path):
+    store = tier.DiskTier(tmp_path, "ns")
+    values = torch.randn(2, 3, 32, 8)
+    h = bytes(range(32))
+    store.write_later(h, tier.Block(64, [("layer.0", tuple(values.shape), str(values.dtype), tier._bytes_of(values))]))
+    store.flush()
+    assert store.holds(h) and tier.DiskTier(tmp_path, "ns").holds(h), "found again by a tier that reads the folder"
+    block = store.read(h)
+    assert block.position == 64
+    _, shape, dtype, data = block.layers[0]
+    assert dtype == str(values.dtype)
+    assert torch.equal(torch.frombuffer(bytearray(data), dtype=values.dtype).view(shape), values)
+    path = store.path_of(h)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="checksum"):
+        store.read(h)
+
+
+def test_a_file_under_another_blocks_name_is_refused(tmp_path):
+    store = tier.DiskTier(tmp_path, "ns")
+    a, b = bytes(32), bytes([1] * 32)
+    store.write_later(a, tier.Block(0, [("layer.0", (1,), "torch.float32", b"\0\0\0\0")]))
+    store.flush()
+    store.path_of(b).parent.mkdir(exist_ok=True)
+    store.path_of(b).write_bytes(store.path_of(a).read_bytes())
+    with pytest.raises(ValueError, match="another block"):
+        store.read(b)
+
+
+def test_a_tier_folder_that_cannot_be_written_is_one_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(tier.TierError, match="cannot be written"):
+        tier.check_tier_dir(blocker / "tier")
+
+
+def test_an_engine_with_a_tier_is_alone_in_its_process():
+    engines = InProcessEngines()
+    engines.starting()
+    with pytest.raises(RuntimeError, match="only vLLM engine in its process"):
+        engines.starting(tier=True)
+    engines2 = InProcessEngines()
+    engines2.starting(tier=True)
+    with pytest.raises(RuntimeError, match="span tier is running in this process"):
+        engines2.starting()
+
+
+def test_a_corpus_line_that_is_not_a_document_is_named(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('"one"\n\n{"text": "two"}\n[1, 2]\n{"page_content": ""}\n')
+    texts, problems = read_corpus(corpus)
+    assert texts == ["one", "two"]
+    assert [p.split(": ")[0] for p in problems] == [f"{corpus}:4", f"{corpus}:5"]
+    array = tmp_path / "a.json"
+    array.write_text(json.dumps([{"text": "x"}, 3]))
+    assert read_corpus(array) == (["x"], [f"{array}: item 1: not a document (a string, or an object with one of text, page_content, content)"])
