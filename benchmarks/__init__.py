@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "rerope": ("benchmarks.rerope", "repositioning throughput vs a plain copy; CIDRA planning cost"),
     "haystack": ("benchmarks.haystack", "needle in a haystack: flat judge vs tree reduction"),
     "cluster": ("benchmarks.cluster", "span-affinity vs Ray Serve's default routing over replicas: hit rate, TTFT"),
+    "tier": ("benchmarks.tier", "the first query after an engine restart over a corpus compiled into a span tier"),
     "overhead": ("benchmarks.overhead", "requests without spans, plugin on vs off (own processes); client-side cost"),
 }
 """name -> (module with `main(argv) -> int`, one-line description)."""

@@ -152,9 +152,10 @@ def structured_outputs(call: Generate) -> Any:
 
 @dataclass
 class CallLayout:
-    """A call's prompt as it runs now (`SpanGenerator.layout`): "warm" (every span cached), "isolate" (the cold
-    spans' `[anchor][span]` prompts computed first), or "context" (the cold spans computed in context by the
-    answer, their prepares `deferred` until the engine is idle)."""
+    """A call's prompt as it runs now (`SpanGenerator.layout`): "warm" (every span cached), "tier" (the cold spans
+    in the engine's span tier: the answer's request loads them), "isolate" (the cold spans' `[anchor][span]`
+    prompts computed first), or "context" (the cold spans computed in context by the answer, their prepares
+    `deferred` until the engine is idle)."""
 
     lowered: LoweredPrompt
     flattened: bool
@@ -753,6 +754,15 @@ class SpanGenerator:
         cold_tokens = sum(table.spans[i][1] - table.spans[i][0] for i in cold)
         return "isolate" if cold_tokens >= self.isolate_min_tokens else "context"
 
+    def reads_from_tier(self, lowered: LoweredPrompt, cold: list[int]) -> bool:
+        """Whether the call's request can load its cold spans from the engine's span tier itself: the tier
+        connector loads what follows the engine's own hit contiguously, so every span from the first cold one on
+        must be in the tier (spans the engine holds included: their blocks are loaded again)."""
+        holds = getattr(self.span_probe, "tier_holds_all", None)
+        if self.span_in_tier is None or holds is None or not cold:
+            return False
+        return all(holds(lowered.prepare_prompt(i)) for i in range(min(cold), len(lowered.table.spans)))
+
     def cold_span_indices(self, lowered: LoweredPrompt, count: bool = True) -> list[int]:
         """The spans whose `[anchor][span]` the cache does not hold wholly (all of them where it cannot be asked)."""
         n = len(lowered.table.spans)
@@ -793,6 +803,8 @@ class SpanGenerator:
             cold = self.cold_span_indices(lowered, count=False)
         if not cold:
             return CallLayout(lowered, flattened, "warm", spans=spans)
+        if self.reads_from_tier(lowered, cold):  # the answer's own request loads them: no prepare round
+            return CallLayout(lowered, flattened, "tier", spans=spans)
         mode = self.cold_policy(lowered, cold, call.cold_spans)
         prompts = [lowered.prepare_prompt(i) for i in cold]
         if mode == "isolate":
@@ -871,8 +883,17 @@ class SpanGenerator:
         prefix = lowered.prefix_prompt() if lowered.has_spans and lowered.reads_after_another_prefix else []
         if prefix and self.span_cached is not None and self.span_cached(prefix):
             prefix = []
+        beside = [prefix] if prefix else []
+        if mode == "tier":
+            # What the answer does not load itself, so that the next call finds its spans' prepares cached whole:
+            # their anchors, and the prepares of spans whose padded last block the answer reads as context.
+            table = lowered.table
+            wanted = {tuple(table.anchor_ids(i, lowered.token_ids)) for i in range(len(table.spans))
+                      if not isinstance(table.anchor_of(i), int)}
+            wanted |= {tuple(lowered.prepare_prompt(i)) for i in lowered.prepare_tails}
+            beside += [list(p) for p in sorted(wanted) if not (self.span_cached is not None and self.span_cached(list(p)))]
         with self.batch():
-            head = [(len(prefix), self.open_compute(prefix))] if prefix else []
+            head = [(len(p), self.open_compute(p)) for p in beside]
             redone = head + self.open_recompute(redo)
             answers = [self.open(lowered.token_ids, p, redo.lowered.table) for p in params]
         t_submitted = time.perf_counter()
@@ -924,7 +945,8 @@ class SpanGenerator:
             extra={
                 # the call's spans: read from the cache, prepared by it, or (cold, "context") read in context
                 "spans": layout.spans,
-                # Cold spans: "isolate" (prepared alone first), "context" (computed in context by the answer,
+                # Cold spans: "isolate" (prepared alone first), "tier" (loaded by the answer from the span tier),
+                # "context" (computed in context by the answer,
                 # prepared alone when the engine is idle: `deferred_spans`), "warm" (all cached), "in-context"
                 # (all cached, and the documents too, in context: read as a stock prompt, `in_context`)
                 "cold_spans": mode,

@@ -36,6 +36,9 @@ SPANQ_NOISE: dict[str, str] = {
     "Inductor compilation was disabled by user settings": "the same choice, said again",
     "triton-cpu is expected on x86 CPUs": "a platform fact of the CPU build; spanq needs no Triton there",
     "Model Runner V2 requires Triton": "the same platform fact",
+    "Initializing KVConnectorBase_V1. This API is experimental": "spanq's span tier is a KV connector on purpose",
+    "selects a KV connector that does not support it": "spanq runs one KV cache group anyway (hybrid manager off)",
+    "Reset SSM cache type to float32": "no SSM layers in the models spanq starts; a platform default said aloud",
 }
 """Warnings dropped at the default level: a part of the message, and why it is noise here."""
 
@@ -47,6 +50,7 @@ _NOISY_LOGGERS = (
     "vllm.platforms.cpu",
     "vllm.engine.arg_utils",
     "vllm.config.vllm",
+    "vllm.distributed.kv_transfer.kv_connector.v1.base",
 )
 """The loggers those warnings come from. The filter sits on them, not on vLLM's handler, because vLLM rebuilds
 its handlers (`logging.config.dictConfig`) whenever an engine applies its logging config."""

@@ -212,6 +212,10 @@ class KVEventsMirror:
     def in_tier(self, token_ids: list[int]) -> bool:
         return in_tier(self.tier, self.block_hashes(token_ids), lambda h: h in self._hashes)
 
+    def tier_holds_all(self, token_ids: list[int]) -> bool:
+        hashes = self.block_hashes(token_ids)
+        return self.tier is not None and bool(hashes) and all(self.tier.holds(h) for h in hashes)
+
     def cached_blocks(self, token_ids: list[int]) -> int:
         """How many leading whole blocks of a plain prompt the engine's cache holds."""
         whole = len(token_ids) // self.block_size * self.block_size

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +40,10 @@ __all__ = [
     "SpanBlockHasher",
     "make_hasher_factory",
     "manager_spans",
+    "rekey_after_connector",
     "rekey_missed_spans",
     "request_spans",
+    "restore_span_keys",
     "span_table_of",
     "wrap_allocate_new_blocks",
     "wrap_get_computed_blocks",
@@ -65,6 +68,10 @@ class RequestSpans:
     table: SpanTable | None  # None: a stock request (no table, or one that was refused)
     hash_fn: Any = None  # the engine core's block hash function, once its hasher saw the request
     rekeyed_from: int | None = None  # first block re-keyed as context, if any
+    # The span keys re-keying replaced, from block `keys_from` on (what a span tier's lookup restores: it looks
+    # for span blocks past the engine's own hit before they are re-keyed, `restore_span_keys`)
+    span_keys: list[Any] | None = None
+    keys_from: int = 0
 
 
 def _read_table(request: Any) -> RequestSpans:
@@ -203,6 +210,10 @@ def rekey_missed_spans(request: Any, num_computed_tokens: int) -> int:
     hashes = request.block_hashes
     if j0 >= len(hashes) or state.rekeyed_from == j0:
         return 0
+    if state.span_keys is None:
+        state.span_keys, state.keys_from = list(hashes[j0:]), j0
+    elif j0 < state.keys_from:
+        state.span_keys, state.keys_from = list(hashes[j0 : state.keys_from]) + state.span_keys, j0
     tokens = request.all_token_ids
     parent = None  # a stock chain over the whole prefix: the re-keyed blocks depend on every token before them
     for j in range(j0):
@@ -214,6 +225,26 @@ def rekey_missed_spans(request: Any, num_computed_tokens: int) -> int:
     log.info("request %s: span blocks from %d missed the cache; computed in context, not cached as spans",
              getattr(request, "request_id", "?"), j0)
     return len(hashes) - j0
+
+
+def restore_span_keys(request: Any) -> None:
+    """Undo `rekey_missed_spans` (in place): the request's span blocks hash as spans again, to be looked up anew."""
+    state = request_spans.get(request)
+    if state is None or state.span_keys is None:
+        return
+    hashes = request.block_hashes
+    hashes[state.keys_from : state.keys_from + len(state.span_keys)] = state.span_keys
+    state.span_keys, state.rekeyed_from = None, None
+
+
+# KV cache managers whose engine has a span tier: the tier's connector, asked right after every lookup, re-keys
+# missed spans itself once it knows what it loads (`SpanTierConnector.get_num_new_matched_tokens`).
+_REKEYED_BY_CONNECTOR: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def rekey_after_connector(kv_cache_manager: Any) -> None:
+    """This manager's lookups leave re-keying to the engine's KV connector (called after each of them)."""
+    _REKEYED_BY_CONNECTOR.add(kv_cache_manager)
 
 
 # --------------------------------------------------------------------------------------------- CIDRA
@@ -242,7 +273,8 @@ manager_spans: Extension[ManagerSpans] = Extension(
 def wrap_get_computed_blocks(orig: Any) -> Any:
     def get_computed_blocks(self: Any, request: Any) -> Any:
         result = orig(self, request)
-        rekey_missed_spans(request, result[1])
+        if self not in _REKEYED_BY_CONNECTOR:
+            rekey_missed_spans(request, result[1])
         blocks, num_computed = result[0], result[1]
         if len(blocks.blocks) == 1:
             mgr = self.coordinator.single_type_managers[0]

@@ -27,13 +27,18 @@ tier holds. One tier engine per process (vLLM keeps one connector per process).
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
+import mmap
 import os
 import queue
 import struct
 import threading
+import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,7 +63,7 @@ log = logging.getLogger("spanq.tier")
 LAYOUT_VERSION = 1  # the file format and what a block's bytes mean; a new version is a new namespace
 TIER_PARAM = "spanq_tier"  # key in a request's kv_transfer_params: save this prepare request's blocks
 MAGIC = b"SPQKVT01"
-CHECKSUM_BYTES = 16
+CHECKSUM_BYTES = 4  # a CRC-32 of header and payload (zlib's: gigabytes a second, against torn or corrupt files)
 CONNECTOR_NAME = "SpanTierConnector"
 MODEL_SAMPLE_BYTES = 1 << 20  # of each weight file's start and end, in the model's digest
 
@@ -148,17 +153,42 @@ class TierStats:
     failed_saves: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    load_seconds: float = 0.0  # time in the engine's step reading, checking and copying loaded blocks
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
 @dataclass
 class Block:
-    """One stored block: the position its keys encode, and each layer's bytes."""
+    """One stored block: the position its keys encode, and each layer's bytes (read from a file: views of its
+    mapped pages, with the bytes before them and the checksum the file ends with)."""
 
     position: int
-    layers: list[tuple[str, tuple[int, ...], str, bytes]] = field(default_factory=list)  # name, shape, dtype, bytes
+    layers: list[tuple[str, tuple[int, ...], str, Any]] = field(default_factory=list)  # name, shape, dtype, bytes
+    head: Any = b""
+    checksum: bytes = b""
+
+    @property
+    def mapped(self) -> Any:
+        return self.head.obj if isinstance(self.head, memoryview) else None
+
+    def copy_into(self, layers: list[tuple[str, torch.Tensor]], block_id: int, verified: Any) -> None:
+        """Copy each layer's bytes into block `block_id` of the engine's caches, the checksum computed over what
+        was copied (while it is in the CPU's cache: no pass of its own); `ValueError` where the block does not
+        fit the engine or its checksum does not match (then what was copied must not be used)."""
+        if len(self.layers) != len(layers):
+            raise ValueError(f"it has {len(self.layers)} layers, the engine {len(layers)}")
+        crc = zlib.crc32(self.head)
+        for (name, shape, dtype, data), (layer, cache) in zip(self.layers, layers):
+            target = cache[block_id]
+            if name != layer or tuple(target.shape) != shape or str(target.dtype) != dtype:
+                raise ValueError(f"its layer {name} {shape} {dtype} is not the engine's {layer} "
+                                 f"{tuple(target.shape)} {target.dtype}")
+            target.copy_(torch.frombuffer(data, dtype=target.dtype).view(target.shape))
+            crc = zlib.crc32(target.view(torch.uint8).numpy(), crc)
+        if not verified(crc, self.checksum):
+            raise ValueError("its checksum does not match (a corrupt or truncated file)")
 
 
 class DiskTier:
@@ -176,6 +206,8 @@ class DiskTier:
         self.stats = TierStats()
         self._lock = threading.Lock()
         self._held: set[bytes] = set()
+        self._readers: concurrent.futures.ThreadPoolExecutor | None = None
+        self._ahead: dict[bytes, concurrent.futures.Future[Block]] = {}
         self._writes: queue.Queue[tuple[bytes, Block] | threading.Event] = queue.Queue()
         self._writing: set[bytes] = set()
         self._writer: threading.Thread | None = None
@@ -220,33 +252,79 @@ class DiskTier:
 
     # -- reading
 
-    def read(self, block_hash: Any) -> Block:
-        """The stored block, checked: its checksum, and that it is the block asked for. Raises `ValueError`
-        (or `OSError`) for anything else."""
-        data = self.path_of(block_hash).read_bytes()
-        self.stats.bytes_read += len(data)
-        if len(data) < len(MAGIC) + 4 + CHECKSUM_BYTES or not data.startswith(MAGIC):
+    def open_block(self, block_hash: Any) -> Block:
+        """The stored block, mapped (not read: its layers' bytes are views of the file's pages) and its header
+        checked: that it is the block asked for. Its checksum is checked as its bytes are copied out
+        (`Block.copy_into`) or by `read`. Raises `ValueError` (or `OSError`) for anything else."""
+        with self.path_of(block_hash).open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < len(MAGIC) + 4 + CHECKSUM_BYTES:
+                raise ValueError("not a span tier block (truncated, or another format)")
+            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # private: never written back
+        view = memoryview(mapped)
+        if view[: len(MAGIC)] != MAGIC:
             raise ValueError("not a span tier block (truncated, or another format)")
-        body, checksum = data[:-CHECKSUM_BYTES], data[-CHECKSUM_BYTES:]
-        if not self._verified(body, checksum):
-            raise ValueError("its checksum does not match (a corrupt or truncated file)")
-        (header_len,) = struct.unpack_from("<I", body, len(MAGIC))
+        (header_len,) = struct.unpack_from("<I", view, len(MAGIC))
         start = len(MAGIC) + 4
-        header = json.loads(body[start : start + header_len])
+        try:
+            header = json.loads(bytes(view[start : start + header_len]))
+        except ValueError:
+            raise ValueError("its header does not read (a corrupt or truncated file)") from None
         if header.get("namespace") != self.namespace or header.get("hash") != bytes(block_hash).hex():
             raise ValueError("it holds another block (its header names another hash or namespace)")
         offset = start + header_len
-        block = Block(int(header["position"]))
+        block = Block(int(header["position"]), head=view[:offset], checksum=bytes(view[-CHECKSUM_BYTES:]))
         for name, shape, dtype, nbytes in header["layers"]:
-            block.layers.append((name, tuple(shape), dtype, body[offset : offset + nbytes]))
+            block.layers.append((name, tuple(shape), dtype, view[offset : offset + nbytes]))
             offset += nbytes
-        if offset != len(body):
-            raise ValueError("its payload is not the size its header says")
+        if offset != size - CHECKSUM_BYTES:
+            raise ValueError("its payload is not the size its header says (a truncated file)")
+        self.stats.bytes_read += size
+        return block
+
+    def read(self, block_hash: Any) -> Block:
+        """The stored block, its checksum checked (`open_block`, then a pass over its bytes)."""
+        block = self.open_block(block_hash)
+        crc = zlib.crc32(block.head)
+        for *_, data in block.layers:
+            crc = zlib.crc32(data, crc)
+        if not self._verified(crc, block.checksum):
+            raise ValueError("its checksum does not match (a corrupt or truncated file)")
         return block
 
     @staticmethod
-    def _verified(body: bytes, checksum: bytes) -> bool:
-        return hashlib.blake2b(body, digest_size=CHECKSUM_BYTES).digest() == checksum
+    def _verified(crc: int, checksum: bytes) -> bool:
+        return crc.to_bytes(CHECKSUM_BYTES, "little") == bytes(checksum)
+
+    # -- reading ahead (an engine's scheduler knows which blocks it loads a step before its worker copies them)
+
+    PREFETCH_LIMIT = 4096  # blocks read ahead and not taken (an aborted request's) before the oldest are dropped
+
+    def prefetch(self, hashes: list[bytes]) -> None:
+        """Start reading these blocks on the tier's reader threads; `take` gets them."""
+        with self._lock:
+            if self._readers is None:
+                self._readers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="spanq-tier-read")
+            for h in hashes:
+                if h not in self._ahead:
+                    self._ahead[h] = self._readers.submit(self._warm, h)
+            while len(self._ahead) > self.PREFETCH_LIMIT:
+                self._ahead.pop(next(iter(self._ahead))).cancel()
+
+    def _warm(self, block_hash: Any) -> Block:
+        block = self.open_block(block_hash)
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            block.mapped.madvise(mmap.MADV_WILLNEED)  # from disk into the page cache while the step runs
+        return block
+
+    def take(self, block_hash: Any) -> Block:
+        """The block, opened ahead by `prefetch` or now (`open_block`); raises as it does."""
+        key = bytes(block_hash)
+        with self._lock:
+            ahead = self._ahead.pop(key, None)
+        if ahead is not None and not ahead.cancelled():
+            return ahead.result()
+        return self.open_block(key)
 
     def forget(self, block_hash: Any, why: str) -> None:
         """A block that failed to load: out of the index, its file moved aside (kept for a look, never read)."""
@@ -311,8 +389,9 @@ class DiskTier:
             "position": block.position,
             "layers": [[name, list(shape), dtype, len(data)] for name, shape, dtype, data in block.layers],
         }).encode()
+        header += b" " * (-(len(MAGIC) + 4 + len(header)) % 64)  # the payload starts aligned (JSON ignores the spaces)
         body = b"".join([MAGIC, struct.pack("<I", len(header)), header, *(data for *_, data in block.layers)])
-        payload = body + hashlib.blake2b(body, digest_size=CHECKSUM_BYTES).digest()
+        payload = body + zlib.crc32(body).to_bytes(CHECKSUM_BYTES, "little")
         path = self.path_of(key)
         path.parent.mkdir(exist_ok=True)
         _write_atomically(path, payload)
@@ -430,19 +509,36 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # ---------------------------------------------------------------------------------------- scheduler side
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        from spanq_backend.vllm_integration.engine_core import span_table_of
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        from spanq_backend.vllm_integration.engine_core import rekey_after_connector
 
-        if getattr(request, "skip_reading_prefix_cache", False) or span_table_of(request) is not None:
-            return 0, False
+        super().bind_kv_cache_manager(kv_cache_manager)
+        rekey_after_connector(kv_cache_manager)  # span blocks past the local hit are looked up here first
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """What follows the engine's own hit in the tier, contiguously: a prepare's anchor and span blocks, a span
+        query's prefix and span blocks (their span keys are the prepares' own: invariant 3). A span query's spans
+        past what is found are then re-keyed as context (invariant 1), as the engine's lookup does without a tier."""
+        from spanq_backend.vllm_integration.engine_core import (
+            rekey_missed_spans,
+            restore_span_keys,
+            span_table_of,
+        )
+
+        table = span_table_of(request)
+        if table is not None:
+            restore_span_keys(request)  # an earlier lookup of this request re-keyed them
         bs, hashes = self.block_size, request.block_hashes
         start = num_computed_tokens // bs
         limit = min(len(hashes), (request.num_prompt_tokens - 1) // bs)  # vLLM computes at least one token
         found: list[bytes] = []
-        for j in range(start, limit):
-            if not self.tier.holds(hashes[j]):
-                break
-            found.append(bytes(hashes[j]))
+        if not getattr(request, "skip_reading_prefix_cache", False):
+            for j in range(start, limit):
+                if not self.tier.holds(hashes[j]):
+                    break
+                found.append(bytes(hashes[j]))
+        if table is not None:
+            rekey_missed_spans(request, (start + len(found)) * bs)
         if not found:
             return 0, False
         self._lookups[request.request_id] = (start, found)
@@ -459,6 +555,7 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         start, found = self._lookups.pop(rid)
         ids = blocks.get_block_ids()[0]
         self._loads[rid] = [(h, int(ids[start + i])) for i, h in enumerate(found)]
+        self.tier.prefetch(found)  # read while this step runs; the worker copies them in after its forward pass
 
     def build_connector_meta(self, scheduler_output: Any) -> TierMetadata:
         meta = TierMetadata(loads=self._loads)
@@ -498,12 +595,13 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not isinstance(meta, TierMetadata) or not meta.loads:
             return
         tracker = self._tracker()
+        started = time.perf_counter()
         for rid, items in meta.loads.items():
             self._received.add(rid)
             for h, block_id in items:
                 try:
-                    stored = self.tier.read(h)
-                    self._copy_in(stored, block_id)
+                    stored = self.tier.take(h)
+                    stored.copy_into(self._layers, block_id, self.tier._verified)
                 except (OSError, ValueError, RuntimeError) as e:
                     self.tier.stats.failed_loads += 1
                     self.tier.forget(h, str(e))
@@ -514,17 +612,7 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             else:
                 self.tier.stats.loads += 1
                 self.tier.stats.loaded_blocks += len(items)
-
-    def _copy_in(self, stored: Block, block_id: int) -> None:
-        if len(stored.layers) != len(self._layers):
-            raise ValueError(f"it has {len(stored.layers)} layers, the engine {len(self._layers)}")
-        for (name, shape, dtype, data), (layer, cache) in zip(stored.layers, self._layers):
-            target = cache[block_id]
-            if name != layer or tuple(target.shape) != shape or str(target.dtype) != dtype:
-                raise ValueError(f"its layer {name} {shape} {dtype} is not the engine's {layer} "
-                                 f"{tuple(target.shape)} {target.dtype}")
-            source = torch.frombuffer(bytearray(data), dtype=target.dtype).view(target.shape)
-            target.copy_(source)
+        self.tier.stats.load_seconds += time.perf_counter() - started
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -80,6 +80,18 @@ def test_a_restarted_engine_loads_every_span_from_the_tier_and_answers_span_atte
 
 
 @pytest.mark.vllm
+def test_a_span_query_loads_its_spans_from_the_tier_itself_and_moves_them_exactly(run, hf_model):
+    """No prepare round: the query's own request loads its spans after the prefix, stored at their prepare
+    positions, and they are moved to where the query reads them."""
+    out = run[0]["direct"]
+    assert out["prepared"] == 0 and out["tier"]["loads"] >= 1 and out["tier"]["failed_loads"] == 0
+    assert max_diff(hf_model, out) < TOL
+    # `generate` in another order: the spans the engine does not hold whole (their anchors were never loaded by the
+    # request above) are loaded by its own request too, none prepared
+    assert out["generate"] == {"mode": "tier", "prepared_spans": 0}
+
+
+@pytest.mark.vllm
 def test_keys_loaded_without_their_position_would_answer_wrong(run, hf_model):
     """The check above can fail: a tier that fills blocks and does not tell spanq where their keys sit (into
     blocks that held keys at other positions) moves them by the wrong distance."""
@@ -99,7 +111,7 @@ def test_a_corrupt_block_is_refused_and_its_span_computed_and_unchecked_it_answe
     assert max_diff(hf_model, result["unchecked"]) > 10 * TOL, "read without its checksum, the flip reaches the answer"
 
 
-def test_a_stored_block_reads_back_and_a_truncated_one_is_refused(tmp_path):
+def test_a_stored_block_reads_back_and_a_corrupt_or_truncated_one_is_refused(tmp_path):
     store = tier.DiskTier(tmp_path, "ns")
     values = torch.randn(2, 3, 32, 8)
     h = bytes(range(32))
@@ -112,8 +124,14 @@ def test_a_stored_block_reads_back_and_a_truncated_one_is_refused(tmp_path):
     assert dtype == str(values.dtype)
     assert torch.equal(torch.frombuffer(bytearray(data), dtype=values.dtype).view(shape), values)
     path = store.path_of(h)
-    path.write_bytes(path.read_bytes()[:-100])
+    whole = path.read_bytes()
+    flipped = bytearray(whole)
+    flipped[-100] ^= 0x01
+    path.write_bytes(bytes(flipped))
     with pytest.raises(ValueError, match="checksum"):
+        store.read(h)
+    path.write_bytes(whole[:-100])
+    with pytest.raises(ValueError, match="truncated"):
         store.read(h)
 
 

@@ -7,7 +7,8 @@ query on each, printing one JSON object with what each saw.
 
 Engines, in order:
   restart    a fresh engine; it first runs an unrelated long prompt and forgets it (so the blocks the tier loads
-             into once held keys at other positions), then answers the query
+             into once held keys at other positions), then answers the query, its spans prepared first
+  direct     the same, the query's own request loading its spans (at other positions than they were stored at)
   stale      the same, with the tracker not told where loaded keys sit (a broken tier: must answer wrong)
   corrupt    after one byte of one stored block is flipped: the block must be refused and computed instead
   unchecked  the same flip, with the checksum not checked (a broken tier: must answer wrong)
@@ -39,12 +40,14 @@ def query(docs: list[str]):
     )
 
 
-async def answer(engine: SpanEngine, call) -> dict:
+async def answer(engine: SpanEngine, call, prepare: bool = True) -> dict:
+    """The call's tokens and log-probabilities: its spans prepared first (each prepare loads its span from the
+    tier), or not (`prepare=False`: the call's own request loads them, as `generate` does on a tier engine)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     lowered = engine.lower(call)
-    prepared = await engine.prepare(lowered)
+    prepared = await engine.prepare(lowered) if prepare else 0
     params = SamplingParams(max_tokens=call.max_tokens, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
     outs, _ = await engine.run_tokens(lowered.token_ids, params, lowered.table)
     tokens, logprobs = [], []
@@ -73,12 +76,16 @@ async def stale_blocks_first(engine: SpanEngine) -> None:
     assert engine.reset_prefix_cache()
 
 
-def run_engine(tier_dir: str, docs: list[str]) -> dict:
+def run_engine(tier_dir: str, docs: list[str], prepare: bool = True) -> dict:
     with SpanEngine(EngineConfig(model="tiny", tier_dir=tier_dir, num_blocks=72, max_model_len=2048)) as engine:
 
         async def scenario() -> dict:
             await stale_blocks_first(engine)
-            return await answer(engine, query(docs))
+            out = await answer(engine, query(docs), prepare)
+            if not prepare:  # and how `generate` reads them now, in another order
+                done = await engine.generate(query(docs[1:] + docs[:1]))
+                out["generate"] = {"mode": done.metrics.extra["cold_spans"], "prepared_spans": done.metrics.prepared_spans}
+            return out
 
         out = asyncio.run(scenario())
         out["tier"] = engine.tier_stats()
@@ -107,6 +114,7 @@ def main() -> None:
         result[name] = json.loads(printed.getvalue().strip().splitlines()[-1])
     order = list(reversed(docs))
     result["restart"] = run_engine(tier_dir, order)
+    result["direct"] = run_engine(tier_dir, order, prepare=False)
 
     told = relocation.BlockPositionTracker.loaded
     relocation.BlockPositionTracker.loaded = lambda self, block_id, position: None  # a tier that says nothing

@@ -1,0 +1,201 @@
+"""`spanq bench tier`: the first query after an engine restart, over a corpus compiled into a span tier.
+
+For each repetition, fresh documents (never seen before) are compiled into a span tier (`SpanEngine.compile`,
+what `spanq prepare` runs), the engine is closed, and a new engine is started on the tier — a restart that finds
+only the folder. Then, side by side:
+
+- spans after a restart: the new engine's first query over the documents (their span KV loaded from the tier by
+  the query's own request, then moved by ReRoPE);
+- spans warm in memory: the same query on the engine that compiled them, right after (every span in its own cache,
+  moved by ReRoPE) — the time a restart would cost nothing over;
+- stock cold: stock vLLM (prefix caching on, in its own process with the plugin off) reads the documents for the
+  first time, in the same query.
+
+The restarted engine's next query (another order, another question) is recorded too: its spans are in memory then.
+
+Each engine is warmed up first (one small query of its own), so first-call costs stay out of every column. The
+load itself is timed inside the engine's step (reading, checking and copying the blocks) and set beside a plain
+read of the same files, with the page cache warm (`--cold-disk` drops the tier's pages first, where the OS lets
+it: then both read from disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    BenchReport,
+    base_parser,
+    close_backend,
+    format_table,
+    make_backend,
+    make_documents,
+    model_label,
+    new_figure,
+    summarize,
+    ttft_of,
+    warm_up,
+)
+from benchmarks.rag import QUESTION, SECOND_QUESTION, rag_query
+
+__all__ = ["main"]
+
+GOAL_RESTART_VS_WARM = 2.0  # the restart's TTFT within 2x of warm in memory
+GOAL_RESTART_VS_STOCK = 10.0  # and >= 10x faster than stock cold
+GOAL_LOAD_SHARE = 0.5  # loading at >= 50% of a plain read of the same bytes
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = base_parser("tier", __doc__.splitlines()[0], model="default", reps=2)
+    parser.add_argument("--docs", type=int, default=8, help="documents per query (default: 8)")
+    parser.add_argument("--doc-tokens", type=int, default=512, help="tokens per document (default: 512)")
+    parser.add_argument("--max-model-len", type=int, default=8192, help="engine context length (default: 8192)")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per engine, GiB (default: 1)")
+    parser.add_argument("--tier-dir", type=Path, default=None, metavar="DIR",
+                        help="the tier's folder (default: a temporary one, removed at the end)")
+    parser.add_argument("--cold-disk", action="store_true",
+                        help="drop the tier files' pages from the page cache before each restart (posix_fadvise)")
+    return parser.parse_args(list(argv))
+
+
+def drop_pages(folder: Path) -> bool:
+    """Ask the OS to drop the page cache of every file under `folder`; False where it cannot be asked."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for path in folder.rglob("*.kv"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def plain_read(folder: Path) -> tuple[int, float]:
+    """Bytes and seconds to read every block file under `folder` (what loading them costs at least)."""
+    started, total = time.perf_counter(), 0
+    for path in folder.rglob("*.kv"):
+        total += len(path.read_bytes())
+    return total, time.perf_counter() - started
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    from benchmarks.process_backend import ProcessBackend
+    from spanq_integrations import execute
+
+    args = parse_args(argv)
+    report = BenchReport("tier", args)
+    options = {"max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib, "max_num_seqs": 16}
+    own_dir = args.tier_dir is None
+    tier_dir = Path(tempfile.mkdtemp(prefix="spanq-tier-")) if own_dir else args.tier_dir
+    stock = ProcessBackend(args.model, spans=False, plugin=False, **options)
+    try:
+        warm_up(stock)
+        for rep in range(args.reps):
+            compiler = make_backend(args.model, spans=True, tier_dir=str(tier_dir), **options)
+            try:
+                warm_up(compiler)
+                tokenizer = compiler.engine.tokenizer
+                docs = make_documents(tokenizer, args.docs, args.doc_tokens, seed=args.seed, start=rep * args.docs)
+                order = list(reversed(range(args.docs)))
+                started = time.perf_counter()
+                compiled = asyncio.run(compiler.engine.compile(docs))
+                compile_s = time.perf_counter() - started
+                (warm,) = execute(rag_query(docs, order, QUESTION), compiler).calls  # the same query, spans in memory
+            finally:
+                close_backend(compiler)
+            dropped = drop_pages(tier_dir) if args.cold_disk else False
+            started = time.perf_counter()
+            spans = make_backend(args.model, spans=True, tier_dir=str(tier_dir), **options)
+            try:
+                start_s = time.perf_counter() - started
+                warm_up(spans)  # first-call costs out, as on the other engines (its own small documents)
+                before = spans.engine.tier_stats()
+                (restart,) = execute(rag_query(docs, order, QUESTION), spans).calls
+                loaded = spans.engine.tier_stats()
+                spans.engine.settle()
+                (after,) = execute(rag_query(docs, list(range(args.docs)), SECOND_QUESTION), spans).calls
+            finally:
+                close_backend(spans)
+            (cold,) = execute(rag_query(docs, order, QUESTION), stock).calls
+            read_bytes, read_s = plain_read(tier_dir / Path(loaded["dir"]).name)
+            load = {k: loaded[k] - before[k] for k in ("loads", "loaded_blocks", "failed_loads", "bytes_read", "load_seconds")}
+            report.rows.append({
+                "rep": rep, "docs": args.docs, "doc_tokens": args.doc_tokens, "compile": compiled, "compile_s": compile_s,
+                "engine_start_s": start_s, "cold_disk": dropped,
+                "restart_ttft_s": ttft_of(restart), "warm_ttft_s": ttft_of(warm), "stock_cold_ttft_s": ttft_of(cold),
+                "restart_prepared_spans": restart.prepared_spans, "restart_prepared_tokens": restart.prepared_tokens,
+                "restart_cached_tokens": restart.cached_tokens, "warm_prepared_spans": warm.prepared_spans,
+                "restart_mode": restart.extra.get("cold_spans"), "load": load,
+                "next_query_ttft_s": ttft_of(after), "next_query_mode": after.extra.get("cold_spans"),
+                "plain_read_bytes": read_bytes, "plain_read_s": read_s,
+            })
+            print(f"rep {rep}: restart {ttft_of(restart):.3f} s (prepared {restart.prepared_spans} spans, "
+                  f"{load['loaded_blocks']} blocks loaded in {load['load_seconds']:.3f} s), warm {ttft_of(warm):.3f} s, "
+                  f"stock cold {ttft_of(cold):.3f} s", flush=True)
+    finally:
+        close_backend(stock)
+        if own_dir:
+            shutil.rmtree(tier_dir, ignore_errors=True)
+    report.summary = summarize_rows(report.rows)
+    print(render(report.summary, args))
+    report.write(plot(report.summary, args))
+    report.print_files()
+    return 0
+
+
+def summarize_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    restart = [r["restart_ttft_s"] for r in rows]
+    warm = [r["warm_ttft_s"] for r in rows]
+    cold = [r["stock_cold_ttft_s"] for r in rows]
+    load_rate = [r["load"]["bytes_read"] / r["load"]["load_seconds"] for r in rows if r["load"]["load_seconds"] > 0]
+    read_rate = [r["plain_read_bytes"] / r["plain_read_s"] for r in rows if r["plain_read_s"] > 0]
+    return {
+        "restart_ttft_s": summarize(restart),
+        "warm_ttft_s": summarize(warm),
+        "stock_cold_ttft_s": summarize(cold),
+        # medians of per-repetition ratios
+        "restart_over_warm": summarize([r / w for r, w in zip(restart, warm)])["median"],
+        "stock_cold_over_restart": summarize([c / r for r, c in zip(restart, cold)])["median"],
+        "load_mb_s": summarize(load_rate)["median"] / 1e6 if load_rate else None,
+        "plain_read_mb_s": summarize(read_rate)["median"] / 1e6 if read_rate else None,
+        "restart_prepared_spans": max(r["restart_prepared_spans"] for r in rows),
+    }
+
+
+def render(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    s = summary
+    rows = [
+        ["spans after a restart (from the tier)", f"{s['restart_ttft_s']['median']:.3f}", "1.00x"],
+        ["spans warm in memory", f"{s['warm_ttft_s']['median']:.3f}", f"{1 / s['restart_over_warm']:.2f}x"],
+        ["stock cold", f"{s['stock_cold_ttft_s']['median']:.3f}", f"{1 / s['stock_cold_over_restart']:.2f}x"],
+    ]
+    table = format_table(["TTFT, median of reps", "s", "x the restart's time"], rows)
+    share = (s["load_mb_s"] / s["plain_read_mb_s"]) if s["load_mb_s"] and s["plain_read_mb_s"] else float("nan")
+    return (
+        f"{model_label(args.model)}, {args.docs} documents x {args.doc_tokens} tokens, {args.reps} restarts\n{table}\n"
+        f"restart / warm: {s['restart_over_warm']:.2f}x (goal <= {GOAL_RESTART_VS_WARM:.0f}x); stock cold / restart: "
+        f"{s['stock_cold_over_restart']:.1f}x (goal >= {GOAL_RESTART_VS_STOCK:.0f}x); spans computed after the "
+        f"restart: {s['restart_prepared_spans']}\n"
+        f"loading: {s['load_mb_s'] or 0:.0f} MB/s in the engine's step, a plain read of the same files "
+        f"{s['plain_read_mb_s'] or 0:.0f} MB/s ({share:.0%}; goal >= {GOAL_LOAD_SHARE:.0%})"
+    )
+
+
+def plot(summary: dict[str, Any], args: argparse.Namespace) -> Any:
+    fig, (ax,) = new_figure()
+    names = ["stock cold", "spans after\na restart", "spans warm"]
+    values = [summary["stock_cold_ttft_s"]["median"], summary["restart_ttft_s"]["median"], summary["warm_ttft_s"]["median"]]
+    ax.bar(names, values, color=["#888888", "#2a7ab9", "#7fb8e0"])
+    ax.set_ylabel("time to first token (s), median")
+    ax.set_title(f"{model_label(args.model)}: {args.docs} x {args.doc_tokens} tokens, first query after a restart")
+    return fig
