@@ -57,6 +57,15 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("vllm.sampling_params", "SamplingParams", "extra_args carries the span table out of band"),
     ("vllm.sampling_params", "RequestOutputKind", "DELTA outputs for streaming"),
     ("vllm.inputs", "TokensPrompt", "prompts given as token ids"),
+    # the span tier (tier.SpanTierConnector): vLLM's KV-connector interface, loaded by kv_connector_module_path
+    ("vllm.config", "KVTransferConfig", "kv_connector, kv_connector_module_path, kv_role, kv_load_failure_policy, kv_connector_extra_config"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorBase_V1",
+     "get_num_new_matched_tokens (async loads), update_state_after_alloc, build_connector_meta, start_load_kv, "
+     "wait_for_save, get_transfer_results, bind_kv_cache_manager"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorMetadata", "the per-step plan the worker gets"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorRole", "SCHEDULER / WORKER"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorTransferResults", "finished_recving, failed_recving"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_block_ids", "(request_id) -> block ids per group: the blocks a prepare saves"),
     # spanq serve: vLLM's own OpenAI server with one more route
     ("vllm.entrypoints.launchers.api_server.entry", "build_app", "module global build_and_serve looks up; wrapped to add the route"),
     ("vllm.entrypoints.launchers.api_server.entry", "decorate_logs", "(name, skip_if_decorated) as run_server calls it"),
@@ -79,6 +88,8 @@ _SIGNATURES = {
     "_apply_cow": ["self", "request_id", "block_idx", "source_block", "cow_block"],
     "hash_block_tokens": ["hash_function", "parent_block_hash", "curr_block_token_ids", "extra_keys"],
     "get_cached_block": ["self", "block_hash", "kv_cache_group_ids"],
+    "get_num_new_matched_tokens": ["self", "request", "num_computed_tokens"],
+    "update_state_after_alloc": ["self", "request", "blocks", "num_external_tokens"],
     "do_kv_cache_update": ["self", "layer", "key", "value", "kv_cache", "slot_mapping"],
 }
 

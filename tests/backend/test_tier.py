@@ -173,3 +173,19 @@ def test_a_corpus_line_that_is_not_a_document_is_named(tmp_path):
     array = tmp_path / "a.json"
     array.write_text(json.dumps([{"text": "x"}, 3]))
     assert read_corpus(array) == (["x"], [f"{array}: item 1: not a document (a string, or an object with one of text, page_content, content)"])
+
+
+def test_spanq_serve_takes_a_tier_folder_as_its_kv_connector_and_refuses_what_cannot_work(tmp_path):
+    from spanq_backend.serving.server import parse_serve_args
+
+    args = parse_serve_args(["--model", "tiny", "--tier-dir", str(tmp_path / "tier")])
+    config = args.kv_transfer_config
+    assert config.kv_connector == "SpanTierConnector" and config.kv_connector_module_path == tier.__name__
+    assert config.kv_connector_extra_config == {"tier_dir": str(tmp_path / "tier")}
+    assert parse_serve_args(["--model", "tiny"]).kv_transfer_config is None, "no tier unless asked"
+    with pytest.raises(ValueError, match="--kv-transfer-config"):
+        parse_serve_args(["--model", "tiny", "--tier-dir", str(tmp_path / "tier"),
+                          "--kv-transfer-config", '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}'])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(tier.TierError, match="cannot be written"):
+        parse_serve_args(["--model", "tiny", "--tier-dir", str(tmp_path / "file" / "tier")])
