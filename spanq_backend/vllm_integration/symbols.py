@@ -60,8 +60,8 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     # the span tier (tier.SpanTierConnector): vLLM's KV-connector interface, loaded by kv_connector_module_path
     ("vllm.config", "KVTransferConfig", "kv_connector, kv_connector_module_path, kv_role, kv_load_failure_policy, kv_connector_extra_config"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorBase_V1",
-     "get_num_new_matched_tokens (async loads), update_state_after_alloc, build_connector_meta, start_load_kv, "
-     "wait_for_save, get_transfer_results, bind_kv_cache_manager"),
+     ("get_num_new_matched_tokens (async loads), update_state_after_alloc, build_connector_meta, start_load_kv, "
+      "wait_for_save, get_transfer_results, bind_kv_cache_manager")),
     ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorMetadata", "the per-step plan the worker gets"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorRole", "SCHEDULER / WORKER"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorTransferResults", "finished_recving, failed_recving"),
