@@ -65,6 +65,7 @@ SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorMetadata", "the per-step plan the worker gets"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorRole", "SCHEDULER / WORKER"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorTransferResults", "finished_recving, failed_recving"),
+    ("vllm.platforms", "current_platform", "is_cpu(), device_type: the tier runs on the CPU backend only"),
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_block_ids", "(request_id) -> block ids per group: the blocks a prepare saves"),
     # spanq serve: vLLM's own OpenAI server with one more route
     ("vllm.entrypoints.launchers.api_server.entry", "build_app", "module global build_and_serve looks up; wrapped to add the route"),

@@ -449,8 +449,16 @@ def tier_for(root: str | Path, vllm_config: Any, starting: bool = False) -> Disk
 
 
 def transfer_config(tier_dir: str | Path) -> Any:
-    """vLLM's `KVTransferConfig` for an engine with the span tier in `tier_dir`."""
+    """vLLM's `KVTransferConfig` for an engine with the span tier in `tier_dir`. Refused (`TierError`) off vLLM's
+    CPU backend: the tier copies blocks through host memory and is checked only there."""
     from vllm.config import KVTransferConfig
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise TierError(
+            f"the span tier runs on vLLM's CPU backend only for now (this is {current_platform.device_type}): its "
+            "loads and saves are not checked on a GPU, so it is refused rather than risk wrong KV"
+        )
 
     return KVTransferConfig(
         kv_connector=CONNECTOR_NAME,
@@ -552,7 +560,12 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not num_external_tokens:
             self._lookups.pop(rid, None)
             return
-        start, found = self._lookups.pop(rid)
+        lookup = self._lookups.pop(rid, None)
+        if lookup is None:  # never expected: the load is reported failed, and the request looked up again
+            log.warning("span tier: no lookup of request %s to load; it is computed instead", rid)
+            self._loads[rid] = []
+            return
+        start, found = lookup
         ids = blocks.get_block_ids()[0]
         self._loads[rid] = [(h, int(ids[start + i])) for i, h in enumerate(found)]
         self.tier.prefetch(found)  # read while this step runs; the worker copies them in after its forward pass
@@ -582,6 +595,9 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ------------------------------------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        off_cpu = [name for name, t in kv_caches.items() if t.device.type != "cpu"]
+        if off_cpu:  # `transfer_config` refuses such engines; one built another way is refused here
+            raise TierError(f"the span tier copies KV through host memory; layer {off_cpu[0]} is on {kv_caches[off_cpu[0]].device}")
         self._layers = list(kv_caches.items())
 
     def _tracker(self) -> Any:
@@ -598,6 +614,9 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         started = time.perf_counter()
         for rid, items in meta.loads.items():
             self._received.add(rid)
+            if not items:
+                self._failed.add(rid)
+                continue
             for h, block_id in items:
                 try:
                     stored = self.tier.take(h)
