@@ -31,7 +31,8 @@ EXIT_INTERRUPTED = 130
 EXIT_SOME_FAILED = 1  # `run --bulk`: every query ran or was reported, some of them with an error
 
 # Subcommands that live in the server package; each module has `<name>_main(argv) -> int`.
-DELEGATED = {"serve": "spanq_backend.serving.server", "bench": "benchmarks", "prepare": "spanq_backend.serving.prepare"}
+DELEGATED = {"serve": "spanq_backend.serving.server", "bench": "benchmarks", "prepare": "spanq_backend.serving.prepare",
+             "tier": "spanq_backend.serving.tier_command"}
 BACKEND_EXTRA_HINT = "pip install 'spanq[backend]'"
 CLUSTER_MODULE = "spanq_backend.cluster.app"
 CLUSTER_BULK_MODULE = "spanq_backend.cluster.bulk"
@@ -375,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("serve", "start the span-aware server"),
         ("bench", "run the benchmarks"),
         ("prepare", "compile a corpus's span KV into a span tier that engines started later load"),
+        ("tier", "list, check or clear what a span tier holds"),
     ):
         commands.add_parser(name, help=f"{help_text} (needs the backend extra; see `spanq {name} --help`)")
     return parser

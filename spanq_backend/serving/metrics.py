@@ -14,9 +14,11 @@ and readable in process (`snapshot()`).
 | `spanq_blocks_relocated_total`           | KV blocks whose keys were moved to a new position (ReRoPE)            |
 | `spanq_span_duplicates_total`            | private block copies planned for concurrent readers (CIDRA)           |
 | `spanq_relocation_seconds_total`         | host time spent moving keys (on a GPU: launching the moves)           |
+| `spanq_tier_loaded_blocks_total`, `spanq_tier_saved_blocks_total`, `spanq_tier_failed_loads_total`, `spanq_tier_failed_saves_total`, `spanq_tier_bytes_read_total`, `spanq_tier_bytes_written_total` | an engine with a span tier: blocks loaded instead of computed, written, refused, not written; bytes |
+| `spanq_tier_blocks` (a gauge)            | the blocks its span tier holds                                        |
 
 The first eight are counted where prompts are laid out (the process of `spanq serve`'s API server, or of an
-embedded engine). The last three are counted by the engine core and its workers: read directly when they run
+embedded engine). The others are counted by the engine core and its workers (the tier's only on an engine with one): read directly when they run
 in this process (an embedded engine), and through vLLM's `collective_rpc` after each query otherwise (`spanq
 serve`, whose engine core runs in a process of its own): a scrape shows them as of the last finished query.
 Before any engine has reported them they are absent, rather than a wrong zero.
@@ -72,7 +74,14 @@ _WORKER_HELP = {
     "blocks_relocated": ("moved_blocks", "KV blocks whose keys were moved to a new position (ReRoPE)."),
     "span_duplicates": ("duplicates", "Private block copies planned for concurrent readers (CIDRA)."),
     "relocation_seconds": ("relocation_seconds", "Host time spent moving keys (on a GPU: launching the moves)."),
+    "tier_loaded_blocks": ("tier_loaded_blocks", "KV blocks loaded from the span tier instead of computed."),
+    "tier_saved_blocks": ("tier_saved_blocks", "KV blocks of prepared spans written to the span tier."),
+    "tier_failed_loads": ("tier_failed_loads", "Span tier blocks refused (checksum, header, read error); computed instead."),
+    "tier_failed_saves": ("tier_failed_saves", "Span tier blocks that could not be written (a full or read-only disk)."),
+    "tier_bytes_read": ("tier_bytes_read", "Bytes of span tier blocks read."),
+    "tier_bytes_written": ("tier_bytes_written", "Bytes of span tier blocks written."),
 }
+_TIER_GAUGE = ("tier_blocks", "KV blocks the span tier holds (as this engine last read its folder and wrote to it).")
 
 
 def count_call(
@@ -114,7 +123,8 @@ def set_engine_stats(per_worker: list[dict[str, Any]]) -> None:
     """Counters read from the workers of an engine that runs in other processes (`spanq serve` reads them
     through `collective_rpc` after each query): summed over the workers."""
     global _engine_stats
-    keys = ("runtimes", "moved_blocks", "duplicates", "relocation_seconds")
+    keys = ("runtimes", "moved_blocks", "duplicates", "relocation_seconds", *(k for k, _ in _WORKER_HELP.values()
+                                                                             if k.startswith("tier_")), _TIER_GAUGE[0])
     with _lock:
         _engine_stats = {k: sum(float(w.get(k, 0)) for w in per_worker) for k in keys}
 
@@ -137,7 +147,12 @@ def snapshot() -> dict[str, Any]:
         out: dict[str, Any] = asdict(_counters)
     worker = _worker_stats()
     if worker is not None:
-        out.update({name: worker[key] for name, (key, _) in _WORKER_HELP.items()})
+        out.update({name: worker[key] for name, (key, _) in _WORKER_HELP.items() if key in worker})
+        if worker.get(_TIER_GAUGE[0]) or worker.get("tier_saved_blocks") or worker.get("tier_loaded_blocks"):
+            out[_TIER_GAUGE[0]] = worker[_TIER_GAUGE[0]]
+        else:  # no span tier on this engine: its counters are absent, not zero
+            for name in [n for n in out if n.startswith("tier_")]:
+                del out[name]
     return out
 
 
@@ -153,6 +168,10 @@ class _SpanCollector:
         for name, (_, text) in _WORKER_HELP.items():
             if name in values:
                 yield CounterMetricFamily(f"spanq_{name}", text, value=values[name])
+        if _TIER_GAUGE[0] in values:
+            from prometheus_client.core import GaugeMetricFamily
+
+            yield GaugeMetricFamily(f"spanq_{_TIER_GAUGE[0]}", _TIER_GAUGE[1], value=values[_TIER_GAUGE[0]])
 
 
 def register() -> None:

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from spanq_backend.vllm_integration import engine_core, worker
+from spanq_backend.vllm_integration import engine_core, tier, worker
 
 __all__ = ["stats", "worker_span_stats"]
 
 
 def stats() -> dict[str, Any]:
     """Span-runtime counters of this process (in-process engines only): moves and the host time they took,
-    duplicates, conflicts, how many span runtimes run here, and how many runners move keys with spanq's compiled
-    CPU op (`kv.kernels.relocate_keys_op`) rather than torch."""
+    duplicates, conflicts, how many span runtimes run here, how many runners move keys with spanq's compiled
+    CPU op (`kv.kernels.relocate_keys_op`) rather than torch, and the span tiers' counters (`tier_*`)."""
     runtimes = [s.runtime for s in worker.runner_spans.values() if s.runtime is not None]
     return {
         "runtimes": len(runtimes),
@@ -25,6 +25,7 @@ def stats() -> dict[str, Any]:
         "conflicts": sum(rt.tracker.conflicts for rt in runtimes),
         "duplicates": sum(m.planner.duplicates_planned for m in engine_core.manager_spans.values()),
         "hashing_seconds": engine_core.HASHING["seconds"],
+        **tier.process_stats(),
     }
 
 

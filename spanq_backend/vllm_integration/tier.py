@@ -53,6 +53,7 @@ __all__ = [
     "TierError",
     "check_tier_dir",
     "namespace_of",
+    "process_stats",
     "tier_for",
     "tier_params",
     "transfer_config",
@@ -446,6 +447,18 @@ def tier_for(root: str | Path, vllm_config: Any, starting: bool = False) -> Disk
             tier.rescan()
             tier.stats = TierStats()
         return tier
+
+
+TIER_COUNTERS = ("loaded_blocks", "saved_blocks", "failed_loads", "failed_saves", "bytes_read", "bytes_written")
+
+
+def process_stats() -> dict[str, float]:
+    """The counters of this process's span tiers, summed, as `tier_<name>`; the blocks they hold as `tier_blocks`."""
+    with _TIERS_LOCK:
+        tiers = list(_TIERS.values())
+    out: dict[str, float] = {f"tier_{name}": float(sum(getattr(t.stats, name) for t in tiers)) for name in TIER_COUNTERS}
+    out["tier_blocks"] = float(sum(len(t) for t in tiers))
+    return out
 
 
 def transfer_config(tier_dir: str | Path) -> Any:

@@ -77,6 +77,9 @@ def test_a_restarted_engine_loads_every_span_from_the_tier_and_answers_span_atte
     assert out["prepared"] == 0, "every span was in the tier: none computed"
     assert out["tier"]["loads"] >= 4 and out["tier"]["failed_loads"] == 0
     assert max_diff(hf_model, out) < TOL
+    # what /metrics shows of it (spanq_tier_*)
+    assert out["metrics"]["tier_loaded_blocks"] == out["tier"]["loaded_blocks"] > 0
+    assert out["metrics"]["tier_blocks"] == out["tier"]["blocks"] and out["metrics"]["tier_failed_loads"] == 0
 
 
 @pytest.mark.vllm
@@ -189,3 +192,27 @@ def test_spanq_serve_takes_a_tier_folder_as_its_kv_connector_and_refuses_what_ca
     (tmp_path / "file").write_text("")
     with pytest.raises(tier.TierError, match="cannot be written"):
         parse_serve_args(["--model", "tiny", "--tier-dir", str(tmp_path / "file" / "tier")])
+
+
+def test_spanq_tier_lists_checks_and_clears_what_a_tier_holds(tmp_path, capsys):
+    from spanq_backend.serving.tier_command import tier_main
+
+    store = tier.DiskTier(tmp_path, "ns1", {"model": "abc" * 10, "dtype": "torch.float32", "block_size": 32, "vllm": "0.32.0"})
+    good, broken = bytes(32), bytes([7] * 32)
+    for h in (good, broken):
+        store.write_later(h, tier.Block(0, [("layer.0", (2,), "torch.float32", b"\0" * 8)]))
+    store.flush()
+    assert tier_main([str(tmp_path), "--json"]) == 0
+    (listed,) = json.loads(capsys.readouterr().out)
+    assert listed["namespace"] == "ns1" and listed["blocks"] == 2 and listed["dtype"] == "torch.float32"
+    data = bytearray(store.path_of(broken).read_bytes())
+    data[-6] ^= 0xFF  # in the payload
+    store.path_of(broken).write_bytes(bytes(data))
+    assert tier_main([str(tmp_path), "--check", "--json"]) == 1, "a block set aside is the exit status 1"
+    assert json.loads(capsys.readouterr().out) == {"good": 1, "set_aside": 1}
+    assert not store.path_of(broken).exists() and store.path_of(broken).with_suffix(".bad").exists()
+    assert tier_main([str(tmp_path), "--clear", "other"]) == 2, "a namespace that is not there is named"
+    assert "no namespace 'other'" in capsys.readouterr().err
+    assert tier_main([str(tmp_path), "--clear", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"removed": ["ns1"]} and not (tmp_path / "ns1").exists()
+    assert tier_main([str(tmp_path / "missing")]) == 2

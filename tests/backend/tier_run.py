@@ -89,6 +89,9 @@ def run_engine(tier_dir: str, docs: list[str], prepare: bool = True) -> dict:
 
         out = asyncio.run(scenario())
         out["tier"] = engine.tier_stats()
+        from spanq_backend.serving import metrics
+
+        out["metrics"] = {k: v for k, v in metrics.snapshot().items() if k.startswith("tier_")}
         return out
 
 

@@ -1,0 +1,99 @@
+"""`spanq tier DIR`: what a span tier holds; `--check` reads every block against its checksum, `--clear` empties it.
+
+A tier folder holds one namespace per model and setting (`spanq_backend/vllm_integration/tier.py`): a folder
+named by a digest, with `namespace.json` saying what it was made of, and one file per KV block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["describe", "tier_main"]
+
+
+def _namespaces(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and (p / "namespace.json").exists()) if root.is_dir() else []
+
+
+def describe(root: Path) -> list[dict[str, Any]]:
+    """Each namespace of the tier: its digest, what it was made of, its blocks, their bytes and the files set aside."""
+    out = []
+    for ns in _namespaces(root):
+        blocks = list(ns.glob("??/*.kv"))
+        about = json.loads((ns / "namespace.json").read_text())
+        out.append({
+            "namespace": ns.name,
+            "model": about.get("model", "")[:12], "dtype": about.get("dtype"), "block_size": about.get("block_size"),
+            "vllm": about.get("vllm"), "blocks": len(blocks), "bytes": sum(p.stat().st_size for p in blocks),
+            "set_aside": len(list(ns.glob("??/*.bad"))),
+        })
+    return out
+
+
+def check(root: Path) -> dict[str, int]:
+    """Read every block of every namespace against its checksum; those that fail are set aside (never loaded)."""
+    from spanq_backend.vllm_integration.tier import DiskTier
+
+    good = bad = 0
+    for ns in _namespaces(root):
+        tier = DiskTier(root, ns.name)
+        for path in sorted(ns.glob("??/*.kv")):
+            try:
+                tier.read(bytes.fromhex(path.stem))
+                good += 1
+            except (OSError, ValueError) as e:
+                tier.forget(bytes.fromhex(path.stem), str(e))
+                bad += 1
+    return {"good": good, "set_aside": bad}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="spanq tier", description=__doc__.splitlines()[0])
+    parser.add_argument("dir", metavar="DIR", help="the span tier's folder")
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--check", action="store_true", help="read every block against its checksum; set aside those "
+                        "that fail (a set-aside block is computed again when a span needs it)")
+    action.add_argument("--clear", nargs="?", const="all", metavar="NAMESPACE",
+                        help="remove every namespace (or the one named) and its blocks")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    return parser.parse_args(argv)
+
+
+def tier_main(argv: list[str]) -> int:
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    root = Path(args.dir)
+    if not root.is_dir():
+        print(f"spanq tier: error: {root} is not a folder", file=sys.stderr)
+        return 2
+    if args.clear:
+        names = [p.name for p in _namespaces(root)]
+        if args.clear != "all" and args.clear not in names:
+            print(f"spanq tier: error: {root} has no namespace {args.clear!r} (it has: {', '.join(names) or 'none'})",
+                  file=sys.stderr)
+            return 2
+        removed = [n for n in names if args.clear in ("all", n)]
+        for name in removed:
+            shutil.rmtree(root / name)
+        print(json.dumps({"removed": removed}) if args.json else f"removed {len(removed)} namespace(s) from {root}")
+        return 0
+    if args.check:
+        result = check(root)
+        print(json.dumps(result) if args.json else f"{result['good']} blocks good, {result['set_aside']} set aside")
+        return 1 if result["set_aside"] else 0
+    spaces = describe(root)
+    if args.json:
+        print(json.dumps(spaces))
+    elif not spaces:
+        print(f"{root}: no span tier namespace")
+    for s in [] if args.json else spaces:
+        print(f"{s['namespace']}  model {s['model']}…  {s['dtype']}  blocks of {s['block_size']}  vLLM {s['vllm']}: "
+              f"{s['blocks']} blocks, {s['bytes'] / 1e6:.1f} MB" + (f", {s['set_aside']} set aside" if s["set_aside"] else ""))
+    return 0
