@@ -535,50 +535,53 @@ class SpanEngine:
         Returns how many spans had to be computed (the others were already cached)."""
         return await self.generator.prepare(lowered)
 
-    COMPILE_BATCH_TOKENS = 8192  # document tokens lowered and prepared together by `compile`
+    COMPILE_BATCH_TOKENS = 8192  # prepare prompts' tokens sent to the engine together by `compile`
 
     async def compile(self, texts: list[str]) -> dict[str, Any]:
         """Compute each document's span KV (its `[anchor][span]` under this engine's default anchor and lead-in,
         exactly as a query's `plus` of it is prepared) and, on an engine with a tier, write it there: a later
         engine on the same tier answers queries over them without computing them. Documents whose span the tier
-        holds already are skipped. Returns counts: documents, spans (distinct), already held, prepared, tokens
-        computed, and the tier's blocks and bytes written."""
+        holds already are skipped; one too long for the context window is counted (`too_long`, their indices in
+        `too_long_documents`) and the rest compiled. Returns counts: documents, spans (distinct), already held,
+        prepared, tokens computed, and the tier's blocks and bytes written."""
+        from spanq_integrations.query.errors import ContextLengthError
         from spanq_integrations.query.ir import Cross, Fragment, Plus, User
 
         before = self.tier.stats.as_dict() if self.tier is not None else {}
         seen: set[tuple[int, ...]] = set()
-        report = {"documents": len(texts), "spans": 0, "held": 0, "prepared": 0, "tokens": 0}
-        batch: list[str] = []
+        report: dict[str, Any] = {"documents": len(texts), "spans": 0, "held": 0, "prepared": 0, "tokens": 0,
+                                  "too_long": 0, "too_long_documents": []}
+        batch: list[list[int]] = []
 
-        async def run(batch: list[str]) -> None:
-            call = Generate(input=Cross(children=[Plus(children=[Fragment(text=t) for t in batch]), User(text="?")]))
-            lowered = self.generator.lower(call)
-            prompts = []
-            for i in range(len(lowered.table.spans)):
-                prompt = lowered.prepare_prompt(i)
-                if tuple(prompt) in seen:
-                    continue
-                seen.add(tuple(prompt))
-                report["spans"] += 1
-                if self._probe is not None and self.tier is not None and self._probe.tier_holds_all(prompt):
-                    report["held"] += 1
-                    continue
-                prompts.append(prompt)
+        async def run(prompts: list[list[int]]) -> None:
             with self.generator.batch():
                 opened = [self.generator.open_compute(p) for p in prompts]
             for p, o in zip(prompts, opened):
-                computed = await self.generator._computed(len(p), o)
+                report["tokens"] += await self.generator._computed(len(p), o)
                 report["prepared"] += 1
-                report["tokens"] += computed
 
-        size = 0
-        for text in texts:
-            n = len(text) // 3  # a rough token count: batches only need to be of a sensible size
-            if batch and size + n > self.COMPILE_BATCH_TOKENS:
+        for index, text in enumerate(texts):
+            call = Generate(input=Cross(children=[Plus(children=[Fragment(text=text)]), User(text="?")]))
+            try:
+                lowered = self.generator.lower(call)
+            except ContextLengthError:
+                report["too_long"] += 1
+                report["too_long_documents"].append(index)
+                continue
+            if not lowered.table.spans:
+                continue
+            prompt = lowered.prepare_prompt(0)
+            if tuple(prompt) in seen:
+                continue
+            seen.add(tuple(prompt))
+            report["spans"] += 1
+            if self._probe is not None and self.tier is not None and self._probe.tier_holds_all(prompt):
+                report["held"] += 1
+                continue
+            if batch and sum(map(len, batch)) + len(prompt) > self.COMPILE_BATCH_TOKENS:
                 await run(batch)
-                batch, size = [], 0
-            batch.append(text)
-            size += n
+                batch = []
+            batch.append(prompt)
         if batch:
             await run(batch)
         if self.tier is not None:

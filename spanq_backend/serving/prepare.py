@@ -110,6 +110,8 @@ def prepare_main(argv: list[str]) -> int:
     except (SpanQueryError, ValueError) as e:
         print(f"spanq prepare: error: {e}", file=sys.stderr)
         return 2
+    for index in report.get("too_long_documents", []):
+        print(f"spanq prepare: skipped document {index + 1}: too long for the model's context window", file=sys.stderr)
     report["skipped_lines"] = len(problems)
     report["seconds"] = round(time.perf_counter() - started, 2)
     if args.json:
@@ -121,4 +123,4 @@ def prepare_main(argv: list[str]) -> int:
             f"{report.get('blocks_written', 0)} blocks ({report.get('bytes_written', 0) / 1e6:.1f} MB) written to "
             f"{report['tier']} in {report['seconds']} s"
         )
-    return 1 if problems else 0
+    return 1 if problems or report.get("too_long") else 0
