@@ -37,7 +37,7 @@ def run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tier")
     corpus = folder / "corpus.jsonl"
     lines = [json.dumps({"text": DOCS[0]}), json.dumps({"page_content": DOCS[1]}), "{not json", json.dumps(DOCS[2]),
-             json.dumps({"title": "no text"}), json.dumps({"content": DOCS[3]})]
+             json.dumps({"title": "no text"}), json.dumps({"content": DOCS[3]}), json.dumps("word " * 5000)]
     corpus.write_text("\n".join(lines) + "\n")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     done = subprocess.run(
@@ -66,7 +66,9 @@ def test_spanq_prepare_compiles_a_corpus_names_bad_lines_and_skips_what_the_tier
     first, again = result["prepare"], result["prepare_again"]
     assert result["prepare_exit"] == 1, "lines that are not documents make the exit status 1"
     assert "corpus.jsonl:3: not JSON" in stderr and "corpus.jsonl:5: not a document" in stderr
-    assert first["documents"] == 4 and first["spans"] == 4 and first["prepared"] == 4 and first["held"] == 0
+    assert "skipped document 5: too long for the model's context window" in stderr, "named, and the rest compiled"
+    assert first["documents"] == 5 and first["too_long"] == 1
+    assert first["spans"] == 4 and first["prepared"] == 4 and first["held"] == 0
     assert first["blocks_written"] > 4 and first["bytes_written"] > 0
     assert again["prepared"] == 0 and again["held"] == 4 and again["blocks_written"] == 0
 
