@@ -757,7 +757,9 @@ class SpanGenerator:
     def reads_from_tier(self, lowered: LoweredPrompt, cold: list[int]) -> bool:
         """Whether the call's request can load its cold spans from the engine's span tier itself: the tier
         connector loads what follows the engine's own hit contiguously, so every span from the first cold one on
-        must be in the tier (spans the engine holds included: their blocks are loaded again)."""
+        must be in the tier (spans the engine holds included: their blocks are loaded again). Not for a call that
+        recomputes blocks (its recompute runs must find the spans before them cached in the step they run: their
+        prepares load them first, `cold_policy`)."""
         holds = getattr(self.span_probe, "tier_holds_all", None)
         if self.span_in_tier is None or holds is None or not cold:
             return False
@@ -803,7 +805,8 @@ class SpanGenerator:
             cold = self.cold_span_indices(lowered, count=False)
         if not cold:
             return CallLayout(lowered, flattened, "warm", spans=spans)
-        if self.reads_from_tier(lowered, cold):  # the answer's own request loads them: no prepare round
+        recomputes = call.recompute if call.recompute is not None else self.default_recompute
+        if not recomputes and self.reads_from_tier(lowered, cold):  # the answer's own request loads them
             return CallLayout(lowered, flattened, "tier", spans=spans)
         mode = self.cold_policy(lowered, cold, call.cold_spans)
         prompts = [lowered.prepare_prompt(i) for i in cold]

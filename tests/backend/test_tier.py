@@ -94,6 +94,9 @@ def test_a_span_query_loads_its_spans_from_the_tier_itself_and_moves_them_exactl
     # `generate` in another order: the spans the engine does not hold whole (their anchors were never loaded by the
     # request above) are loaded by its own request too, none prepared
     assert out["generate"] == {"mode": "tier", "prepared_spans": 0}
+    # a call that recomputes blocks has its spans loaded by prepares first (its recompute runs read them cached)
+    assert out["recompute"]["mode"] == "isolate" and out["recompute"]["prepared_spans"] == 0
+    assert out["recompute"]["recomputed_tokens"] > 0
 
 
 @pytest.mark.vllm

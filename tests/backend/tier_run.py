@@ -85,6 +85,12 @@ def run_engine(tier_dir: str, docs: list[str], prepare: bool = True) -> dict:
             if not prepare:  # and how `generate` reads them now, in another order
                 done = await engine.generate(query(docs[1:] + docs[:1]))
                 out["generate"] = {"mode": done.metrics.extra["cold_spans"], "prepared_spans": done.metrics.prepared_spans}
+                # a call that recomputes blocks, after the engine forgot everything: its prepares load the spans
+                assert engine.reset_prefix_cache()
+                redo = query(docs[2:] + docs[:2]).model_copy(update={"recompute": "first"})
+                done = await engine.generate(redo)
+                out["recompute"] = {"mode": done.metrics.extra["cold_spans"], "prepared_spans": done.metrics.prepared_spans,
+                                    "recomputed_tokens": done.metrics.extra["recomputed_tokens"]}
             return out
 
         out = asyncio.run(scenario())
