@@ -125,8 +125,8 @@ def set_engine_stats(per_worker: list[dict[str, Any]]) -> None:
     global _engine_stats
     keys = ("runtimes", "moved_blocks", "duplicates", "relocation_seconds", *(k for k, _ in _WORKER_HELP.values()
                                                                              if k.startswith("tier_")), _TIER_GAUGE[0])
-    with _lock:
-        _engine_stats = {k: sum(float(w.get(k, 0)) for w in per_worker) for k in keys}
+    with _lock:  # a counter no worker reports (the tier's, without one) stays absent
+        _engine_stats = {k: sum(float(w.get(k, 0)) for w in per_worker) for k in keys if any(k in w for w in per_worker)}
 
 
 def _worker_stats() -> dict[str, float] | None:
@@ -138,7 +138,7 @@ def _worker_stats() -> dict[str, float] | None:
     if stats.get("runtimes", 0):
         return stats
     with _lock:
-        return _engine_stats if _engine_stats and _engine_stats["runtimes"] else None
+        return _engine_stats if _engine_stats and _engine_stats.get("runtimes") else None
 
 
 def snapshot() -> dict[str, Any]:
@@ -148,11 +148,8 @@ def snapshot() -> dict[str, Any]:
     worker = _worker_stats()
     if worker is not None:
         out.update({name: worker[key] for name, (key, _) in _WORKER_HELP.items() if key in worker})
-        if worker.get(_TIER_GAUGE[0]) or worker.get("tier_saved_blocks") or worker.get("tier_loaded_blocks"):
+        if _TIER_GAUGE[0] in worker:
             out[_TIER_GAUGE[0]] = worker[_TIER_GAUGE[0]]
-        else:  # no span tier on this engine: its counters are absent, not zero
-            for name in [n for n in out if n.startswith("tier_")]:
-                del out[name]
     return out
 
 

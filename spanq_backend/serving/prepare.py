@@ -36,33 +36,27 @@ def _text_of(item: Any) -> str | None:
 def read_corpus(path: Path) -> tuple[list[str], list[str]]:
     """The documents of a corpus file, and what was wrong with the lines that are not documents."""
     raw = path.read_text(encoding="utf-8")
-    problems: list[str] = []
-    stripped = raw.lstrip()
-    if stripped.startswith("["):
+    entries: list[tuple[str, Any]] = []  # (where, the item or the error that stands for it)
+    if raw.lstrip().startswith("["):
         try:
             items = json.loads(raw)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not a JSON array of documents: {e}") from None
-        texts = []
-        for i, item in enumerate(items):
-            text = _text_of(item)
-            if text is None:
-                problems.append(f"{path}: item {i}: not a document (a string, or an object with one of {', '.join(TEXT_KEYS)})")
-            else:
-                texts.append(text)
-        return texts, problems
-    texts = []
-    for n, line in enumerate(raw.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            problems.append(f"{path}:{n}: not JSON ({e.msg})")
-            continue
-        text = _text_of(item)
-        if text is None:
-            problems.append(f"{path}:{n}: not a document (a string, or an object with one of {', '.join(TEXT_KEYS)})")
+        entries = [(f"{path}: item {i}", item) for i, item in enumerate(items)]
+    else:
+        for n, line in enumerate(raw.splitlines(), start=1):
+            if line.strip():
+                try:
+                    entries.append((f"{path}:{n}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    entries.append((f"{path}:{n}", e))
+    texts: list[str] = []
+    problems: list[str] = []
+    for where, item in entries:
+        if isinstance(item, json.JSONDecodeError):
+            problems.append(f"{where}: not JSON ({item.msg})")
+        elif (text := _text_of(item)) is None:
+            problems.append(f"{where}: not a document (a string, or an object with one of {', '.join(TEXT_KEYS)})")
         else:
             texts.append(text)
     return texts, problems

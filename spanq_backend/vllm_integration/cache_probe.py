@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["BlockPoolProbe", "KVEventsMirror", "block_hash_chain", "in_tier"]
+__all__ = ["BlockPoolProbe", "KVEventsMirror", "block_hash_chain", "in_tier", "tier_holds_all"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,11 @@ def in_tier(tier: Any, hashes: tuple[Any, ...] | None, cached: Callable[[Any], b
     return not local
 
 
+def tier_holds_all(tier: Any, hashes: tuple[Any, ...] | None) -> bool:
+    """Whether the engine's span tier holds every whole block of a prompt (`hashes`)."""
+    return tier is not None and bool(hashes) and all(tier.holds(h) for h in hashes)
+
+
 class BlockPoolProbe:
     """Looks blocks up in an in-process engine's block pool (`cached_block_hash_to_block`)."""
 
@@ -119,9 +124,7 @@ class BlockPoolProbe:
         return self.holds(self.block_hashes(token_ids))
 
     def tier_holds_all(self, token_ids: list[int]) -> bool:
-        """Whether the engine's span tier holds every whole block of this prompt."""
-        hashes = self.block_hashes(token_ids)
-        return self.tier is not None and bool(hashes) and all(self.tier.holds(h) for h in hashes)
+        return tier_holds_all(self.tier, self.block_hashes(token_ids))
 
     def in_tier(self, token_ids: list[int]) -> bool:
         return in_tier(self.tier, self.block_hashes(token_ids), lambda h: self.pool.get_cached_block(h, [0]) is not None)
@@ -213,8 +216,7 @@ class KVEventsMirror:
         return in_tier(self.tier, self.block_hashes(token_ids), lambda h: h in self._hashes)
 
     def tier_holds_all(self, token_ids: list[int]) -> bool:
-        hashes = self.block_hashes(token_ids)
-        return self.tier is not None and bool(hashes) and all(self.tier.holds(h) for h in hashes)
+        return tier_holds_all(self.tier, self.block_hashes(token_ids))
 
     def cached_blocks(self, token_ids: list[int]) -> int:
         """How many leading whole blocks of a plain prompt the engine's cache holds."""

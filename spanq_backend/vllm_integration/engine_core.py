@@ -192,9 +192,10 @@ def make_hasher_factory(stock_factory: Any) -> Any:
 # --------------------------------------------------------------------------------------------- isolation
 
 
-def rekey_missed_spans(request: Any, num_computed_tokens: int) -> int:
+def rekey_missed_spans(request: Any, num_computed_tokens: int, keep_span_keys: bool = False) -> int:
     """Re-key blocks from the first span block that missed the cache: they will be computed in context, so
-    their KV must never be found under a span's key (invariant 1). Returns how many blocks were re-keyed."""
+    their KV must never be found under a span's key (invariant 1). Returns how many blocks were re-keyed.
+    `keep_span_keys`: remember the keys replaced, for `restore_span_keys` (a span tier's lookups)."""
     state = request_spans.get(request)
     if state is None or state.table is None or state.hash_fn is None:
         return 0
@@ -210,9 +211,9 @@ def rekey_missed_spans(request: Any, num_computed_tokens: int) -> int:
     hashes = request.block_hashes
     if j0 >= len(hashes) or state.rekeyed_from == j0:
         return 0
-    if state.span_keys is None:
+    if keep_span_keys and state.span_keys is None:
         state.span_keys, state.keys_from = list(hashes[j0:]), j0
-    elif j0 < state.keys_from:
+    elif keep_span_keys and j0 < state.keys_from:
         state.span_keys, state.keys_from = list(hashes[j0 : state.keys_from]) + state.span_keys, j0
     tokens = request.all_token_ids
     parent = None  # a stock chain over the whole prefix: the re-keyed blocks depend on every token before them

@@ -453,9 +453,12 @@ TIER_COUNTERS = ("loaded_blocks", "saved_blocks", "failed_loads", "failed_saves"
 
 
 def process_stats() -> dict[str, float]:
-    """The counters of this process's span tiers, summed, as `tier_<name>`; the blocks they hold as `tier_blocks`."""
+    """The counters of this process's span tiers, summed, as `tier_<name>`; the blocks they hold as `tier_blocks`.
+    Empty where no engine of this process has a tier (its counters are then absent, not zero)."""
     with _TIERS_LOCK:
         tiers = list(_TIERS.values())
+    if not tiers:
+        return {}
     out: dict[str, float] = {f"tier_{name}": float(sum(getattr(t.stats, name) for t in tiers)) for name in TIER_COUNTERS}
     out["tier_blocks"] = float(sum(len(t) for t in tiers))
     return out
@@ -559,7 +562,7 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     break
                 found.append(bytes(hashes[j]))
         if table is not None:
-            rekey_missed_spans(request, (start + len(found)) * bs)
+            rekey_missed_spans(request, (start + len(found)) * bs, keep_span_keys=True)
         if not found:
             return 0, False
         self._lookups[request.request_id] = (start, found)

@@ -41,7 +41,7 @@ def run(tmp_path_factory):
     corpus.write_text("\n".join(lines) + "\n")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests/backend/tier_run.py"), str(corpus), str(folder / "tier")],
+        [sys.executable, "-m", "tests.backend.tier_run", str(corpus), str(folder / "tier")],
         check=False, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
     )
     assert done.returncode == 0, done.stderr[-4000:]

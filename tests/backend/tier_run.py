@@ -3,7 +3,7 @@ engine of its process): compile a corpus into a tier with `spanq prepare`'s own 
 on that tier one after another — each a restart, reading what the last one left on disk — and answer the same
 query on each, printing one JSON object with what each saw.
 
-    python tests/backend/tier_run.py CORPUS TIER_DIR
+    python -m tests.backend.tier_run CORPUS TIER_DIR   (from the repository's root)
 
 Engines, in order:
   restart    a fresh engine; it first runs an unrelated long prompt and forgets it (so the blocks the tier loads
@@ -28,6 +28,7 @@ from spanq_backend.serving.engine import EngineConfig, SpanEngine
 from spanq_backend.serving.prepare import prepare_main, read_corpus
 from spanq_backend.vllm_integration import tier
 from spanq_integrations import cross, fragment, generate, plus, system, user
+from tests.backend.logprobs import run_with_logprobs
 
 QUESTION = "Which door is open?"
 
@@ -43,26 +44,16 @@ def query(docs: list[str]):
 async def answer(engine: SpanEngine, call, prepare: bool = True) -> dict:
     """The call's tokens and log-probabilities: its spans prepared first (each prepare loads its span from the
     tier), or not (`prepare=False`: the call's own request loads them, as `generate` does on a tier engine)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
     lowered = engine.lower(call)
     prepared = await engine.prepare(lowered) if prepare else 0
-    params = SamplingParams(max_tokens=call.max_tokens, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
-    outs, _ = await engine.run_tokens(lowered.token_ids, params, lowered.table)
-    tokens, logprobs = [], []
-    for o in outs:
-        c = o.outputs[0]
-        for t, lp in zip(c.token_ids, c.logprobs or []):
-            tokens.append(t)
-            logprobs.append(lp[t].logprob)
+    _, tokens, logprobs = await run_with_logprobs(engine, lowered, call.max_tokens)
     return {
         "token_ids": lowered.token_ids,
         "spans": [list(s) for s in lowered.table.spans],
         "anchors": [a if isinstance(a, int) else list(a) for a in lowered.table.anchors] if lowered.table.anchors else None,
         "prepared": prepared,
         "tokens": tokens,
-        "logprobs": logprobs,
+        "logprobs": logprobs.tolist(),
     }
 
 
