@@ -10,40 +10,41 @@ setting is never read, it is simply not there.
 
 How it is reached (`SpanTierConnector`, loaded by vLLM from `kv_connector_module_path`; no patch):
 
-- scheduler side: a request without a span table whose next blocks (after what the engine's own cache holds)
-  are in the tier is told they are external hits, loaded asynchronously (vLLM holds the request until the
-  load is done, so no other request reads the blocks before they hold data); prepare requests the generator
-  marks (`TIER_PARAM` in `kv_transfer_params`) have their blocks saved once their prompt is computed;
-- worker side: loads copy each file's bytes into the engine's blocks and tell spanq's block position tracker
-  which position the keys encode (what the file records), so the next step moves them as any cached span's;
-  saves copy a block's bytes out after the step's forward pass (the tracker says where its keys sit then) and
-  write them from a thread: to a temporary name, then renamed, with a checksum over header and payload. A file
-  that fails its checksum (truncated, corrupt) is moved aside and the request's blocks are computed instead.
+- scheduler side: a request whose next blocks (after what the engine's own cache holds) are in the tier, by
+  their block hashes (a span query's span blocks by their span keys, the prepares' own), is told they are
+  external hits, loaded asynchronously (vLLM holds the request until the load is done, so no other request reads
+  the blocks before they hold data); its spans past them are re-keyed as context then. Prepare requests the
+  generator marks (`TIER_PARAM` in `kv_transfer_params`) have their blocks saved once their prompt is computed;
+- worker side: loads read each file's payload straight into the engine's blocks (one `preadv`), check the block's
+  tokens (another content under the same key is refused) and a checksum over what was read, and tell spanq's
+  block position tracker which position the keys encode (what the file records), so the next step moves them as
+  any cached span's; saves copy a block's bytes out after the step's forward pass (the tracker says where its keys
+  sit then) and write them from a thread: to a temporary name, then renamed, with a checksum over header and
+  payload. A file that fails (truncated, corrupt, another block's) is moved aside and the request's blocks are
+  computed instead.
 
-Only requests without a span table load: a tier span reaches a query through its prepare request (the shape
-vLLM's connector interface can load, contiguous after the local hit), which the generator sends for spans the
-tier holds. One tier engine per process (vLLM keeps one connector per process).
+vLLM's interface takes one count of external tokens per request: a tier block after a gap in what is cached is
+not loaded by that request (the generator lays a query out so that its spans follow what is cached,
+docs/design.md §10). One tier engine per process (vLLM keeps one connector per process).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import hashlib
 import json
 import logging
-import mmap
 import os
 import queue
 import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 __all__ = [
     "LAYOUT_VERSION",
@@ -61,10 +62,10 @@ __all__ = [
 
 log = logging.getLogger("spanq.tier")
 
-LAYOUT_VERSION = 1  # the file format and what a block's bytes mean; a new version is a new namespace
+LAYOUT_VERSION = 2  # the file format and what a block's bytes mean; a new version is a new namespace
 TIER_PARAM = "spanq_tier"  # key in a request's kv_transfer_params: save this prepare request's blocks
-MAGIC = b"SPQKVT01"
-CHECKSUM_BYTES = 4  # a CRC-32 of header and payload (zlib's: gigabytes a second, against torn or corrupt files)
+MAGIC = b"SPQKVT02"
+CHECKSUM_BYTES = 8  # xxHash's XXH3-64 of header and payload (~13 GB/s here, against torn or corrupt files)
 CONNECTOR_NAME = "SpanTierConnector"
 MODEL_SAMPLE_BYTES = 1 << 20  # of each weight file's start and end, in the model's digest
 
@@ -162,34 +163,76 @@ class TierStats:
 
 @dataclass
 class Block:
-    """One stored block: the position its keys encode, and each layer's bytes (read from a file: views of its
-    mapped pages, with the bytes before them and the checksum the file ends with)."""
+    """One stored block: the position its keys encode, the tokens it is the KV of, and each layer's name, shape,
+    dtype and bytes (to write: the bytes; opened from a file: the byte count, the bytes staying in the file until
+    `copy_into` reads them where they belong, or `DiskTier.read` reads them whole)."""
 
     position: int
     layers: list[tuple[str, tuple[int, ...], str, Any]] = field(default_factory=list)  # name, shape, dtype, bytes
-    head: Any = b""
+    tokens: tuple[int, ...] = ()
+    head: bytes = b""  # the file's bytes before the payload (what the checksum covers first)
     checksum: bytes = b""
+    path: Path | None = None
+    offset: int = 0  # where the payload starts in `path`
 
-    @property
-    def mapped(self) -> Any:
-        return self.head.obj if isinstance(self.head, memoryview) else None
-
-    def copy_into(self, layers: list[tuple[str, torch.Tensor]], block_id: int, verified: Any) -> None:
-        """Copy each layer's bytes into block `block_id` of the engine's caches, the checksum computed over what
-        was copied (while it is in the CPU's cache: no pass of its own); `ValueError` where the block does not
-        fit the engine or its checksum does not match (then what was copied must not be used)."""
-        if len(self.layers) != len(layers):
-            raise ValueError(f"it has {len(self.layers)} layers, the engine {len(layers)}")
-        crc = zlib.crc32(self.head)
-        for (name, shape, dtype, data), (layer, cache) in zip(self.layers, layers):
-            target = cache[block_id]
-            if name != layer or tuple(target.shape) != shape or str(target.dtype) != dtype:
-                raise ValueError(f"its layer {name} {shape} {dtype} is not the engine's {layer} "
-                                 f"{tuple(target.shape)} {target.dtype}")
-            target.copy_(torch.frombuffer(data, dtype=target.dtype).view(target.shape))
-            crc = zlib.crc32(target.view(torch.uint8).numpy(), crc)
-        if not verified(crc, self.checksum):
+    def copy_into(self, layers: EngineLayers, block_id: int, verified: Any,
+                  tokens: tuple[int, ...] | None = None) -> None:
+        """Read each layer's bytes from the file straight into block `block_id` of the engine's caches (one
+        `preadv`: no copy of its own) and compute the checksum over what was read, while it is in the CPU's cache;
+        `ValueError` where the block is not the one asked for (`tokens`: another content under the same key),
+        does not fit the engine, or its checksum does not match (then what was read must not be used).
+        `layers`: the engine's KV caches (`layer_arrays`)."""
+        if tokens is not None and tuple(tokens) != self.tokens:
+            raise ValueError("it holds the KV of other tokens under this key (a key collision): not served")
+        if self.layers != layers.layout:  # names, shapes, dtypes and sizes, in order: one comparison
+            raise ValueError(f"its layers are not the engine's: {_first_difference(self.layers, layers.layout)}")
+        targets = [rows[block_id] for rows in layers.rows]
+        checksum = bytearray(CHECKSUM_BYTES)
+        assert self.path is not None
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [*targets, checksum], self.offset)
+        finally:
+            os.close(fd)
+        if got != sum(t.nbytes for t in targets) + CHECKSUM_BYTES:
+            raise ValueError("its payload is shorter than its header says (a truncated file)")
+        digest = xxhash.xxh3_64(self.head)
+        for t in targets:
+            digest.update(t)
+        if not verified(digest.intdigest(), checksum):
             raise ValueError("its checksum does not match (a corrupt or truncated file)")
+
+
+@dataclass
+class EngineLayers:
+    """The engine's KV caches as a block file sees them: each layer's (name, shape, dtype, bytes) of one block, in
+    order, and each layer's blocks as byte rows to read into (`layer_arrays`)."""
+
+    layout: list[tuple[str, tuple[int, ...], str, int]]
+    rows: list[Any]
+
+
+def layer_arrays(kv_caches: list[tuple[str, torch.Tensor]]) -> EngineLayers:
+    """The engine's KV caches as `Block.copy_into` reads into them: each layer's blocks as rows of bytes (a block's
+    bytes in the order a block file holds them); `TierError` for a layout it cannot read into in place (a block
+    whose bytes are not contiguous)."""
+    layers = EngineLayers([], [])
+    for name, cache in kv_caches:
+        block = cache[0]
+        if not block.is_contiguous() or cache.stride(0) != block.numel():
+            raise TierError(f"layer {name}'s KV blocks are not contiguous in memory ({tuple(cache.shape)}, "
+                            f"strides {cache.stride()}): the span tier cannot read into them")
+        rows = cache.view(torch.uint8).numpy().reshape(cache.shape[0], -1)
+        layers.layout.append((name, tuple(block.shape), str(cache.dtype), rows.shape[1]))
+        layers.rows.append(rows)
+    return layers
+
+
+def _first_difference(stored: list[Any], engine: list[Any]) -> str:
+    if len(stored) != len(engine):
+        return f"it has {len(stored)} layers, the engine {len(engine)}"
+    mine, theirs = next((a, b) for a, b in zip(stored, engine) if a != b)
+    return f"its layer {mine[0]} {mine[1]} {mine[2]} is not the engine's {theirs[0]} {theirs[1]} {theirs[2]}"
 
 
 class DiskTier:
@@ -253,49 +296,62 @@ class DiskTier:
 
     # -- reading
 
-    def open_block(self, block_hash: Any) -> Block:
-        """The stored block, mapped (not read: its layers' bytes are views of the file's pages) and its header
-        checked: that it is the block asked for. Its checksum is checked as its bytes are copied out
-        (`Block.copy_into`) or by `read`. Raises `ValueError` (or `OSError`) for anything else."""
-        with self.path_of(block_hash).open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < len(MAGIC) + 4 + CHECKSUM_BYTES:
-                raise ValueError("not a span tier block (truncated, or another format)")
-            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # private: never written back
-        view = memoryview(mapped)
-        if view[: len(MAGIC)] != MAGIC:
-            raise ValueError("not a span tier block (truncated, or another format)")
-        (header_len,) = struct.unpack_from("<I", view, len(MAGIC))
-        start = len(MAGIC) + 4
+    HEAD_READ = 8192  # bytes read first: the magic, the header's length and (for any model here) the header
+
+    def open_block(self, block_hash: Any, ahead: bool = False) -> Block:
+        """The stored block's header, read and checked (that it is the block asked for, that the file is the size
+        it says); its payload stays in the file (`Block.copy_into`, `read`). `ahead`: ask the OS to read the
+        payload into its page cache meanwhile. Raises `ValueError` (or `OSError`) for anything else."""
+        path = self.path_of(block_hash)
+        fd = os.open(path, os.O_RDONLY)
         try:
-            header = json.loads(bytes(view[start : start + header_len]))
+            size = os.fstat(fd).st_size
+            first = os.pread(fd, self.HEAD_READ, 0)
+            if len(first) < len(MAGIC) + 4 or first[: len(MAGIC)] != MAGIC:
+                raise ValueError("not a span tier block (truncated, or another format)")
+            (header_len,) = struct.unpack_from("<I", first, len(MAGIC))
+            offset = len(MAGIC) + 4 + header_len
+            head = first[:offset] if offset <= len(first) else first + os.pread(fd, offset - len(first), len(first))
+            if ahead and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, offset, 0, os.POSIX_FADV_WILLNEED)  # from disk while the step runs
+        finally:
+            os.close(fd)
+        try:
+            header = json.loads(head[len(MAGIC) + 4 :])
         except ValueError:
             raise ValueError("its header does not read (a corrupt or truncated file)") from None
         if header.get("namespace") != self.namespace or header.get("hash") != bytes(block_hash).hex():
             raise ValueError("it holds another block (its header names another hash or namespace)")
-        offset = start + header_len
-        block = Block(int(header["position"]), head=view[:offset], checksum=bytes(view[-CHECKSUM_BYTES:]))
+        block = Block(int(header["position"]), tokens=tuple(header.get("tokens", ())), head=head, path=path,
+                      offset=offset)
         for name, shape, dtype, nbytes in header["layers"]:
-            block.layers.append((name, tuple(shape), dtype, view[offset : offset + nbytes]))
-            offset += nbytes
-        if offset != size - CHECKSUM_BYTES:
+            block.layers.append((name, tuple(shape), dtype, int(nbytes)))
+        if offset + sum(n for *_, n in block.layers) + CHECKSUM_BYTES != size:
             raise ValueError("its payload is not the size its header says (a truncated file)")
         self.stats.bytes_read += size
         return block
 
     def read(self, block_hash: Any) -> Block:
-        """The stored block, its checksum checked (`open_block`, then a pass over its bytes)."""
+        """The stored block with its layers' bytes, its checksum checked (`open_block`, then a read of the rest)."""
         block = self.open_block(block_hash)
-        crc = zlib.crc32(block.head)
-        for *_, data in block.layers:
-            crc = zlib.crc32(data, crc)
-        if not self._verified(crc, block.checksum):
+        assert block.path is not None
+        with block.path.open("rb") as f:
+            f.seek(block.offset)
+            payload = f.read()
+        data = memoryview(payload)
+        block.checksum = bytes(data[-CHECKSUM_BYTES:])
+        if not self._verified(xxhash.xxh3_64_intdigest(block.head + payload[:-CHECKSUM_BYTES]), block.checksum):
             raise ValueError("its checksum does not match (a corrupt or truncated file)")
+        at, layers = 0, []
+        for name, shape, dtype, nbytes in block.layers:
+            layers.append((name, shape, dtype, data[at : at + nbytes]))
+            at += nbytes
+        block.layers = layers
         return block
 
     @staticmethod
-    def _verified(crc: int, checksum: bytes) -> bool:
-        return crc.to_bytes(CHECKSUM_BYTES, "little") == bytes(checksum)
+    def _verified(digest: int, checksum: Any) -> bool:
+        return digest.to_bytes(CHECKSUM_BYTES, "little") == bytes(checksum)
 
     # -- reading ahead (an engine's scheduler knows which blocks it loads a step before its worker copies them)
 
@@ -313,10 +369,7 @@ class DiskTier:
                 self._ahead.pop(next(iter(self._ahead))).cancel()
 
     def _warm(self, block_hash: Any) -> Block:
-        block = self.open_block(block_hash)
-        with contextlib.suppress(AttributeError, OSError, ValueError):
-            block.mapped.madvise(mmap.MADV_WILLNEED)  # from disk into the page cache while the step runs
-        return block
+        return self.open_block(block_hash, ahead=True)
 
     def take(self, block_hash: Any) -> Block:
         """The block, opened ahead by `prefetch` or now (`open_block`); raises as it does."""
@@ -388,11 +441,12 @@ class DiskTier:
             "namespace": self.namespace,
             "hash": key.hex(),
             "position": block.position,
+            "tokens": list(block.tokens),
             "layers": [[name, list(shape), dtype, len(data)] for name, shape, dtype, data in block.layers],
         }).encode()
         header += b" " * (-(len(MAGIC) + 4 + len(header)) % 64)  # the payload starts aligned (JSON ignores the spaces)
         body = b"".join([MAGIC, struct.pack("<I", len(header)), header, *(data for *_, data in block.layers)])
-        payload = body + zlib.crc32(body).to_bytes(CHECKSUM_BYTES, "little")
+        payload = body + xxhash.xxh3_64_intdigest(body).to_bytes(CHECKSUM_BYTES, "little")
         path = self.path_of(key)
         path.parent.mkdir(exist_ok=True)
         _write_atomically(path, payload)
@@ -502,10 +556,10 @@ except ImportError:  # pragma: no cover - the backend extra is not installed: no
 
 @dataclass
 class TierMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    # request id -> [(block hash, block id)] to load
-    loads: dict[str, list[tuple[bytes, int]]] = field(default_factory=dict)
-    # (block hash, block id, logical index) to save after this step's forward pass
-    saves: list[tuple[bytes, int, int]] = field(default_factory=list)
+    # request id -> [(block hash, block id, the block's tokens)] to load
+    loads: dict[str, list[tuple[bytes, int, tuple[int, ...]]]] = field(default_factory=dict)
+    # (block hash, block id, logical index, the block's tokens) to save after this step's forward pass
+    saves: list[tuple[bytes, int, int, tuple[int, ...]]] = field(default_factory=list)
 
 
 class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -520,10 +574,11 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.block_size = int(vllm_config.cache_config.block_size)
         # scheduler side
         self._lookups: dict[str, tuple[int, list[bytes]]] = {}
-        self._loads: dict[str, list[tuple[bytes, int]]] = {}
+        self._loads: dict[str, list[tuple[bytes, int, tuple[int, ...]]]] = {}
         self._marked: dict[str, Any] = {}
         # worker side
         self._layers: list[tuple[str, torch.Tensor]] = []
+        self._arrays = EngineLayers([], [])  # the same, as byte rows to read blocks into (`layer_arrays`)
         self._received: set[str] = set()
         self._failed: set[str] = set()
 
@@ -582,8 +637,9 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._loads[rid] = []
             return
         start, found = lookup
-        ids = blocks.get_block_ids()[0]
-        self._loads[rid] = [(h, int(ids[start + i])) for i, h in enumerate(found)]
+        ids, bs, tokens = blocks.get_block_ids()[0], self.block_size, request.all_token_ids
+        self._loads[rid] = [(h, int(ids[j]), tuple(tokens[j * bs : (j + 1) * bs]))
+                            for j, h in enumerate(found, start)]
         self.tier.prefetch(found)  # read while this step runs; the worker copies them in after its forward pass
 
     def build_connector_meta(self, scheduler_output: Any) -> TierMetadata:
@@ -600,7 +656,8 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             for j in range(whole):
                 h = bytes(request.block_hashes[j])
                 if not self.tier.holds(h):
-                    meta.saves.append((h, int(ids[j]), j))
+                    bs = self.block_size
+                    meta.saves.append((h, int(ids[j]), j, tuple(request.all_token_ids[j * bs : (j + 1) * bs])))
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -615,6 +672,7 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if off_cpu:  # `transfer_config` refuses such engines; one built another way is refused here
             raise TierError(f"the span tier copies KV through host memory; layer {off_cpu[0]} is on {kv_caches[off_cpu[0]].device}")
         self._layers = list(kv_caches.items())
+        self._arrays = layer_arrays(self._layers)
 
     def _tracker(self) -> Any:
         from spanq_backend.vllm_integration.worker import stepping_runtime
@@ -633,10 +691,10 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if not items:
                 self._failed.add(rid)
                 continue
-            for h, block_id in items:
+            for h, block_id, tokens in items:
                 try:
                     stored = self.tier.take(h)
-                    stored.copy_into(self._layers, block_id, self.tier._verified)
+                    stored.copy_into(self._arrays, block_id, self.tier._verified, tokens)
                 except (OSError, ValueError, RuntimeError) as e:
                     self.tier.stats.failed_loads += 1
                     self.tier.forget(h, str(e))
@@ -660,14 +718,14 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not isinstance(meta, TierMetadata) or not meta.saves:
             return
         tracker = self._tracker()
-        for h, block_id, j in meta.saves:
+        for h, block_id, j, tokens in meta.saves:
             position = None if tracker is None else tracker.position_of(block_id)
             if position != j * self.block_size:  # keys not where the prepare computed them: not stored
                 self.tier.stats.skipped_saves += 1
                 continue
             layers = [(name, tuple(cache[block_id].shape), str(cache.dtype), _bytes_of(cache[block_id]))
                       for name, cache in self._layers]
-            self.tier.write_later(h, Block(position, layers))
+            self.tier.write_later(h, Block(position, layers, tokens))
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         received, failed = self._received, self._failed

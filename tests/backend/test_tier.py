@@ -143,6 +143,30 @@ def test_a_stored_block_reads_back_and_a_corrupt_or_truncated_one_is_refused(tmp
         store.read(h)
 
 
+def test_a_block_is_read_into_its_engine_block_in_place_and_other_tokens_under_its_key_are_refused(tmp_path):
+    """A load reads the file straight into the engine's block (and no other); a file under the block's key that
+    holds another block's tokens (a key collision) is refused before anything is read — without the tokens
+    checked, the other tokens' KV would be what the engine reads."""
+    store = tier.DiskTier(tmp_path, "ns")
+    cache = torch.zeros(4, 2, 3, 8)  # an engine layer of 4 blocks
+    values = torch.randn(2, 3, 8)
+    h = bytes(range(32))
+    store.write_later(h, tier.Block(16, [("layer.0", (2, 3, 8), str(values.dtype), tier._bytes_of(values))], (5, 6, 7)))
+    store.flush()
+    arrays = tier.layer_arrays([("layer.0", cache)])
+    store.open_block(h).copy_into(arrays, 2, store._verified, (5, 6, 7))
+    assert torch.equal(cache[2], values) and not cache[[0, 1, 3]].any()
+    with pytest.raises(ValueError, match="key collision"):
+        store.open_block(h).copy_into(arrays, 1, store._verified, (5, 6, 8))
+    assert not cache[1].any(), "nothing read into the block"
+    store.open_block(h).copy_into(arrays, 1, store._verified, None)  # tokens unchecked: served
+    assert torch.equal(cache[1], values)
+    with pytest.raises(ValueError, match="not the engine's"):  # another layout: refused, not read
+        store.open_block(h).copy_into(tier.layer_arrays([("layer.0", torch.zeros(4, 2, 3, 4))]), 0, store._verified)
+    with pytest.raises(tier.TierError, match="not contiguous"):
+        tier.layer_arrays([("layer.0", torch.zeros(2, 4, 3, 8).transpose(0, 1))])
+
+
 def test_a_file_under_another_blocks_name_is_refused(tmp_path):
     store = tier.DiskTier(tmp_path, "ns")
     a, b = bytes(32), bytes([1] * 32)
@@ -211,7 +235,7 @@ def test_spanq_tier_lists_checks_and_clears_what_a_tier_holds(tmp_path, capsys):
     (listed,) = json.loads(capsys.readouterr().out)
     assert listed["namespace"] == "ns1" and listed["blocks"] == 2 and listed["dtype"] == "torch.float32"
     data = bytearray(store.path_of(broken).read_bytes())
-    data[-6] ^= 0xFF  # in the payload
+    data[-20] ^= 0xFF  # in the payload
     store.path_of(broken).write_bytes(bytes(data))
     assert tier_main([str(tmp_path), "--check", "--json"]) == 1, "a block set aside is the exit status 1"
     assert json.loads(capsys.readouterr().out) == {"good": 1, "set_aside": 1}
