@@ -4,8 +4,9 @@ Each document's span KV (`[anchor][document]`, as a query's `plus` of it is prep
 anchor and lead-in) is computed once and written to the tier; an engine started later on the same tier
 (`SpanEngine(tier_dir=...)`, `spanq serve --tier-dir`) loads it instead of computing it, after a restart or on
 another replica. The corpus is JSON lines, one document each: a JSON string, or an object with its text under
-`text`, `page_content` (LangChain's documents) or `content`; or one JSON array of those. A line that is not a
-document is named by its number and the rest are compiled.
+`text`, `page_content` (LangChain's documents) or `content`; or one JSON array of those; or a LangChain
+`InMemoryVectorStore` dump; or the folder a LlamaIndex index was persisted to (`read_corpus`). A line that is not
+a document is named by its number and the rest are compiled.
 """
 
 from __future__ import annotations
@@ -33,9 +34,37 @@ def _text_of(item: Any) -> str | None:
     return None
 
 
+def _vector_store_dump(raw: str) -> list[str] | None:
+    """The documents' texts of a LangChain `InMemoryVectorStore.dump` file (an object of id -> {"id", "vector",
+    "text", "metadata"}), or None if `raw` is not one."""
+    if not raw.lstrip().startswith("{"):
+        return None
+    try:
+        whole = json.loads(raw)
+    except json.JSONDecodeError:
+        return None  # JSON lines
+    if not isinstance(whole, dict) or not whole or not all(
+        isinstance(v, dict) and "vector" in v and isinstance(v.get("text"), str) for v in whole.values()
+    ):
+        return None
+    return [v["text"] for v in whole.values() if v["text"].strip()]
+
+
 def read_corpus(path: Path) -> tuple[list[str], list[str]]:
-    """The documents of a corpus file, and what was wrong with the lines that are not documents."""
+    """The documents of a corpus, and what was wrong with the lines that are not documents. A corpus is a file of
+    JSON lines or one JSON array; a LangChain `InMemoryVectorStore` dump (`store.dump(PATH)`: each document's
+    `page_content`, as `format_docs_as_spans` sends it); or the folder a LlamaIndex index was persisted to (its
+    nodes' text as `SpanQuerySynthesizer` sends it, `spanq_integrations.llamaindex.corpus_texts`)."""
+    if path.is_dir():
+        try:
+            from spanq_integrations.llamaindex.corpus import corpus_texts
+        except ImportError:
+            raise ValueError(f"{path} is a folder: reading a persisted LlamaIndex index needs the llamaindex "
+                             "extra (pip install 'spanq[llamaindex]')") from None
+        return corpus_texts(path), []
     raw = path.read_text(encoding="utf-8")
+    if (dumped := _vector_store_dump(raw)) is not None:
+        return dumped, []
     entries: list[tuple[str, Any]] = []  # (where, the item or the error that stands for it)
     if raw.lstrip().startswith("["):
         try:
@@ -69,7 +98,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "started on it later find it.",
     )
     parser.add_argument("corpus", metavar="CORPUS", help="JSON lines, one document each (a string, or an object "
-                        "with text, page_content or content), or one JSON array of them")
+                        "with text, page_content or content), or one JSON array of them; a LangChain "
+                        "InMemoryVectorStore dump (store.dump(PATH)); or the folder a LlamaIndex index was "
+                        "persisted to (storage_context.persist(DIR))")
     parser.add_argument("--tier-dir", required=True, metavar="DIR", help="the span tier's folder (made if need be)")
     parser.add_argument("--model", default="default", metavar="NAME", help="the model the KV is for: default, tiny, "
                         "tiny-<family>, a model folder or a Hugging Face id (default: default)")

@@ -27,6 +27,7 @@ from spanq_integrations.langchain.retrievers import SpanRetriever
 from spanq_integrations.langchain.run_documents import install_tracker
 from spanq_integrations.langchain.spans import (
     SpanDocuments,
+    corpus_texts,
     format_docs_as_spans,
     is_tagged_document,
     span_block,
@@ -57,6 +58,7 @@ __all__ = [
     "SpanQueryLLM",
     "SpanRetriever",
     "UnsupportedMessageError",
+    "corpus_texts",
     "create_span_documents_chain",
     "create_span_retrieval_chain",
     "format_docs_as_spans",

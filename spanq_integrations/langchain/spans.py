@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_DOCUMENT_SEPARATOR",
     "SPAN_KEY",
     "SpanDocuments",
+    "corpus_texts",
     "document_span_id",
     "format_docs_as_spans",
     "is_tagged_document",
@@ -151,3 +152,30 @@ def format_docs_as_spans(
         if text.strip():
             blocks.append(span_block(text, id=document_span_id(doc)))
     return SpanDocuments(blocks, separator=separator)
+
+
+def corpus_texts(
+    source: Any,
+    document_prompt: BasePromptTemplate | str | None = None,
+) -> list[str]:
+    """The texts of a corpus's documents as a RAG chain sends them as spans (`format_docs_as_spans` with the same
+    `document_prompt`), to compile into a span tier ahead of the queries (`SpanEngine.compile`, `spanq prepare`):
+    what the tier holds is then exactly what the chain's queries read. `source` is an `InMemoryVectorStore` (its
+    stored documents, what `store.dump(path)` writes and `spanq prepare PATH` reads too) or the documents
+    themselves (`Document`s or strings: what was added to any other vector store, which LangChain offers no way
+    to list). Empty documents are left out, as the chain leaves them out."""
+    from langchain_core.vectorstores import InMemoryVectorStore, VectorStore
+
+    if isinstance(source, InMemoryVectorStore):
+        docs: list[Any] = [Document(page_content=v.get("text", ""), metadata=v.get("metadata") or {})
+                           for v in source.store.values()]
+    elif isinstance(source, VectorStore):
+        raise TypeError(
+            f"a {type(source).__name__} cannot list its documents through LangChain: pass the documents that were "
+            "added to it (or the splitter's output)"
+        )
+    elif isinstance(source, (str, Document)):
+        docs = [source]
+    else:
+        docs = list(source)
+    return format_docs_as_spans(docs, document_prompt).texts

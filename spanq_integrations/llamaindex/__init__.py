@@ -18,6 +18,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation
         "spanq_integrations.llamaindex needs llama-index-core: pip install 'spanq[llamaindex]'"
     ) from e
 
+from spanq_integrations.llamaindex.corpus import corpus_texts
 from spanq_integrations.llamaindex.embeddings import MiniLMEmbedding, minilm_model_path
 from spanq_integrations.llamaindex.judge import SpanJudgeResult, SpanQueryPairwiseEvaluator, copied_candidate
 from spanq_integrations.llamaindex.llm import SpanQueryLLM, messages_to_nodes
@@ -35,6 +36,7 @@ __all__ = [
     "SpanQuerySynthesizer",
     "SpanQueryTreeSynthesizer",
     "copied_candidate",
+    "corpus_texts",
     "messages_to_nodes",
     "minilm_model_path",
     "usage_of",
