@@ -89,6 +89,10 @@ class EngineConfig:
     # A folder where span KV outlives the engine (`spanq_backend/vllm_integration/tier.py`): prepared spans are saved there and
     # loaded instead of computed, by this engine and by the next one started on it. None: no tier.
     tier_dir: str | None = None
+    # The tier's capacity in bytes: past it the least recently used unpinned blocks are removed. None: no limit.
+    tier_max_bytes: int | None = None
+    # Pin every block this engine saves to the tier, and the blocks `compile` finds there (`spanq prepare --pin`).
+    tier_pin: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", recompute_setting(self.recompute))  # refused here, before any engine
@@ -96,6 +100,10 @@ class EngineConfig:
             raise ValueError(f"cold_spans must be one of {', '.join(COLD_SPAN_POLICIES)}, got {self.cold_spans!r}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be a positive number of GiB, got {self.kv_cache_gib!r}")
+        if self.tier_max_bytes is not None and not self.tier_max_bytes > 0:
+            raise ValueError(f"tier_max_bytes must be a positive number of bytes, got {self.tier_max_bytes!r}")
+        if (self.tier_max_bytes is not None or self.tier_pin) and not self.tier_dir:
+            raise ValueError("tier_max_bytes and tier_pin are settings of a span tier: give tier_dir too")
 
     def kv_cache_bytes(self, cpu: bool | None = None) -> int | None:
         """The KV cache size this engine asks vLLM for; None: vLLM's own setting (VLLM_CPU_KVCACHE_SPACE on a
@@ -292,7 +300,8 @@ class SpanEngine:
             # a stock engine says so to the engine core: no workers' self-check, no span table honoured
             **({} if c.spans else {"additional_config": {STOCK_ENGINE_KEY: True}}),
             **({"structured_outputs_config": StructuredOutputsConfig(**COMPACT_JSON)} if c.compact_json else {}),
-            **({"kv_transfer_config": tier.transfer_config(c.tier_dir)} if c.tier_dir else {}),
+            **({"kv_transfer_config": tier.transfer_config(c.tier_dir, c.tier_max_bytes, c.tier_pin)}
+               if c.tier_dir else {}),
         )
         with _kv_cache_size_of_its_own(c):
             engine = self.llm_engine = LLMEngine.from_engine_args(args)  # stepped by the engine thread only
@@ -577,6 +586,8 @@ class SpanEngine:
             report["spans"] += 1
             if self._probe is not None and self.tier is not None and self._probe.tier_holds_all(prompt):
                 report["held"] += 1
+                if self.config.tier_pin:
+                    self.tier.pin(list(self._probe.block_hashes(prompt) or ()))
                 continue
             if batch and sum(map(len, batch)) + len(prompt) > self.COMPILE_BATCH_TOKENS:
                 await run(batch)

@@ -14,7 +14,7 @@ and readable in process (`snapshot()`).
 | `spanq_blocks_relocated_total`           | KV blocks whose keys were moved to a new position (ReRoPE)            |
 | `spanq_span_duplicates_total`            | private block copies planned for concurrent readers (CIDRA)           |
 | `spanq_relocation_seconds_total`         | host time spent moving keys (on a GPU: launching the moves)           |
-| `spanq_tier_loaded_blocks_total`, `spanq_tier_saved_blocks_total`, `spanq_tier_failed_loads_total`, `spanq_tier_failed_saves_total`, `spanq_tier_bytes_read_total`, `spanq_tier_bytes_written_total` | an engine with a span tier: blocks loaded instead of computed, written, refused, not written; bytes |
+| `spanq_tier_loaded_blocks_total`, `spanq_tier_saved_blocks_total`, `spanq_tier_failed_loads_total`, `spanq_tier_failed_saves_total`, `spanq_tier_evicted_blocks_total`, `spanq_tier_bytes_read_total`, `spanq_tier_bytes_written_total` | an engine with a span tier: blocks loaded instead of computed, written, refused, not written, evicted; bytes |
 | `spanq_tier_blocks` (a gauge)            | the blocks its span tier holds                                        |
 
 The first eight are counted where prompts are laid out (the process of `spanq serve`'s API server, or of an
@@ -78,6 +78,7 @@ _WORKER_HELP = {
     "tier_saved_blocks": ("tier_saved_blocks", "KV blocks of prepared spans written to the span tier."),
     "tier_failed_loads": ("tier_failed_loads", "Span tier blocks refused (checksum, header, read error); computed instead."),
     "tier_failed_saves": ("tier_failed_saves", "Span tier blocks that could not be written (a full or read-only disk)."),
+    "tier_evicted_blocks": ("tier_evicted_blocks", "Span tier blocks removed to keep it under its capacity (least recently used first)."),
     "tier_bytes_read": ("tier_bytes_read", "Bytes of span tier blocks read."),
     "tier_bytes_written": ("tier_bytes_written", "Bytes of span tier blocks written."),
 }

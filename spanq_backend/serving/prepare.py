@@ -104,6 +104,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tier-dir", required=True, metavar="DIR", help="the span tier's folder (made if need be)")
     parser.add_argument("--model", default="default", metavar="NAME", help="the model the KV is for: default, tiny, "
                         "tiny-<family>, a model folder or a Hugging Face id (default: default)")
+    parser.add_argument("--pin", action="store_true", help="pin the corpus's blocks in the tier: never removed to "
+                        "make room (engines started with --tier-max-gb evict the least recently used others)")
+    parser.add_argument("--tier-max-gb", type=float, default=None, metavar="GB", help="the tier's capacity while "
+                        "compiling: past it the least recently used unpinned blocks are removed (default: no limit)")
     parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     return parser.parse_args(argv)
 
@@ -129,7 +133,11 @@ def prepare_main(argv: list[str]) -> int:
 
     started = time.perf_counter()
     try:
-        with SpanEngine(EngineConfig(model=args.model, tier_dir=args.tier_dir)) as engine:
+        from spanq_backend.vllm_integration.tier import gb_to_bytes
+
+        config = EngineConfig(model=args.model, tier_dir=args.tier_dir, tier_max_bytes=gb_to_bytes(args.tier_max_gb),
+                              tier_pin=args.pin)
+        with SpanEngine(config) as engine:
             report = asyncio.run(engine.compile(texts))
             report["tier"] = str(engine.tier.dir) if engine.tier is not None else None
     except (SpanQueryError, ValueError) as e:

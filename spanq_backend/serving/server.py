@@ -155,6 +155,11 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         "spans found there, by this server, another replica or `spanq prepare`, are loaded instead of computed)",
     )
     parser.add_argument(
+        "--tier-max-gb", dest="spanq_tier_max_gb", type=float, default=None, metavar="GB",
+        help="with --tier-dir: the tier's capacity; past it the least recently used blocks not pinned (`spanq "
+        "prepare --pin`) are removed (default: no limit)",
+    )
+    parser.add_argument(
         "--verbose", dest="spanq_verbose", action="store_true",
         help="show vLLM's INFO log lines (by default its warnings and errors only; or set SPANQ_LOG_LEVEL)",
     )  # fmt: skip
@@ -176,7 +181,9 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         if args.kv_transfer_config is not None:
             raise ValueError("--tier-dir is served through vLLM's KV connector: --kv-transfer-config cannot be given too")
         tier.check_tier_dir(args.spanq_tier_dir)  # a TierError is a ValueError: reported below
-        args.kv_transfer_config = tier.transfer_config(args.spanq_tier_dir)
+        args.kv_transfer_config = tier.transfer_config(args.spanq_tier_dir, tier.gb_to_bytes(args.spanq_tier_max_gb))
+    elif args.spanq_tier_max_gb is not None:
+        raise ValueError("--tier-max-gb is the capacity of a span tier: give --tier-dir too")
     spec = args.model_tag or args.model
     from spanq_backend.serving.admission import admit
 

@@ -21,7 +21,8 @@ def _namespaces(root: Path) -> list[Path]:
 
 
 def describe(root: Path) -> list[dict[str, Any]]:
-    """Each namespace of the tier: its digest, what it was made of, its blocks, their bytes and the files set aside."""
+    """Each namespace of the tier: its digest, what it was made of, its blocks, their bytes, the files set aside and
+    the blocks pinned (`spanq prepare --pin`)."""
     out = []
     for ns in _namespaces(root):
         blocks = list(ns.glob("??/*.kv"))
@@ -31,6 +32,7 @@ def describe(root: Path) -> list[dict[str, Any]]:
             "model": about.get("model", "")[:12], "dtype": about.get("dtype"), "block_size": about.get("block_size"),
             "vllm": about.get("vllm"), "blocks": len(blocks), "bytes": sum(p.stat().st_size for p in blocks),
             "set_aside": len(list(ns.glob("??/*.bad"))),
+            "pinned": sum(1 for p in blocks if p.with_suffix(".pin").exists()),
         })
     return out
 
@@ -95,5 +97,6 @@ def tier_main(argv: list[str]) -> int:
         print(f"{root}: no span tier namespace")
     for s in [] if args.json else spaces:
         print(f"{s['namespace']}  model {s['model']}…  {s['dtype']}  blocks of {s['block_size']}  vLLM {s['vllm']}: "
-              f"{s['blocks']} blocks, {s['bytes'] / 1e6:.1f} MB" + (f", {s['set_aside']} set aside" if s["set_aside"] else ""))
+              f"{s['blocks']} blocks, {s['bytes'] / 1e6:.1f} MB" + (f", {s['pinned']} pinned" if s["pinned"] else "")
+              + (f", {s['set_aside']} set aside" if s["set_aside"] else ""))
     return 0

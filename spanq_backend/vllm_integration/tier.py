@@ -31,6 +31,7 @@ docs/design.md §10). One tier engine per process (vLLM keeps one connector per 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
@@ -53,6 +54,7 @@ __all__ = [
     "SpanTierConnector",
     "TierError",
     "check_tier_dir",
+    "gb_to_bytes",
     "namespace_of",
     "process_stats",
     "tier_for",
@@ -155,6 +157,7 @@ class TierStats:
     failed_saves: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    evicted_blocks: int = 0  # blocks removed to keep the tier under its capacity (least recently used first)
     load_seconds: float = 0.0  # time in the engine's step reading, checking and copying loaded blocks
 
     def as_dict(self) -> dict[str, Any]:
@@ -174,6 +177,7 @@ class Block:
     checksum: bytes = b""
     path: Path | None = None
     offset: int = 0  # where the payload starts in `path`
+    pinned: bool = False  # to write: pinned once written (never evicted; `DiskTier.pin`)
 
     def copy_into(self, layers: EngineLayers, block_id: int, verified: Any,
                   tokens: tuple[int, ...] | None = None) -> None:
@@ -238,9 +242,13 @@ def _first_difference(stored: list[Any], engine: list[Any]) -> str:
 class DiskTier:
     """One namespace of a tier folder: `root/<namespace>/<hash[:2]>/<hash>.kv`, one file per block."""
 
-    def __init__(self, root: str | Path, namespace: str, parts: dict[str, Any] | None = None):
+    def __init__(self, root: str | Path, namespace: str, parts: dict[str, Any] | None = None,
+                 max_bytes: int | None = None):
+        if max_bytes is not None and not max_bytes > 0:
+            raise TierError(f"a span tier's capacity must be a positive number of bytes, got {max_bytes!r}")
         self.root = Path(root)
         self.namespace = namespace
+        self.max_bytes = max_bytes  # None: the tier grows until cleared
         self.dir = self.root / namespace
         check_tier_dir(self.dir)
         if parts is not None:
@@ -256,6 +264,7 @@ class DiskTier:
         self._writing: set[bytes] = set()
         self._writer: threading.Thread | None = None
         self._write_error_said = False
+        self._bytes = 0  # of the blocks held, as last counted (`rescan`, `_evict`) plus what this process wrote
         self.rescan()
 
     # -- index
@@ -263,17 +272,76 @@ class DiskTier:
     def rescan(self) -> int:
         """Read which blocks the folder holds (another process may have written some); how many."""
         held: set[bytes] = set()
+        total = 0
+        for key, _, size in self._files():
+            held.add(key)
+            total += size
+        with self._lock:
+            self._held, self._bytes = held, total
+        return len(held)
+
+    def _files(self) -> list[tuple[bytes, os.stat_result, int]]:
+        """Every block file the folder holds: (hash, its stat, its size); files removed meanwhile are left out."""
+        found = []
         for sub in self.dir.iterdir() if self.dir.is_dir() else ():
             if sub.is_dir() and len(sub.name) == 2:
-                for f in sub.iterdir():
-                    if f.suffix == ".kv":
+                for f in os.scandir(sub):
+                    if f.name.endswith(".kv") and not f.name.startswith("."):
                         try:
-                            held.add(bytes.fromhex(f.stem))
-                        except ValueError:
+                            key, st = bytes.fromhex(f.name[:-3]), f.stat()
+                        except (ValueError, OSError):
                             continue
+                        found.append((key, st, st.st_size))
+        return found
+
+    @property
+    def bytes_held(self) -> int:
+        return self._bytes
+
+    # -- pins and capacity
+
+    def pin(self, hashes: list[Any]) -> int:
+        """Pin blocks the folder holds: never evicted to make room (a marker file beside each, `<hash>.pin`, seen
+        by every process on the folder). How many were pinned."""
+        n = 0
+        for h in hashes:
+            path = self.path_of(h)
+            if path.exists():
+                path.with_suffix(".pin").touch()
+                n += 1
+        return n
+
+    def pinned(self, block_hash: Any) -> bool:
+        return self.path_of(block_hash).with_suffix(".pin").exists()
+
+    def used(self, block_hash: Any) -> None:
+        """A block was just loaded: its file's modification time says so (what eviction orders by, least recently
+        used first, whichever process used it)."""
+        with contextlib.suppress(OSError):
+            os.utime(self.path_of(block_hash))
+
+    def _evict(self) -> None:
+        """Past the capacity: remove the least recently used unpinned blocks (written or last loaded longest ago)
+        until the folder holds at most 90% of it. Counted on the folder itself (other processes write to it)."""
+        assert self.max_bytes is not None
+        files = self._files()
+        total = sum(size for *_, size in files)
+        if total > self.max_bytes:
+            target = int(self.max_bytes * 0.9)
+            for key, st, size in sorted(files, key=lambda f: (f[1].st_mtime_ns, f[0])):
+                if total <= target:
+                    break
+                path = self.path_of(key)
+                if path.with_suffix(".pin").exists():
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    self.stats.evicted_blocks += 1
+                with self._lock:
+                    self._held.discard(key)
+                total -= size
         with self._lock:
-            self._held = held
-        return len(held)
+            self._bytes = total
 
     def holds(self, block_hash: Any) -> bool:
         """Whether the folder holds the block: the index, else the disk (another process, a replica or `spanq
@@ -422,10 +490,15 @@ class DiskTier:
                 continue
             key, block = item
             try:
-                self._write(key, block)
+                size = self._write(key, block)
+                if block.pinned:
+                    self.path_of(key).with_suffix(".pin").touch()
                 with self._lock:
                     self._held.add(key)
+                    self._bytes += size
                 self.stats.saved_blocks += 1
+                if self.max_bytes is not None and self._bytes > self.max_bytes:
+                    self._evict()
             except OSError as e:  # a full or read-only disk: computing stays correct, say it once
                 self.stats.failed_saves += 1
                 if not self._write_error_said:
@@ -436,7 +509,7 @@ class DiskTier:
                 with self._lock:
                     self._writing.discard(key)
 
-    def _write(self, key: bytes, block: Block) -> None:
+    def _write(self, key: bytes, block: Block) -> int:
         header = json.dumps({
             "namespace": self.namespace,
             "hash": key.hex(),
@@ -451,6 +524,7 @@ class DiskTier:
         path.parent.mkdir(exist_ok=True)
         _write_atomically(path, payload)
         self.stats.bytes_written += len(payload)
+        return len(payload)
 
 
 def _bytes_of(t: torch.Tensor) -> bytes:
@@ -470,6 +544,11 @@ def _write_atomically(path: Path, data: bytes) -> None:
         raise
 
 
+def gb_to_bytes(gb: float | None) -> int | None:
+    """A capacity given in GB (10^9 bytes: `--tier-max-gb`) in bytes; None stays None."""
+    return None if gb is None else int(gb * 1e9)
+
+
 def check_tier_dir(path: str | Path) -> None:
     """Make the folder if need be and check it can be written: `TierError` naming it, before an engine starts."""
     folder = Path(path)
@@ -486,24 +565,27 @@ _TIERS: dict[tuple[str, str], DiskTier] = {}
 _TIERS_LOCK = threading.Lock()
 
 
-def tier_for(root: str | Path, vllm_config: Any, starting: bool = False) -> DiskTier:
+def tier_for(root: str | Path, vllm_config: Any, starting: bool = False, max_bytes: int | None = None) -> DiskTier:
     """This process's `DiskTier` of `root` for an engine's config (the scheduler and the worker of an engine in
     one process share it, and with it the index of what is held). `starting`: an engine starts on it (its
-    scheduler's connector): the folder is read again and the counters start over."""
+    scheduler's connector): the folder is read again and the counters start over. `max_bytes`: its capacity
+    (an engine starting on it sets it; None: none)."""
     namespace, parts = namespace_of(vllm_config)
     key = (str(Path(root).resolve()), namespace)
     with _TIERS_LOCK:
         tier = _TIERS.get(key)
         if tier is None:
-            tier = _TIERS[key] = DiskTier(root, namespace, parts)
+            tier = _TIERS[key] = DiskTier(root, namespace, parts, max_bytes)
         elif starting:
+            tier.max_bytes = max_bytes
             tier.flush()
             tier.rescan()
             tier.stats = TierStats()
         return tier
 
 
-TIER_COUNTERS = ("loaded_blocks", "saved_blocks", "failed_loads", "failed_saves", "bytes_read", "bytes_written")
+TIER_COUNTERS = ("loaded_blocks", "saved_blocks", "failed_loads", "failed_saves", "evicted_blocks", "bytes_read",
+                 "bytes_written")
 
 
 def process_stats() -> dict[str, float]:
@@ -518,9 +600,13 @@ def process_stats() -> dict[str, float]:
     return out
 
 
-def transfer_config(tier_dir: str | Path) -> Any:
-    """vLLM's `KVTransferConfig` for an engine with the span tier in `tier_dir`. Refused (`TierError`) off vLLM's
-    CPU backend: the tier copies blocks through host memory and is checked only there."""
+def transfer_config(tier_dir: str | Path, max_bytes: int | None = None, pin: bool = False) -> Any:
+    """vLLM's `KVTransferConfig` for an engine with the span tier in `tier_dir` (`max_bytes`: its capacity, the
+    least recently used unpinned blocks evicted past it; `pin`: every block this engine saves is pinned, what
+    `spanq prepare --pin` asks). Refused (`TierError`) off vLLM's CPU backend: the tier copies blocks through host
+    memory and is checked only there."""
+    if max_bytes is not None and not max_bytes > 0:
+        raise TierError(f"a span tier's capacity must be a positive number of bytes, got {max_bytes!r}")
     from vllm.config import KVTransferConfig
     from vllm.platforms import current_platform
 
@@ -536,7 +622,9 @@ def transfer_config(tier_dir: str | Path) -> Any:
         kv_role="kv_both",
         # a block that fails to load: the request starts over, and the block is no longer in the tier's index
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"tier_dir": str(tier_dir)},
+        kv_connector_extra_config={"tier_dir": str(tier_dir),
+                                   **({"max_bytes": int(max_bytes)} if max_bytes is not None else {}),
+                                   **({"pin": True} if pin else {})},
     )
 
 
@@ -570,7 +658,10 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         root = self._kv_transfer_config.kv_connector_extra_config.get("tier_dir")
         if not root:
             raise TierError("the span tier connector needs kv_connector_extra_config['tier_dir']")
-        self.tier = tier_for(root, vllm_config, starting=role == KVConnectorRole.SCHEDULER)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.tier = tier_for(root, vllm_config, starting=role == KVConnectorRole.SCHEDULER,
+                             max_bytes=extra.get("max_bytes"))
+        self.pin_saves = bool(extra.get("pin"))
         self.block_size = int(vllm_config.cache_config.block_size)
         # scheduler side
         self._lookups: dict[str, tuple[int, list[bytes]]] = {}
@@ -655,7 +746,10 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             whole = min(len(ids), request.num_prompt_tokens // self.block_size, len(request.block_hashes))
             for j in range(whole):
                 h = bytes(request.block_hashes[j])
-                if not self.tier.holds(h):
+                if self.tier.holds(h):
+                    if self.pin_saves:
+                        self.tier.pin([h])  # written by another engine or an earlier run: pinned all the same
+                else:
                     bs = self.block_size
                     meta.saves.append((h, int(ids[j]), j, tuple(request.all_token_ids[j * bs : (j + 1) * bs])))
         return meta
@@ -702,6 +796,7 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     break
                 if tracker is not None:
                     tracker.loaded(block_id, stored.position)
+                self.tier.used(h)
             else:
                 self.tier.stats.loads += 1
                 self.tier.stats.loaded_blocks += len(items)
@@ -725,7 +820,7 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue
             layers = [(name, tuple(cache[block_id].shape), str(cache.dtype), _bytes_of(cache[block_id]))
                       for name, cache in self._layers]
-            self.tier.write_later(h, Block(position, layers, tokens))
+            self.tier.write_later(h, Block(position, layers, tokens, pinned=self.pin_saves))
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         received, failed = self._received, self._failed

@@ -71,6 +71,8 @@ def test_spanq_prepare_compiles_a_corpus_names_bad_lines_and_skips_what_the_tier
     assert first["spans"] == 4 and first["prepared"] == 4 and first["held"] == 0
     assert first["blocks_written"] > 4 and first["bytes_written"] > 0
     assert again["prepared"] == 0 and again["held"] == 4 and again["blocks_written"] == 0
+    assert result["prepare_files"]["pin"] == result["prepare_files"]["kv"] > 4, "--pin pins every block it writes"
+    assert result["prepare_again_files"] == result["prepare_files"], "and every block of the corpus it finds held"
 
 
 @pytest.mark.vllm
@@ -167,6 +169,46 @@ def test_a_block_is_read_into_its_engine_block_in_place_and_other_tokens_under_i
         tier.layer_arrays([("layer.0", torch.zeros(2, 4, 3, 8).transpose(0, 1))])
 
 
+def evicted(tmp_path, pin: bool, load: bool) -> list[int]:
+    """Four blocks written a second apart (0 oldest); block 0 pinned (`pin`), block 1 loaded since (`load`); then a
+    capacity of 4.5 blocks and a fifth block written: which blocks the tier removed."""
+    store = tier.DiskTier(tmp_path / f"{pin}{load}", "ns")
+    hashes = [bytes([i]) * 32 for i in range(5)]
+
+    def write(h):
+        store.write_later(h, tier.Block(0, [("layer.0", (250,), "torch.float32", b"\0" * 1000)]))
+        store.flush()
+
+    for i, h in enumerate(hashes[:4]):
+        write(h)
+        os.utime(store.path_of(h), (1000 + i, 1000 + i))
+    if pin:
+        store.pin([hashes[0]])
+    if load:
+        store.used(hashes[1])
+    store.max_bytes = int(store.path_of(hashes[0]).stat().st_size * 4.5)
+    write(hashes[4])
+    assert store.stats.evicted_blocks == 1 and store.bytes_held <= store.max_bytes
+    return [i for i, h in enumerate(hashes) if not store.holds(h)]
+
+
+def test_past_its_capacity_the_tier_removes_the_least_recently_used_block_and_never_a_pinned_one(tmp_path):
+    assert evicted(tmp_path, pin=True, load=True) == [2]
+    assert evicted(tmp_path, pin=False, load=True) == [0], "unpinned, the oldest goes first"
+    assert evicted(tmp_path, pin=True, load=False) == [1], "a block loaded since counts as used then, not written then"
+    with pytest.raises(tier.TierError, match="capacity"):
+        tier.DiskTier(tmp_path, "ns", max_bytes=0)
+
+
+def test_a_tier_setting_out_of_range_or_without_a_tier_is_refused_before_an_engine_starts():
+    from spanq_backend.serving.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="give tier_dir too"):
+        EngineConfig(tier_pin=True)
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        EngineConfig(tier_dir="tier", tier_max_bytes=0)
+
+
 def test_a_file_under_another_blocks_name_is_refused(tmp_path):
     store = tier.DiskTier(tmp_path, "ns")
     a, b = bytes(32), bytes([1] * 32)
@@ -215,6 +257,12 @@ def test_spanq_serve_takes_a_tier_folder_as_its_kv_connector_and_refuses_what_ca
     assert config.kv_connector == "SpanTierConnector" and config.kv_connector_module_path == tier.__name__
     assert config.kv_connector_extra_config == {"tier_dir": str(tmp_path / "tier")}
     assert parse_serve_args(["--model", "tiny"]).kv_transfer_config is None, "no tier unless asked"
+    capped = parse_serve_args(["--model", "tiny", "--tier-dir", str(tmp_path / "tier"), "--tier-max-gb", "2.5"])
+    assert capped.kv_transfer_config.kv_connector_extra_config["max_bytes"] == 2_500_000_000
+    with pytest.raises(ValueError, match="capacity"):
+        parse_serve_args(["--model", "tiny", "--tier-dir", str(tmp_path / "tier"), "--tier-max-gb", "0"])
+    with pytest.raises(ValueError, match="give --tier-dir too"):
+        parse_serve_args(["--model", "tiny", "--tier-max-gb", "1"])
     with pytest.raises(ValueError, match="--kv-transfer-config"):
         parse_serve_args(["--model", "tiny", "--tier-dir", str(tmp_path / "tier"),
                           "--kv-transfer-config", '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}'])
@@ -231,9 +279,11 @@ def test_spanq_tier_lists_checks_and_clears_what_a_tier_holds(tmp_path, capsys):
     for h in (good, broken):
         store.write_later(h, tier.Block(0, [("layer.0", (2,), "torch.float32", b"\0" * 8)]))
     store.flush()
+    store.pin([good])
     assert tier_main([str(tmp_path), "--json"]) == 0
     (listed,) = json.loads(capsys.readouterr().out)
     assert listed["namespace"] == "ns1" and listed["blocks"] == 2 and listed["dtype"] == "torch.float32"
+    assert listed["pinned"] == 1
     data = bytearray(store.path_of(broken).read_bytes())
     data[-20] ^= 0xFF  # in the payload
     store.path_of(broken).write_bytes(bytes(data))

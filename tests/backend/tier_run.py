@@ -107,11 +107,15 @@ def main() -> None:
     corpus, tier_dir = sys.argv[1], sys.argv[2]
     docs = [d for d in read_corpus(Path(corpus))[0] if len(d) < 10_000]  # not the one too long for any window
     result: dict = {}
-    for name in ("prepare", "prepare_again"):
+    for name in ("prepare", "prepare_again"):  # both --pin: the first pins what it writes, the second what it finds
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            result[f"{name}_exit"] = prepare_main([corpus, "--tier-dir", tier_dir, "--model", "tiny", "--json"])
+            result[f"{name}_exit"] = prepare_main([corpus, "--tier-dir", tier_dir, "--model", "tiny", "--json", "--pin"])
         result[name] = json.loads(printed.getvalue().strip().splitlines()[-1])
+        result[f"{name}_files"] = {kind: len(list(Path(tier_dir).rglob(f"*.{kind}"))) for kind in ("kv", "pin")}
+        if name == "prepare":
+            for pin in Path(tier_dir).rglob("*.pin"):
+                pin.unlink()  # unpinned again: the second run must pin the blocks it finds held
     order = list(reversed(docs))
     result["restart"] = run_engine(tier_dir, order)
     result["direct"] = run_engine(tier_dir, order, prepare=False)
