@@ -189,18 +189,23 @@ class KVEventsMirror:
             return None  # the engine core seeds its chains at random: its hashes cannot be recomputed here
         return cls(events.endpoint, events.topic, hash_fn, cache.block_size)
 
-    def block_hashes(self, token_ids: list[int]) -> tuple[Any, ...] | None:
-        """The hashes the events carry for a prompt of whole blocks (None for any other prompt, or where they
-        cannot be computed: never cached)."""
+    def _chain(self, token_ids: list[int]) -> tuple[Any, ...] | None:
+        """The engine core's own block hashes (`BlockHash` bytes, what a span tier's files are named by) of a
+        prompt of whole blocks; None for any other prompt, or where they cannot be computed."""
         if not token_ids or len(token_ids) % self.block_size:
             return None
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
         try:
-            chain = block_hash_chain(self.hash_fn, token_ids, self.block_size, self.root, self._memo)
-            return tuple(maybe_convert_block_hash(h) for h in chain)
+            return tuple(block_hash_chain(self.hash_fn, token_ids, self.block_size, self.root, self._memo))
         except Exception:  # noqa: BLE001  (read as a miss: the prepare runs)
             return None
+
+    def block_hashes(self, token_ids: list[int]) -> tuple[Any, ...] | None:
+        """The hashes the events carry for a prompt of whole blocks (vLLM converts `BlockHash`es for its events:
+        `maybe_convert_block_hash`); None for any other prompt, or where they cannot be computed: never cached."""
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        chain = self._chain(token_ids)
+        return None if chain is None else tuple(maybe_convert_block_hash(h) for h in chain)
 
     def holds(self, hashes: tuple[Any, ...] | None) -> bool:
         """Whether the engine's cache holds every block of `block_hashes`' answer."""
@@ -212,11 +217,14 @@ class KVEventsMirror:
     def cached(self, token_ids: list[int]) -> bool:
         return self.holds(self.block_hashes(token_ids))
 
+    # The tier is asked by the engine's own hashes (its files' names), the events' set by theirs.
     def in_tier(self, token_ids: list[int]) -> bool:
-        return in_tier(self.tier, self.block_hashes(token_ids), lambda h: h in self._hashes)
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        return in_tier(self.tier, self._chain(token_ids), lambda h: maybe_convert_block_hash(h) in self._hashes)
 
     def tier_holds_all(self, token_ids: list[int]) -> bool:
-        return tier_holds_all(self.tier, self.block_hashes(token_ids))
+        return tier_holds_all(self.tier, self._chain(token_ids))
 
     def cached_blocks(self, token_ids: list[int]) -> int:
         """How many leading whole blocks of a plain prompt the engine's cache holds."""

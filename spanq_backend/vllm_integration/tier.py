@@ -346,6 +346,8 @@ class DiskTier:
     def holds(self, block_hash: Any) -> bool:
         """Whether the folder holds the block: the index, else the disk (another process, a replica or `spanq
         prepare`, may have written it since the folder was read)."""
+        if isinstance(block_hash, int):
+            self.path_of(block_hash)  # refused, by name
         key = bytes(block_hash)
         if key in self._held:
             return True
@@ -359,6 +361,8 @@ class DiskTier:
         return len(self._held)
 
     def path_of(self, block_hash: Any) -> Path:
+        if isinstance(block_hash, int):  # bytes(n) would be n zero bytes: never a block's name
+            raise TypeError("a span tier block is named by vLLM's BlockHash (bytes), not by an int (an event's hash)")
         name = bytes(block_hash).hex()
         return self.dir / name[:2] / f"{name}.kv"
 

@@ -121,6 +121,38 @@ def test_a_corrupt_block_is_refused_and_its_span_computed_and_unchecked_it_answe
     assert max_diff(hf_model, result["unchecked"]) > 10 * TOL, "read without its checksum, the flip reaches the answer"
 
 
+@pytest.mark.vllm
+def test_spanq_serve_on_a_compiled_tier_answers_from_it_as_the_engine_does(run, tmp_path):
+    """`spanq serve --tier-dir` on the tier the run above left (its flipped block in place): its engine core loads
+    the spans (none prepared), refuses the flipped block and computes it, and answers the query as the restarted
+    engine did. The server's cache probe (in the API server's process) asks the tier by the engine's own block
+    hashes, not by the KV events' form of them (asked by those, every such query failed with a 500)."""
+    import httpx
+
+    from spanq_backend.serving.generator import load_chat_tokenizer
+    from spanq_backend.serving.models import resolve_model
+    from spanq_integrations.query.spnl_json import to_json
+    from tests.backend.tier_run import query
+    from tests.servers import free_port, running_server
+
+    result, _, folder = run
+    port = free_port()
+    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", "tiny", "--port", str(port),
+               "--max-model-len", "2048", "--tier-dir", str(folder / "tier")]
+    with running_server(command, tmp_path / "server.log", "spanq serve --tier-dir"):
+        url = f"http://127.0.0.1:{port}"
+        call = query(list(reversed(DOCS))).model_copy(update={"model": "tiny"})
+        answer = httpx.post(f"{url}/v1/query/execute", json=to_json(call), timeout=120)
+        assert answer.status_code == 200, answer.text
+        shown = {line.split()[0]: float(line.split()[1]) for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+                 if line.startswith("spanq_")}
+    assert shown["spanq_spans_prepared_total"] == 0 and shown["spanq_spans_hit_total"] == 4
+    assert shown["spanq_tier_loaded_blocks_total"] > 0 and shown["spanq_tier_failed_loads_total"] == 1
+    text = answer.json()["result"]["assistant"]["text"]
+    tokenizer = load_chat_tokenizer(str(resolve_model("tiny")))
+    assert text == tokenizer.decode(result["restart"]["tokens"], skip_special_tokens=True)
+
+
 def test_a_stored_block_reads_back_and_a_corrupt_or_truncated_one_is_refused(tmp_path):
     store = tier.DiskTier(tmp_path, "ns")
     values = torch.randn(2, 3, 32, 8)
