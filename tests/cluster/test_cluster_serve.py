@@ -6,6 +6,7 @@ One cluster for the module (about 90 s to start on this machine); `SpanBackend` 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -181,21 +182,44 @@ def test_no_replica_reachable_is_a_503_naming_it(cluster):
     assert error["type"] == "BackendUnavailableError" and "no replica could answer" in error["message"]
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--replicas", "0"], "--replicas must be at least 1, got 0"),
-        (["--replicas", "2", "--ray-address", "ray://127.0.0.1:1"], "the Ray cluster at 'ray://127.0.0.1:1' does not answer"),
-        (["--replicas", "2", "--ray-address", "nowhere"], "'nowhere' is not a Ray cluster address"),
-    ],
-)
-def test_cluster_flags_that_cannot_work_are_one_line_errors(flags, message):
-    done = subprocess.run(
-        [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", "tiny", *flags],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().splitlines()[-1].startswith(f"spanq serve: error: {message}")
+FLAG_CASES = [
+    (["--replicas", "0"], "--replicas must be at least 1, got 0"),
+    (["--replicas", "2", "--ray-address", "ray://127.0.0.1:1"], "the Ray cluster at 'ray://127.0.0.1:1' does not answer"),
+    (["--replicas", "2", "--ray-address", "nowhere"], "'nowhere' is not a Ray cluster address"),
+]
+# `spanq serve ARGV...` for each argv (JSON in argv[1]), one after another in this fresh process: the command's own
+# entry point, its exit status and what it wrote to stderr, printed as JSON (vLLM's import, most of each command's
+# time, paid once instead of once per case).
+RUN_COMMANDS = """
+import contextlib, io, json, sys
+from spanq_integrations.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    out.append([code, err.getvalue()])
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def flag_errors() -> dict[str, tuple[int, str]]:
+    argvs = [["serve", "--model", "tiny", *flags] for flags, _ in FLAG_CASES]
+    done = subprocess.run([sys.executable, "-c", RUN_COMMANDS, json.dumps(argvs)],
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(zip((m for _, m in FLAG_CASES), json.loads(done.stdout.strip().splitlines()[-1])))
+
+
+@pytest.mark.parametrize("flags, message", FLAG_CASES)
+def test_cluster_flags_that_cannot_work_are_one_line_errors(flags, message, flag_errors):
+    code, stderr = flag_errors[message]
+    assert code == 2, stderr
+    assert stderr.strip().splitlines()[-1].startswith(f"spanq serve: error: {message}")
 
 
 def test_stopping_the_group_ends_the_cluster_and_all_it_started_even_with_a_replica_down(cluster):
