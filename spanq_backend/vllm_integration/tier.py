@@ -383,6 +383,8 @@ class DiskTier:
                 raise ValueError("not a span tier block (truncated, or another format)")
             (header_len,) = struct.unpack_from("<I", first, len(MAGIC))
             offset = len(MAGIC) + 4 + header_len
+            if offset + CHECKSUM_BYTES > size:  # never read past the file for a corrupt length
+                raise ValueError("its header is longer than the file (a corrupt or truncated file)")
             head = first[:offset] if offset <= len(first) else first + os.pread(fd, offset - len(first), len(first))
             if ahead and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, offset, 0, os.POSIX_FADV_WILLNEED)  # from disk while the step runs

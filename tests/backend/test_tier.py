@@ -175,6 +175,9 @@ def test_a_stored_block_reads_back_and_a_corrupt_or_truncated_one_is_refused(tmp
     path.write_bytes(whole[:-100])
     with pytest.raises(ValueError, match="truncated"):
         store.read(h)
+    path.write_bytes(whole[:8] + (2**32 - 1).to_bytes(4, "little") + whole[12:])  # a header length past the file
+    with pytest.raises(ValueError, match="header is longer than the file"):
+        store.read(h)
 
 
 def test_a_block_is_read_into_its_engine_block_in_place_and_other_tokens_under_its_key_are_refused(tmp_path):
