@@ -122,6 +122,7 @@ def test_a_corrupt_block_is_refused_and_its_span_computed_and_unchecked_it_answe
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # a server start (~35 s): in make test, not make test-fast
 def test_spanq_serve_on_a_compiled_tier_answers_from_it_as_the_engine_does(run, tmp_path):
     """`spanq serve --tier-dir` on the tier the run above left (its flipped block in place): its engine core loads
     the spans (none prepared), refuses the flipped block and computes it, and answers the query as the restarted
