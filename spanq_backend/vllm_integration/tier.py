@@ -239,6 +239,14 @@ def _first_difference(stored: list[Any], engine: list[Any]) -> str:
     return f"its layer {mine[0]} {mine[1]} {mine[2]} is not the engine's {theirs[0]} {theirs[1]} {theirs[2]}"
 
 
+def _key(block_hash: Any) -> bytes:
+    """A block's hash as the bytes its file is named by; an int is refused (`bytes(n)` would be n zero bytes: an
+    event's form of a hash, never a block's name)."""
+    if isinstance(block_hash, int):
+        raise TypeError("a span tier block is named by vLLM's BlockHash (bytes), not by an int (an event's hash)")
+    return bytes(block_hash)
+
+
 class DiskTier:
     """One namespace of a tier folder: `root/<namespace>/<hash[:2]>/<hash>.kv`, one file per block."""
 
@@ -311,9 +319,6 @@ class DiskTier:
                 n += 1
         return n
 
-    def pinned(self, block_hash: Any) -> bool:
-        return self.path_of(block_hash).with_suffix(".pin").exists()
-
     def used(self, block_hash: Any) -> None:
         """A block was just loaded: its file's modification time says so (what eviction orders by, least recently
         used first, whichever process used it)."""
@@ -346,9 +351,7 @@ class DiskTier:
     def holds(self, block_hash: Any) -> bool:
         """Whether the folder holds the block: the index, else the disk (another process, a replica or `spanq
         prepare`, may have written it since the folder was read)."""
-        if isinstance(block_hash, int):
-            self.path_of(block_hash)  # refused, by name
-        key = bytes(block_hash)
+        key = _key(block_hash)
         if key in self._held:
             return True
         if self.path_of(key).exists():
@@ -361,9 +364,7 @@ class DiskTier:
         return len(self._held)
 
     def path_of(self, block_hash: Any) -> Path:
-        if isinstance(block_hash, int):  # bytes(n) would be n zero bytes: never a block's name
-            raise TypeError("a span tier block is named by vLLM's BlockHash (bytes), not by an int (an event's hash)")
-        name = bytes(block_hash).hex()
+        name = _key(block_hash).hex()
         return self.dir / name[:2] / f"{name}.kv"
 
     # -- reading
@@ -394,7 +395,7 @@ class DiskTier:
             header = json.loads(head[len(MAGIC) + 4 :])
         except ValueError:
             raise ValueError("its header does not read (a corrupt or truncated file)") from None
-        if header.get("namespace") != self.namespace or header.get("hash") != bytes(block_hash).hex():
+        if header.get("namespace") != self.namespace or header.get("hash") != _key(block_hash).hex():
             raise ValueError("it holds another block (its header names another hash or namespace)")
         block = Block(int(header["position"]), tokens=tuple(header.get("tokens", ())), head=head, path=path,
                       offset=offset)
@@ -447,7 +448,7 @@ class DiskTier:
 
     def take(self, block_hash: Any) -> Block:
         """The block, opened ahead by `prefetch` or now (`open_block`); raises as it does."""
-        key = bytes(block_hash)
+        key = _key(block_hash)
         with self._lock:
             ahead = self._ahead.pop(key, None)
         if ahead is not None and not ahead.cancelled():
@@ -456,7 +457,7 @@ class DiskTier:
 
     def forget(self, block_hash: Any, why: str) -> None:
         """A block that failed to load: out of the index, its file moved aside (kept for a look, never read)."""
-        key = bytes(block_hash)
+        key = _key(block_hash)
         with self._lock:
             self._held.discard(key)
         path = self.path_of(key)
@@ -470,7 +471,7 @@ class DiskTier:
 
     def write_later(self, block_hash: Any, block: Block) -> None:
         """Write a block from the writer thread (its bytes are already copied out of the engine)."""
-        key = bytes(block_hash)
+        key = _key(block_hash)
         with self._lock:
             if key in self._held or key in self._writing:
                 return
@@ -531,10 +532,6 @@ class DiskTier:
         _write_atomically(path, payload)
         self.stats.bytes_written += len(payload)
         return len(payload)
-
-
-def _bytes_of(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()  # any dtype (numpy has no bfloat16)
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -674,8 +671,7 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._loads: dict[str, list[tuple[bytes, int, tuple[int, ...]]]] = {}
         self._marked: dict[str, Any] = {}
         # worker side
-        self._layers: list[tuple[str, torch.Tensor]] = []
-        self._arrays = EngineLayers([], [])  # the same, as byte rows to read blocks into (`layer_arrays`)
+        self._arrays = EngineLayers([], [])  # the engine's KV caches, as byte rows (`layer_arrays`)
         self._received: set[str] = set()
         self._failed: set[str] = set()
 
@@ -771,8 +767,7 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         off_cpu = [name for name, t in kv_caches.items() if t.device.type != "cpu"]
         if off_cpu:  # `transfer_config` refuses such engines; one built another way is refused here
             raise TierError(f"the span tier copies KV through host memory; layer {off_cpu[0]} is on {kv_caches[off_cpu[0]].device}")
-        self._layers = list(kv_caches.items())
-        self._arrays = layer_arrays(self._layers)
+        self._arrays = layer_arrays(list(kv_caches.items()))
 
     def _tracker(self) -> Any:
         from spanq_backend.vllm_integration.worker import stepping_runtime
@@ -824,8 +819,8 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if position != j * self.block_size:  # keys not where the prepare computed them: not stored
                 self.tier.stats.skipped_saves += 1
                 continue
-            layers = [(name, tuple(cache[block_id].shape), str(cache.dtype), _bytes_of(cache[block_id]))
-                      for name, cache in self._layers]
+            layers = [(name, shape, dtype, rows[block_id].tobytes())
+                      for (name, shape, dtype, _), rows in zip(self._arrays.layout, self._arrays.rows)]
             self.tier.write_later(h, Block(position, layers, tokens, pinned=self.pin_saves))
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:

@@ -158,7 +158,7 @@ def test_a_stored_block_reads_back_and_a_corrupt_or_truncated_one_is_refused(tmp
     store = tier.DiskTier(tmp_path, "ns")
     values = torch.randn(2, 3, 32, 8)
     h = bytes(range(32))
-    store.write_later(h, tier.Block(64, [("layer.0", tuple(values.shape), str(values.dtype), tier._bytes_of(values))]))
+    store.write_later(h, tier.Block(64, [("layer.0", tuple(values.shape), str(values.dtype), values.numpy().tobytes())]))
     store.flush()
     assert store.holds(h) and tier.DiskTier(tmp_path, "ns").holds(h), "found again by a tier that reads the folder"
     block = store.read(h)
@@ -189,7 +189,7 @@ def test_a_block_is_read_into_its_engine_block_in_place_and_other_tokens_under_i
     cache = torch.zeros(4, 2, 3, 8)  # an engine layer of 4 blocks
     values = torch.randn(2, 3, 8)
     h = bytes(range(32))
-    store.write_later(h, tier.Block(16, [("layer.0", (2, 3, 8), str(values.dtype), tier._bytes_of(values))], (5, 6, 7)))
+    store.write_later(h, tier.Block(16, [("layer.0", (2, 3, 8), str(values.dtype), values.numpy().tobytes())], (5, 6, 7)))
     store.flush()
     arrays = tier.layer_arrays([("layer.0", cache)])
     store.open_block(h).copy_into(arrays, 2, store._verified, (5, 6, 7))
