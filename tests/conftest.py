@@ -177,6 +177,19 @@ def _start_stock_server(ahead: bool = False):
 _SERVERS_AHEAD = {"stock_vllm_server": _start_stock_server, "spanq_serve": _start_spanq_serve}
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--reverse-within-modules", action="store_true",
+                     help="run each module's tests in reverse order: finds a test that passes only after another")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if config.getoption("--reverse-within-modules"):
+        modules: dict = {}
+        for item in items:
+            modules.setdefault(item.path, []).append(item)
+        items[:] = [item for module in modules.values() for item in reversed(module)]
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
     if needed & set(_SERVERS_AHEAD) and importlib.util.find_spec("vllm") is not None:
