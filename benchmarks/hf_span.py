@@ -92,18 +92,18 @@ def span_attention_next_token_logprobs(
         return full_attention_next_token_logprobs(model, ids, cont)
     kv, last_span_row, pos = _span_kv(model, ids, spans, anchors, key_scale)
     rest = ids[pos:] + cont
+    # Logits only for the rows read: from the one that predicts the continuation's first token (the vocabulary
+    # projection of every row of the prompt was most of a small model's reference time).
+    keep = len(rest) if pos == len(ids) else len(cont) + 1
     out = model(
         torch.tensor([rest]), position_ids=torch.arange(pos, pos + len(rest)).unsqueeze(0),
-        past_key_values=kv.cache(), use_cache=True,
+        past_key_values=kv.cache(), use_cache=True, logits_to_keep=keep,
     )
     logits = out.logits[0]
     if pos == len(ids):  # the prompt ends with a span: its own last row predicts the continuation's first token
         logits = torch.cat([last_span_row, logits])
-        first = 0
-    else:
-        first = len(ids) - pos - 1  # the row that predicts the continuation's first token
     logp = torch.log_softmax(logits.float(), dim=-1)
-    return logp[first : first + len(cont)]
+    return logp[: len(cont)]
 
 
 @torch.no_grad()
@@ -120,7 +120,7 @@ def span_layer_kv(
 @torch.no_grad()
 def full_layer_kv(model: Any, token_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the K/V of `token_ids` under full attention (what recomputing them in context writes)."""
-    out = model(torch.tensor([list(token_ids)]), use_cache=True)
+    out = model(torch.tensor([list(token_ids)]), use_cache=True, logits_to_keep=1)  # its logits are not read
     return _kv(out.past_key_values)
 
 
@@ -132,14 +132,14 @@ def _span_kv(
     and where the K/V ends; the spans' keys multiplied by `key_scale`."""
     a = spans[0][0]
     kv = _SpanKV()
-    out = model(torch.tensor([ids[:a]]), position_ids=torch.arange(a).unsqueeze(0), use_cache=True)
+    out = model(torch.tensor([ids[:a]]), position_ids=torch.arange(a).unsqueeze(0), use_cache=True, logits_to_keep=1)
     kv.append(_kv(out.past_key_values))
     pos = a
     for s, e in spans:
         if s > pos:  # context between spans: attends to everything so far
             out = model(
                 torch.tensor([ids[pos:s]]), position_ids=torch.arange(pos, s).unsqueeze(0),
-                past_key_values=kv.cache(), use_cache=True,
+                past_key_values=kv.cache(), use_cache=True, logits_to_keep=1,
             )
             kv.append(_kv(out.past_key_values), lo=pos)
         # The span alone after its anchor, the anchor moved to end right where the span starts.
@@ -147,7 +147,8 @@ def _span_kv(
         own_ids = ids[:own] if isinstance(own, int) else list(own)
         n = len(own_ids)
         out = model(
-            torch.tensor([own_ids + ids[s:e]]), position_ids=torch.arange(s - n, e).unsqueeze(0), use_cache=True
+            torch.tensor([own_ids + ids[s:e]]), position_ids=torch.arange(s - n, e).unsqueeze(0), use_cache=True,
+            logits_to_keep=1,  # only the last row is read (where the prompt ends with this span)
         )
         own_kv = _kv(out.past_key_values)
         if key_scale != 1.0:
@@ -164,10 +165,9 @@ def full_attention_next_token_logprobs(
 ) -> torch.Tensor:
     """`[len(continuation), vocab]` log-probabilities under ordinary causal attention (stock)."""
     ids = list(token_ids) + list(continuation)
-    out = model(torch.tensor([ids]))
+    out = model(torch.tensor([ids]), logits_to_keep=len(continuation) + 1)  # the rows read, from the prompt's last
     logp = torch.log_softmax(out.logits[0].float(), dim=-1)
-    n = len(token_ids)
-    return logp[n - 1 : n - 1 + len(continuation)]
+    return logp[: len(continuation)]
 
 
 def _at(rows: torch.Tensor, continuation: Sequence[int]) -> torch.Tensor:

@@ -103,16 +103,16 @@ def test_spanq_run_bulk_names_a_malformed_line_and_runs_the_rest(tmp_path: Path)
 
 
 def test_bulk_flags_that_cannot_work_are_one_line_errors(tmp_path: Path):
+    from tests.commands import run_in_one_process
+
     path = tmp_path / "q.jsonl"
     path.write_text(json.dumps(to_json(batch(1)[0])) + "\n")
-    for flags, message in (
+    cases = [
         (["--actors", "0"], "--actors must be at least 1, got 0"),
         (["--backend", "http://127.0.0.1:9"], "--bulk runs on a pool of embedded span engines"),
         (["--ray-address", "ray://127.0.0.1:1"], "the Ray cluster at 'ray://127.0.0.1:1' does not answer"),
-    ):
-        done = subprocess.run(
-            [sys.executable, "-m", "spanq_integrations.cli", "run", "--bulk", str(path), *flags],
-            capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
-        assert done.returncode == 2, (flags, done.stderr)
-        assert done.stderr.strip().splitlines()[-1] == f"spanq: error: {message}" or done.stderr.strip().splitlines()[-1].startswith(f"spanq: error: {message}")
+    ]
+    done = run_in_one_process([["run", "--bulk", str(path), *flags] for flags, _ in cases])
+    for (flags, message), (code, stderr) in zip(cases, done, strict=True):
+        assert code == 2, (flags, stderr)
+        assert stderr.strip().splitlines()[-1].startswith(f"spanq: error: {message}"), (flags, stderr)

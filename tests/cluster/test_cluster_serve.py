@@ -6,11 +6,9 @@ One cluster for the module (about 90 s to start on this machine); `SpanBackend` 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -187,32 +185,13 @@ FLAG_CASES = [
     (["--replicas", "2", "--ray-address", "ray://127.0.0.1:1"], "the Ray cluster at 'ray://127.0.0.1:1' does not answer"),
     (["--replicas", "2", "--ray-address", "nowhere"], "'nowhere' is not a Ray cluster address"),
 ]
-# `spanq serve ARGV...` for each argv (JSON in argv[1]), one after another in this fresh process: the command's own
-# entry point, its exit status and what it wrote to stderr, printed as JSON (vLLM's import, most of each command's
-# time, paid once instead of once per case).
-RUN_COMMANDS = """
-import contextlib, io, json, sys
-from spanq_integrations.cli import main
-out = []
-for argv in json.loads(sys.argv[1]):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code
-    out.append([code, err.getvalue()])
-print(json.dumps(out))
-"""
-
-
 @pytest.fixture(scope="module")
 def flag_errors() -> dict[str, tuple[int, str]]:
-    argvs = [["serve", "--model", "tiny", *flags] for flags, _ in FLAG_CASES]
-    done = subprocess.run([sys.executable, "-c", RUN_COMMANDS, json.dumps(argvs)],
-                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return dict(zip((m for _, m in FLAG_CASES), json.loads(done.stdout.strip().splitlines()[-1])))
+    """Each case's (exit status, stderr), the commands run one after another in one fresh process."""
+    from tests.commands import run_in_one_process
+
+    done = run_in_one_process([["serve", "--model", "tiny", *flags] for flags, _ in FLAG_CASES])
+    return dict(zip((m for _, m in FLAG_CASES), done))
 
 
 @pytest.mark.parametrize("flags, message", FLAG_CASES)
