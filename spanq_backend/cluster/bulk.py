@@ -101,7 +101,7 @@ def run_bulk(
         return
     import ray
 
-    from spanq_backend.cluster.app import connect
+    from spanq_backend.cluster.connect import connect
 
     groups = partition_by_fragments(queries, partitions or actors)
     if not ray.is_initialized():
