@@ -37,7 +37,8 @@ from typing import Any
 
 from fastapi import Request  # module level: FastAPI resolves the route's annotations here
 
-from spanq_backend.serving.server import ROUTINGS, add_cluster_arguments
+from spanq_backend.cluster.connect import connect
+from spanq_backend.serving.cluster_options import ROUTINGS, add_cluster_arguments
 from spanq_integrations.backends.span import EXECUTE_PATH
 
 __all__ = ["ForwardedRequest", "SpanReplica", "build_app", "free_port", "serve_cluster", "split_cluster_args", "split_cores"]
@@ -337,32 +338,6 @@ class _RaisingParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> Any:
         raise ValueError(re.sub(r"^argument (\S+?)(/\S+)?: ", r"\1 ", message))  # "--replicas must be ..."
-
-
-def connect(address: str | None) -> None:
-    """Start a local Ray (no address) or join a cluster (`ray://host:port`, `auto`, or `host:port`); a
-    `ConnectionError` naming the address if it does not answer."""
-    import warnings
-
-    import ray
-
-    if address and address != "auto":  # Ray itself waits minutes for an address that does not answer
-        host, _, port = address.removeprefix("ray://").rpartition(":")
-        if not port.isdigit():
-            raise ConnectionError(f"{address!r} is not a Ray cluster address (host:port, ray://host:port or auto)")
-        try:
-            with socket.create_connection((host or "127.0.0.1", int(port)), timeout=5):
-                pass
-        except OSError as e:
-            raise ConnectionError(f"the Ray cluster at {address!r} does not answer: {e.strerror or e}") from None
-    try:
-        warnings.filterwarnings("ignore", message="Ray Client connection timed out")
-        if address:
-            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-        else:
-            ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-    except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
-        raise ConnectionError(f"the Ray cluster at {address!r} does not answer: {e}") from None
 
 
 def serve_cluster(argv: Sequence[str]) -> int:

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from spanq_backend.serving.cluster_options import CLUSTER_ONLY, ROUTINGS, add_cluster_arguments, positive_int
 from spanq_backend.serving.engine_defaults import ENGINE_DEFAULTS, platform_defaults
 from spanq_backend.serving.generator import ISOLATE_MIN_TOKENS, LEAD_IN_NEUTRAL, load_chat_tokenizer
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
@@ -45,46 +46,6 @@ SERVE_DEFAULTS: dict[str, Any] = {
 # --------------------------------------------------------------------------------------------- the command
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-ROUTINGS = ("affinity", "default")  # --routing: span affinity (spanq's router) or Ray Serve's own
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def add_cluster_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """`spanq serve`'s cluster options (with `--replicas`, the cluster extra serves N engines on Ray Serve:
-    `spanq_backend.cluster`). Defined once: the single-engine command shows them in its help and refuses them
-    without `--replicas`; the cluster parses them."""
-    group = parser.add_argument_group(
-        "several replicas (the cluster extra: pip install 'spanq[cluster]')",
-        "with --replicas N, N span engines serve behind one address on Ray Serve, each query routed to the replica "
-        "that holds most of its spans",
-    )
-    group.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
-                       help="serve N span engines behind one address (default: one engine, no Ray)")
-    group.add_argument("--routing", choices=ROUTINGS, default="affinity",
-                       help="with --replicas: route by span affinity (default) or with Ray Serve's own router")
-    group.add_argument("--ray-address", default=None, metavar="ADDR",
-                       help="with --replicas: an existing Ray cluster (ray://host:10001, host:port or auto); "
-                       "default: a local Ray on this machine")
-    group.add_argument("--max-imbalance", type=_non_negative_int, default=4, metavar="N",
-                       help="with --replicas: a replica holding a query's spans is preferred unless its queue is more "
-                       "than N requests longer than the shortest (default 4)")
-    return parser
-
-
-CLUSTER_ONLY = ("--routing", "--ray-address", "--max-imbalance")
 
 
 def limits_of(args: argparse.Namespace) -> QueryLimits:
@@ -111,7 +72,7 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         "spanq query limits", "what one POST /v1/query/execute may ask for; a query over a limit is a 400 naming it"
     )
     for name, default in DEFAULT_LIMITS.describe().items():
-        limits.add_argument(f"--{name.replace('_', '-')}", dest=f"spanq_{name}", type=_positive_int, default=default,
+        limits.add_argument(f"--{name.replace('_', '-')}", dest=f"spanq_{name}", type=positive_int, default=default,
                             metavar="N", help=f"(default {default})")
     parser.add_argument(
         "--span-anchor", dest="spanq_span_anchor", choices=ANCHOR_POLICIES, default=DEFAULT_ANCHOR,
@@ -140,7 +101,7 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         "at most a block more than the spans: stock's speed and full attention's answer",
     )
     parser.add_argument(
-        "--isolate-min-tokens", dest="spanq_isolate_min_tokens", type=_positive_int, default=ISOLATE_MIN_TOKENS,
+        "--isolate-min-tokens", dest="spanq_isolate_min_tokens", type=positive_int, default=ISOLATE_MIN_TOKENS,
         metavar="N", help="--cold-spans auto: cold document tokens from which they are prepared alone first",
     )
     parser.add_argument(

@@ -1,0 +1,51 @@
+"""`spanq serve`'s cluster options, defined once: the single-engine command shows them in its help and refuses
+them without `--replicas`; the cluster (`spanq_backend.cluster.app`) parses them. Apart from `server.py`, which
+imports vLLM: a cluster command with a bad option is refused in about a second, before anything heavy loads."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["CLUSTER_ONLY", "ROUTINGS", "add_cluster_arguments", "positive_int"]
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+ROUTINGS = ("affinity", "default")  # --routing: span affinity (spanq's router) or Ray Serve's own
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`spanq serve`'s cluster options (with `--replicas`, the cluster extra serves N engines on Ray Serve:
+    `spanq_backend.cluster`). Defined once: the single-engine command shows them in its help and refuses them
+    without `--replicas`; the cluster parses them."""
+    group = parser.add_argument_group(
+        "several replicas (the cluster extra: pip install 'spanq[cluster]')",
+        "with --replicas N, N span engines serve behind one address on Ray Serve, each query routed to the replica "
+        "that holds most of its spans",
+    )
+    group.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                       help="serve N span engines behind one address (default: one engine, no Ray)")
+    group.add_argument("--routing", choices=ROUTINGS, default="affinity",
+                       help="with --replicas: route by span affinity (default) or with Ray Serve's own router")
+    group.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="with --replicas: an existing Ray cluster (ray://host:10001, host:port or auto); "
+                       "default: a local Ray on this machine")
+    group.add_argument("--max-imbalance", type=_non_negative_int, default=4, metavar="N",
+                       help="with --replicas: a replica holding a query's spans is preferred unless its queue is more "
+                       "than N requests longer than the shortest (default 4)")
+    return parser
+
+
+CLUSTER_ONLY = ("--routing", "--ray-address", "--max-imbalance")
