@@ -61,6 +61,7 @@ def max_diff(hf_model, out) -> float:
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # `run`: one process, seven engine starts (~45 s): in make test, not make test-fast
 def test_spanq_prepare_compiles_a_corpus_names_bad_lines_and_skips_what_the_tier_holds(run):
     result, stderr, _ = run
     first, again = result["prepare"], result["prepare_again"]
@@ -76,6 +77,7 @@ def test_spanq_prepare_compiles_a_corpus_names_bad_lines_and_skips_what_the_tier
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # `run`: one process, seven engine starts (~45 s): in make test, not make test-fast
 def test_a_restarted_engine_loads_every_span_from_the_tier_and_answers_span_attention_exactly(run, hf_model):
     out = run[0]["restart"]
     assert out["prepared"] == 0, "every span was in the tier: none computed"
@@ -87,6 +89,7 @@ def test_a_restarted_engine_loads_every_span_from_the_tier_and_answers_span_atte
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # `run`: one process, seven engine starts (~45 s): in make test, not make test-fast
 def test_a_span_query_loads_its_spans_from_the_tier_itself_and_moves_them_exactly(run, hf_model):
     """No prepare round: the query's own request loads its spans after the prefix, stored at their prepare
     positions, and they are moved to where the query reads them."""
@@ -102,6 +105,7 @@ def test_a_span_query_loads_its_spans_from_the_tier_itself_and_moves_them_exactl
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # `run`: one process, seven engine starts (~45 s): in make test, not make test-fast
 def test_keys_loaded_without_their_position_would_answer_wrong(run, hf_model):
     """The check above can fail: a tier that fills blocks and does not tell spanq where their keys sit (into
     blocks that held keys at other positions) moves them by the wrong distance."""
@@ -111,6 +115,7 @@ def test_keys_loaded_without_their_position_would_answer_wrong(run, hf_model):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # `run`: one process, seven engine starts (~45 s): in make test, not make test-fast
 def test_a_corrupt_block_is_refused_and_its_span_computed_and_unchecked_it_answers_wrong(run, hf_model):
     result = run[0]
     out = result["corrupt"]
