@@ -1,6 +1,6 @@
 """Run several `spanq` command lines in one fresh process, through the command's own entry point: each one's exit
-status and what it wrote to stderr. vLLM's import, most of each command's time, is paid once instead of once per
-command line (for the tests of flags that must be refused before anything starts)."""
+status and what it wrote to stderr. The imports (Ray's, and vLLM's where a command loads it) are paid once instead
+of once per command line (for the tests of flags that must be refused before anything starts)."""
 
 from __future__ import annotations
 

@@ -46,8 +46,6 @@ SERVE_DEFAULTS: dict[str, Any] = {
 # --------------------------------------------------------------------------------------------- the command
 
 
-
-
 def limits_of(args: argparse.Namespace) -> QueryLimits:
     """The query limits `spanq serve` was started with."""
     return QueryLimits(**{name: getattr(args, f"spanq_{name}") for name in DEFAULT_LIMITS.describe()})

@@ -1,6 +1,6 @@
 """`spanq serve --replicas 2` on the tiny model: two span engines on a local Ray Serve, routed by span affinity.
 
-One cluster for the module (about 90 s to start on this machine); `SpanBackend` is its client, unchanged.
+One cluster for the module (about 60 s to start on this machine); `SpanBackend` is its client, unchanged.
 """
 
 from __future__ import annotations
