@@ -39,6 +39,14 @@ from fastapi import Request  # module level: FastAPI resolves the route's annota
 
 from spanq_backend.cluster.connect import connect
 from spanq_backend.serving.cluster_options import ROUTINGS, add_cluster_arguments
+from spanq_backend.serving.processes import (
+    adopt_orphans,
+    descendants,
+    end_all,
+    identities,
+    processes,
+    reap_adopted,
+)
 from spanq_integrations.backends.span import EXECUTE_PATH
 
 __all__ = ["ForwardedRequest", "SpanReplica", "build_app", "free_port", "serve_cluster", "split_cluster_args", "split_cores"]
@@ -47,6 +55,7 @@ log = logging.getLogger("spanq.cluster")
 
 ROUTER_CLASS = "spanq_backend.cluster.routing:SpanAffinityRouter"
 RETRY_PAUSE_S = 0.5  # between tries of a request whose replica failed
+END_GRACE_S = 5.0  # on stopping a local Ray: how long what it started has to exit after Ray's shutdown, then killed
 CLUSTER_HINT = "spanq serve --replicas needs Ray Serve: pip install 'spanq[cluster]'"
 
 
@@ -351,11 +360,15 @@ def serve_cluster(argv: Sequence[str]) -> int:
     except ValueError as e:
         print(f"spanq serve: error: {e}", file=sys.stderr)
         return 2
+    # A Ray started here is this command's to end whole: whatever it starts (Ray's processes, the replicas'
+    # servers and engine cores) stays among this process's descendants when a process between them dies first.
+    adopted = not cluster.ray_address and adopt_orphans()
     try:
         connect(cluster.ray_address)
     except ConnectionError as e:
         print(f"spanq serve: error: {e}", file=sys.stderr)
         return 2
+    own = set(processes(parent=os.getpid()))  # Ray's own processes: their exits are Ray's to collect
     stop = asyncio.Event()
     serve.start(http_options={"host": cluster.host, "port": cluster.port})
     # on a local Ray every replica runs on this machine: each gets its own cores (a remote cluster's nodes are
@@ -383,7 +396,11 @@ def serve_cluster(argv: Sequence[str]) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
-        await stop.wait()
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=5.0)
+            if adopted:
+                reap_adopted(own)  # a restarted replica's supervisor, say: not left a zombie
 
     try:
         asyncio.run(wait())
@@ -396,6 +413,8 @@ def serve_cluster(argv: Sequence[str]) -> int:
         # own shutdown first would wait on a controller whose cluster a Ctrl-C (the whole process group) is
         # taking down: 30 s, then a warning.
         ray.shutdown()
+        if adopted:  # and within a bound: what is still there `END_GRACE_S` later is killed
+            end_all(identities(descendants(os.getpid())), grace_s=END_GRACE_S)
     return 0
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ExitGuard", "descendants", "processes"]
+__all__ = ["ExitGuard", "adopt_orphans", "descendants", "end_all", "identities", "processes", "reap_adopted"]
 
 
 def _table() -> list[tuple[int, str, int, int]]:
@@ -55,6 +56,66 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def _started(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot), or None if it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def identities(pids: list[int]) -> dict[int, int]:
+    """`{pid: start time}` of the live ones among `pids`: what `end_all` needs to tell them from a process that
+    later gets a reused pid."""
+    return {pid: started for pid in pids if (started := _started(pid)) is not None}
+
+
+def end_all(started: dict[int, int], grace_s: float) -> list[int]:
+    """End the processes of `identities(...)` that are still there: SIGTERM, then SIGKILL to what is left after
+    `grace_s`. Returns the pids that had to be killed."""
+
+    def left() -> list[int]:
+        return [pid for pid, when in started.items() if _started(pid) == when]
+
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        if not (pids := left()):
+            return []
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while left() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if sig == signal.SIGKILL:
+            return pids
+    return []
+
+
+def adopt_orphans() -> bool:
+    """Make this process the one that inherits its descendants' orphans (Linux's child subreaper), so that what it
+    started stays among its `descendants` when a process between them dies. The orphans' exits are then this
+    process's to reap (`reap_adopted`). False where that is not possible."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_adopted(own: set[int]) -> None:
+    """Reap the exited orphans this process adopted: its zombie children, less `own` (the children it started
+    itself, whose exits their own `Popen` objects collect)."""
+    me = os.getpid()
+    for pid, state, ppid, _ in _table():
+        if state == "Z" and ppid == me and pid not in own:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
 
 
 class ExitGuard:

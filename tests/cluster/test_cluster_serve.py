@@ -210,6 +210,7 @@ def test_stopping_the_group_ends_the_cluster_and_all_it_started_even_with_a_repl
 
     started = sorted({*descendants(cluster.pid), *processes(group=cluster.pid)} - {cluster.pid})
     assert len(started) > 3, "the cluster's own processes (Ray's, the replicas') were not found"
+    names = {pid: _command(pid) for pid in started}
     os.killpg(cluster.pid, signal.SIGTERM)
     deadline = time.monotonic() + 25  # under Serve's 30 s controller wait
     while time.monotonic() < deadline and os.path.exists(f"/proc/{cluster.pid}") and not _zombie(cluster.pid):
@@ -224,7 +225,16 @@ def test_stopping_the_group_ends_the_cluster_and_all_it_started_even_with_a_repl
 
     while left() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not left(), f"still running 10 s after the command exited: {left()}"
+    assert not left(), "still running 10 s after the command exited: " + "; ".join(
+        f"{pid} {names[pid]}" for pid in left()
+    )
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120].decode(errors="replace")
+    except OSError:
+        return "?"
 
 
 def _zombie(pid: int) -> bool:

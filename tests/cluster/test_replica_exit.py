@@ -179,3 +179,51 @@ def test_exit_guard_ends_the_process_and_what_it_started(phase):
     finally:
         proc.kill()
         proc.wait()
+
+
+ADOPTING = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from spanq_backend.serving.processes import adopt_orphans, descendants, end_all, identities, reap_adopted
+
+    adopting = sys.argv[1] == "adopting"
+    if adopting:
+        assert adopt_orphans()
+    own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    # a middle process that starts two and exits: one orphan that ignores SIGTERM, one that exits soon after
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(300)"
+    middle = subprocess.run(
+        [sys.executable, "-c", f"import subprocess, sys; "
+         f"a = subprocess.Popen([sys.executable, '-c', {stubborn!r}], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL); a.stdout.readline(); "
+         f"b = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(0.3)']); print(a.pid, b.pid)"],
+        capture_output=True, text=True, check=True,
+    )
+    orphan, done = map(int, middle.stdout.split())
+    time.sleep(0.5)
+    print("among descendants:", orphan in descendants(os.getpid()), flush=True)
+    if adopting:
+        zombie = open(f"/proc/{done}/stat").read().rsplit(")", 1)[1].split()[0] == "Z" if os.path.exists(f"/proc/{done}") else None
+        reap_adopted({own.pid})
+        print("exited orphan reaped:", zombie and not os.path.exists(f"/proc/{done}"), flush=True)
+        print("own child left to its Popen:", own.poll() is None, flush=True)
+    started = identities(descendants(os.getpid()))
+    sent = time.monotonic()
+    killed = end_all(started, grace_s=1.0)
+    print("ended:", orphan in killed and identities([orphan]) == {} and own.wait(5) is not None,
+          round(time.monotonic() - sent, 1), flush=True)
+    if not adopting:
+        os.kill(orphan, 9)
+""")
+
+
+def test_the_cluster_command_adopts_what_its_ray_orphans_and_ends_it_within_a_bound():
+    """`spanq serve --replicas` on a local Ray adopts the orphans of what it started (a replica's server outlives the
+    Ray worker that started it; Ray's workers outlive the raylet), and at its exit ends them all, SIGKILL to what
+    ignores a SIGTERM. Without adopting, an orphan goes to init and is out of reach: the check fails so."""
+    run = subprocess.run([sys.executable, "-c", ADOPTING, "adopting"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[:3] == ["among descendants: True", "exited orphan reaped: True", "own child left to its Popen: True"]
+    ended, took = lines[3].rsplit(" ", 1)
+    assert ended == "ended: True" and 0.9 <= float(took) < 8, lines[3]
+    broken = subprocess.run([sys.executable, "-c", ADOPTING, "not"], capture_output=True, text=True, timeout=60)
+    assert broken.stdout.splitlines()[0] == "among descendants: False", broken.stdout + broken.stderr
