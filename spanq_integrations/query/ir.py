@@ -128,7 +128,7 @@ class Fragment(_Node):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     def label(self) -> str:
-        ident = f" [{self.id}]" if self.id else ""
+        ident = f" [{_clip(self.id)}]" if self.id else ""  # one line, whatever the id holds
         return f"fragment{ident}: {_clip(self.text)!r}"
 
 

@@ -10,7 +10,7 @@ import typing
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from spanq_integrations.query import ir, spnl_json
 from spanq_integrations.query.errors import QueryValidationError
@@ -110,6 +110,7 @@ def test_every_node_class_is_written_and_run(table):
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(span_queries())
+@example(ir.Fragment(text="", id="\n"))  # an id with a line break once rendered over two lines
 def test_every_node_renders_with_a_label_of_its_own(query):
     lines = render(query).split("\n")
     assert len(lines) == sum(1 for _ in walk(query))
