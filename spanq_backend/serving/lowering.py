@@ -7,7 +7,9 @@ neighbours. The prefix before the first span and every span are padded with `pad
 boundary, so spans start on a block and their blocks can be shared; the padding is counted. A text span that
 context follows (the last span, before the question; a span before text between two groups) is not padded: its
 whole blocks are the span, its last partial block is context, computed by the request after everything before
-it (a span shorter than a block is padded: it has no whole block to keep).
+it (a span shorter than a block is padded: it has no whole block to keep). A `plus` says its children's order
+does not matter: of a group of text spans, the one with the shortest such tail is read last
+(`shortest_tail_last`), so the request computes as little of the documents as the layout allows.
 
 A span's anchor (what its KV is computed after, on its own) follows its `plus` group's policy: `"template"`
 (the default) is the chat template's opening alone — the same tokens whatever precedes the group, so a
@@ -42,10 +44,12 @@ from spanq_integrations.query.flatten import BLOCK_SEPARATOR, SpanPart, block_te
 from spanq_integrations.query.ir import (
     AnchorPolicy,
     Assistant,
+    Fragment,
     Monad,
     Node,
     Plus,
     Print,
+    User,
 )
 
 __all__ = [
@@ -59,6 +63,7 @@ __all__ = [
     "generated_span_ids",
     "lower",
     "render_chat",
+    "shortest_tail_last",
     "spans_first",
 ]
 
@@ -269,7 +274,8 @@ def lower(
     `lead_in` is what a canonical anchor holds after the template's opening (`DEFAULT_LEAD_IN`); a `plus` child
     whose text is in `as_context` is laid out as context (its tokens as a span's, unpadded, in no span: computed in
     context by the request, as a stock prompt's)."""
-    messages = chat_parts(node)
+    read = shortest_tail_last(node, tokenizer, block_size, as_context)
+    messages = chat_parts(read)
     slots = [p for m in messages for p in m.parts if isinstance(p, SpanPart)]
     nonce = secrets.token_hex(6)
     sentinel = [f"\u27e6spanq:{i}:{nonce}\u27e7" for i in range(len(slots))]
@@ -385,6 +391,8 @@ def lower(
             span_texts.append(slot.text)
         size = end - start + len(tail)  # as its prepare request computes it
         if max_model_len is not None and size + anchor_size >= max_model_len:
+            if read is not node:  # named by its place in the query as given (clients map it to a document)
+                i = [p.text for m in chat_parts(node) for p in m.parts if isinstance(p, SpanPart)].index(slot.text)
             raise ContextLengthError(
                 f"span {i} ({size} tokens with its {anchor_size}-token anchor) does not fit the "
                 f"model's context window of {max_model_len} tokens"
@@ -420,6 +428,41 @@ def spans_first(node: Node, first: Callable[[str], bool]) -> Node:
             return n
         order = sorted(range(len(n.children)), key=lambda k: keys[k])
         return n.model_copy(update={"children": tuple(n.children[k] for k in order)})
+
+    return transform(node, reorder)
+
+
+def shortest_tail_last(
+    node: Node, tokenizer: Tokenizer, block_size: int, as_context: frozenset[str] = frozenset()
+) -> Node:
+    """`node` with the child of each `plus` of text spans whose last partial block is shortest moved last.
+
+    The last span of a group keeps that block as context (the others are padded), and the request computes it
+    besides the question: over random document lengths that tail averages half a block, as much as a stock
+    prompt's own last partial block, so which document goes last decides whether the warm span prompt computes
+    more or fewer tokens than a stock prompt whose documents are all cached (docs/benchmarks.md, "8 × 512 warm
+    against stock canonical"). A group with a child that is not a text span (a generated candidate, a nested
+    group, a text read in context) is left as it is; where the last child's tail is already the shortest, nothing
+    moves."""
+    from spanq_integrations.query.ir import transform
+
+    sep = len(_span_tokens(tokenizer, BLOCK_SEPARATOR))
+
+    def tail(text: str) -> int:
+        n = len(_span_tokens(tokenizer, text)) + sep
+        return 0 if n < block_size else n % block_size
+
+    def reorder(n: Node) -> Node:
+        if not isinstance(n, Plus) or len(n.children) < 2:
+            return n
+        if not all(isinstance(c, (Fragment, User)) and c.text and c.text not in as_context for c in n.children):
+            return n
+        tails = [tail(c.text) for c in n.children]
+        last = len(tails) - 1
+        k = min(range(last, -1, -1), key=lambda i: tails[i])  # the latest of the shortest: no move on a tie
+        if k == last:
+            return n
+        return n.model_copy(update={"children": (*n.children[:k], *n.children[k + 1 :], n.children[k])})
 
     return transform(node, reorder)
 

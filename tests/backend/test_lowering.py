@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from spanq_backend.serving.lowering import NEUTRAL_LEAD_IN, LoweredPrompt, lower
+from spanq_backend.serving.lowering import NEUTRAL_LEAD_IN, LoweredPrompt, lower, shortest_tail_last
 from spanq_integrations.query.errors import ContextLengthError, QueryValidationError
 from spanq_integrations.query.flatten import to_chat_messages
 from spanq_integrations.query.ir import (
@@ -106,64 +106,99 @@ def test_anchor_is_the_chat_template_prefix(tok, marker):
 def test_each_span_is_its_own_text_then_a_separator_then_padding(tok, marker):
     lp = lower(rag(), tok, BS, marker)
     sep = enc(tok, "\n\n")
-    for i, name in enumerate("ABC"):
-        own = enc(tok, DOCS[name]) + sep
+    assert sorted(lp.span_texts) == sorted(DOCS.values())
+    for i, text in enumerate(lp.span_texts[:3]):  # the last keeps its tail as context (below)
+        own = enc(tok, text) + sep
         ids = lp.span_ids(i)
-        assert ids[: len(own)] == own, name
-        assert ids[len(own) :] == [marker] * (len(ids) - len(own)), name
+        assert ids[: len(own)] == own, text
+        assert ids[len(own) :] == [marker] * (len(ids) - len(own)), text
         assert len(ids) - len(own) < BS
-        assert lp.span_texts[i] == DOCS[name]
 
 
 def test_the_last_span_keeps_its_tail_as_context_without_padding(tok, marker):
     """The question follows the last span: its whole blocks are the span (the same blocks as where it is padded),
     its last partial block is context, unpadded, and prepared padded; a span shorter than a block stays padded."""
-    lp = lower(rag(), tok, BS, marker)
+    lp = lower(rag("BD"), tok, BS, marker)  # (D's tail is the shorter: it stays last)
     own = enc(tok, DOCS["D"]) + enc(tok, "\n\n")
     assert len(own) > BS and len(own) % BS  # a whole block and a tail
-    s, e = lp.table.spans[3]
-    assert e - s == len(own) // BS * BS and lp.span_ids(3) == own[: e - s]
+    assert lp.span_texts == [DOCS["B"], DOCS["D"]]
+    s, e = lp.table.spans[1]
+    assert e - s == len(own) // BS * BS and lp.span_ids(1) == own[: e - s]
     assert lp.token_ids[e : s + len(own)] == own[e - s :]  # the tail, then the question: no padding
     assert all(lp.table.span_at(t) is None for t in range(e, len(lp.token_ids)))
-    da = lower(rag("DA"), tok, BS, marker)
+    da = lower(rag("DA"), tok, BS, marker)  # (A, shorter than a block, has no tail: it stays last)
+    assert da.span_texts == [DOCS["D"], DOCS["A"]]
     assert da.span_ids(0) == own + [marker] * ((-len(own)) % BS)  # D not last: padded
-    assert lower(rag("AD"), tok, BS, marker).span_ids(1) == da.span_ids(0)[: e - s]  # the same whole blocks
-    assert lp.prepare_prompt(3) == da.prepare_prompt(0)  # prepared padded: one cached span in both places
+    assert lp.span_ids(1) == da.span_ids(0)[: e - s]  # the same whole blocks
+    assert lp.prepare_prompt(1) == da.prepare_prompt(0)  # prepared padded: one cached span in both places
     short = enc(tok, DOCS["A"]) + enc(tok, "\n\n")
     assert len(short) < BS and da.span_ids(1) == short + [marker] * (BS - len(short))  # no whole block: padded
-    assert lp.padded_tokens == lower(rag("ABCDD"), tok, BS, marker).padded_tokens - (-len(own)) % BS
+    bda = lower(rag("BDA"), tok, BS, marker)
+    assert lp.padded_tokens == bda.padded_tokens - (BS - len(short)) - (-len(own)) % BS
+
+
+def test_of_a_group_the_span_with_the_shortest_tail_is_read_last(tok, marker):
+    """A `plus` says its order does not matter, and the request computes the last span's tail: the span whose
+    tail is shortest goes last (a span shorter than a block has none), the others keep their order. The check
+    fails without the move: read in the given order, the prompt computes a longer tail."""
+    from spanq_backend.serving import lowering
+
+    tails = {name: 0 if (n := len(enc(tok, text) + enc(tok, "\n\n"))) < BS else n % BS for name, text in DOCS.items()}
+    assert tails["B"] > tails["D"] > 0 == tails["A"] == tails["C"]
+
+    def computed(lp: LoweredPrompt) -> int:  # what the request computes after the last span's whole blocks
+        return len(lp.token_ids) - lp.table.spans[-1][1]
+
+    question = computed(lower(rag("BDA"), tok, BS, marker))  # A last: padded, nothing of it computed
+    for order, read in (("DB", "BD"), ("BD", "BD"), ("ADB", "DBA"), ("ABCD", "ABDC"), ("BAD", "BDA"), ("CA", "CA")):
+        lp = lower(rag(order), tok, BS, marker)
+        assert "".join(next(k for k, v in DOCS.items() if v == t) for t in lp.span_texts) == read, order
+        assert computed(lp) == question + tails[read[-1]], order
+    # where nothing moves (no text group, or a candidate that is not a text span) the order is the given one
+    assert lower(cross(system(SYSTEM), plus(fragment(DOCS["B"]), plus("x", "y")), user(QUESTION)), tok, BS,
+                 marker).span_texts == [DOCS["B"], "x\n\ny"]
+    kept = lowering.shortest_tail_last
+    try:
+        lowering.shortest_tail_last = lambda node, *_: node  # broken: the given order
+        assert computed(lower(rag("DB"), tok, BS, marker)) == question + tails["B"] > question + tails["D"]
+    finally:
+        lowering.shortest_tail_last = kept
 
 
 def test_span_tokens_do_not_depend_on_the_order_or_the_neighbours(tok, newline):
     """A document's blocks are the same wherever it sits; last (its tail left as context), it keeps its whole
     blocks only."""
-    abcd = lower(rag("ABCD"), tok, BS, newline)
-    dcba = lower(rag("DCBA"), tok, BS, newline)
-    padded = {name: abcd.span_ids(i) for i, name in enumerate("ABC")} | {"D": dcba.span_ids(0)}
-    for lp, order in ((abcd, "ABCD"), (dcba, "DCBA")):
-        for i, name in enumerate(order[:3]):
-            assert lp.span_ids(i) == padded[name], name
-    for lp, name in [(abcd, "D"), (dcba, "A")] + [(lower(rag(c), tok, BS, newline), c) for c in "ABCD"]:
+    abdc = lower(rag("ABCD"), tok, BS, newline)  # read A B D C (C, shorter than a block, last)
+    dbca = lower(rag("DCBA"), tok, BS, newline)  # read D B C A (A, as short, latest)
+    name = {v: k for k, v in DOCS.items()}
+    assert [name[t] for t in abdc.span_texts] == list("ABDC") and [name[t] for t in dbca.span_texts] == list("DCBA")
+    padded = {name[t]: abdc.span_ids(i) for i, t in enumerate(abdc.span_texts[:3])} | {"C": dbca.span_ids(1)}
+    for lp in (abdc, dbca):
+        for i, text in enumerate(lp.span_texts[:3]):
+            assert lp.span_ids(i) == padded[name[text]], name[text]
+    for lp in [abdc, dbca] + [lower(rag(c), tok, BS, newline) for c in "ABCD"] + [lower(rag("DB"), tok, BS, newline)]:
+        last = name[lp.span_texts[-1]]
         ids = lp.span_ids(len(lp.table.spans) - 1)  # last: its whole blocks (padded if it has none)
-        assert ids == padded[name][: len(ids)] and len(padded[name]) - len(ids) in (0, BS), name
-    assert abcd.anchor_ids == dcba.anchor_ids == lower(rag("B"), tok, BS, newline).anchor_ids
+        assert ids == padded[last][: len(ids)] and len(padded[last]) - len(ids) in (0, BS), last
+    assert abdc.anchor_ids == dbca.anchor_ids == lower(rag("B"), tok, BS, newline).anchor_ids
 
 
 def test_prepare_prompt_is_the_prefix_then_the_span_under_the_prefix_policy(tok, newline):
-    lp = lower(rag("CADB"), tok, BS, newline, default_anchor="prefix")
+    lp = lower(rag("BD"), tok, BS, newline, default_anchor="prefix")  # D last, with a tail
     assert lp.table.anchors is None and not lp.reads_after_another_prefix
-    for i in range(4):
+    for i in range(2):
         s, e = lp.table.spans[i]
         head = lp.token_ids[: lp.table.anchor_len] + lp.token_ids[s:e]
         assert lp.prepare_prompt(i)[: len(head)] == head and len(lp.prepare_prompt(i)) % BS == 0
-        assert (len(lp.prepare_prompt(i)) > len(head)) == (i == 3)  # the last: its tail block, padded
-    # the key of a span follows its tokens, not its place (last, with its tail as context, too: B is prepared
+        assert (len(lp.prepare_prompt(i)) > len(head)) == (i == 1)  # the last: its tail block, padded
+    # the key of a span follows its tokens, not its place (last, with its tail as context, too: D is prepared
     # padded, as where it is not last)
-    other = lower(rag("BACD"), tok, BS, newline, default_anchor="prefix")
-    assert lp.span_key(1) == other.span_key(1)  # A
-    assert lp.span_key(3) == other.span_key(0)  # B
-    assert other.prepare_prompt(0) == lp.prepare_prompt(3)
-    assert len({lp.span_key(i) for i in range(4)}) == 4
+    other = lower(rag("BDA"), tok, BS, newline, default_anchor="prefix")  # A last (no tail), D padded
+    assert other.span_texts == [DOCS["B"], DOCS["D"], DOCS["A"]]
+    assert lp.span_key(0) == other.span_key(0)  # B
+    assert lp.span_key(1) == other.span_key(1)  # D
+    assert other.prepare_prompt(1) == lp.prepare_prompt(1)
+    assert len({other.span_key(i) for i in range(3)}) == 3
 
 
 def test_the_template_anchor_is_the_same_whatever_precedes_the_documents(tok, newline):
@@ -173,10 +208,13 @@ def test_the_template_anchor_is_the_same_whatever_precedes_the_documents(tok, ne
     chatty = cross(system("Be brief."), user("hi!"), assistant("Hello."), plus(*[fragment(DOCS[c]) for c in "BDAC"]),
                    user(QUESTION))
     prompts = {c: [] for c in "ABCD"}
-    for query, order in ((rag("ABCD"), "ABCD"), (question_first, "CADB"), (chatty, "BDAC")):
+    name = {v: k for k, v in DOCS.items()}
+    for query in (rag("ABCD"), question_first, chatty):
         lp = lower(query, tok, BS, newline)
         assert lp.reads_after_another_prefix
-        for i, c in enumerate(order[:3]):  # the last keeps its tail as context
+        for i, c in enumerate(name[t] for t in lp.span_texts):
+            if i in lp.prepare_tails:
+                continue  # the last, with a tail: kept as context (its prepare adds it, padded)
             anchor = lp.table.anchor_of(i)
             assert isinstance(anchor, tuple) and len(anchor) % BS == 0
             s, e = lp.table.spans[i]
@@ -231,7 +269,7 @@ def test_the_system_anchor_keeps_the_system_prompt(tok, newline):
 
 def test_prompt_is_the_chat_template_rendering(tok, marker):
     lp = lower(rag(), tok, BS, marker)
-    messages = to_chat_messages(rag())
+    messages = to_chat_messages(shortest_tail_last(rag(), tok, BS))  # the group as it is read
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     decoded = tok.decode(unpadded(lp, marker))
     assert squeeze_newlines(decoded) == squeeze_newlines(rendered)
@@ -241,7 +279,7 @@ def test_prompt_is_the_chat_template_rendering(tok, marker):
 def test_prompt_with_newline_padding_decodes_to_the_rendering(tok, newline):
     lp = lower(rag("DB"), tok, BS, newline)
     rendered = tok.apply_chat_template(
-        to_chat_messages(rag("DB")), tokenize=False, add_generation_prompt=True
+        to_chat_messages(shortest_tail_last(rag("DB"), tok, BS)), tokenize=False, add_generation_prompt=True
     )
     assert squeeze_newlines(tok.decode(lp.token_ids)) == squeeze_newlines(rendered)
 
@@ -291,8 +329,9 @@ def test_text_between_two_plus_groups_is_context(tok, marker):
     assert between in tok.decode(context)
     assert all(lp.table.span_at(t) is None for t in range(end_b, start_c))
     # the spans after it are still their own text
-    assert lp.span_ids(2)[: len(enc(tok, DOCS["C"]))] == enc(tok, DOCS["C"])
-    rendered = tok.apply_chat_template(to_chat_messages(query), tokenize=False, add_generation_prompt=True)
+    assert lp.span_ids(2)[: len(enc(tok, lp.span_texts[2]))] == enc(tok, lp.span_texts[2])
+    read = shortest_tail_last(query, tok, BS)  # each group as it is read
+    rendered = tok.apply_chat_template(to_chat_messages(read), tokenize=False, add_generation_prompt=True)
     assert squeeze_newlines(tok.decode(unpadded(lp, marker))) == squeeze_newlines(rendered)
 
 
@@ -310,7 +349,8 @@ def test_text_between_two_plus_groups_is_context(tok, marker):
 def test_spans_keep_the_conversation_around_them(tok, marker, query):
     """Wherever the group sits, the prompt is the rendering; spans add only their separator and padding."""
     lp = lower(query, tok, BS, marker)
-    rendered = tok.apply_chat_template(to_chat_messages(query), tokenize=False, add_generation_prompt=True)
+    read = shortest_tail_last(query, tok, BS)  # the group as it is read
+    rendered = tok.apply_chat_template(to_chat_messages(read), tokenize=False, add_generation_prompt=True)
     decoded = tok.decode(unpadded(lp, marker))
     assert decoded.replace("\n", "") == rendered.replace("\n", "")
     for i, text in enumerate(lp.span_texts):
