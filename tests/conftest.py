@@ -18,6 +18,15 @@ import pytest
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 
+# Property tests explore new inputs on every run of a developer's; CI (`.ci/run` sets SPANQ_TESTS_DERANDOMIZE)
+# runs the same examples every time, so what lands is decided by the change, not by a draw. A failure found
+# locally becomes an `@example` of its test.
+if os.environ.get("SPANQ_TESTS_DERANDOMIZE"):
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("ci", derandomize=True)
+    _hypothesis_settings.load_profile("ci")
+
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
