@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
 from spanq_integrations import cross, execute, fragment, generate, plus, system, user
@@ -62,12 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from spanq_backend.serving.embedded import EmbeddedBackend
+    from spanq_integrations import SpanQueryError
 
     docs = json.loads((HERE / "documents.json").read_text())
     orders = document_orders(docs)
-    engines = [("spans", EmbeddedBackend(args.model))]
-    if not args.no_stock:
-        engines.append(("stock", EmbeddedBackend(args.model, spans=False)))
+    try:
+        engines = [("spans", EmbeddedBackend(args.model))]
+        if not args.no_stock:
+            engines.append(("stock", EmbeddedBackend(args.model, spans=False)))
+    except SpanQueryError as e:  # a model that cannot run, a bad SPANQ_LOG_LEVEL: one line, not a traceback
+        print(f"demo: error: {e}", file=sys.stderr)
+        return 2
 
     rows = []
     answers: dict[tuple[str, str], str] = {}

@@ -206,9 +206,14 @@ class SpanEngine:
         if config is not None and overrides:
             self.config = EngineConfig(**{**config.__dict__, **overrides})
         from spanq_backend.kv.rerope import RelocationError
+        from spanq_backend.serving import logs
         from spanq_backend.serving.admission import admit
         from spanq_backend.serving.families import UnsupportedModelError, family_line
 
+        try:
+            logs.level()  # an unknown SPANQ_LOG_LEVEL is named before anything is loaded
+        except ValueError as e:
+            raise BackendError(str(e)) from None
         try:
             self.admitted = admit(self.config.model, spans=self.config.spans)  # as `spanq serve` admits it
         except UnsupportedModelError as e:
@@ -218,8 +223,6 @@ class SpanEngine:
         self.model_path: Path = self.admitted.path
         self.model_name = self.config.served_model_name or self.model_path.name
         _cpu_env_defaults()
-        from spanq_backend.serving import logs
-
         try:
             logs.configure()
         except ValueError as e:  # an unknown SPANQ_LOG_LEVEL
