@@ -84,6 +84,9 @@ class EngineConfig:
     # A warm call whose documents the cache holds in context (read so before, in some order) is read as stock reads
     # it where that computes at most a block more than the span layout (`SpanGenerator.in_context`); False: spans
     read_in_context: bool = True
+    # Read as spans, a group's document with the shortest last partial block goes last (`lowering.shortest_tail_last`:
+    # fewer tokens computed); True keeps the order given (closer to a stock answer in that order, docs/benchmarks.md)
+    keep_span_order: bool = False
     compact_json: bool = False  # JSON answers without whitespace (for models that pad them with it)
     recompute: Recompute = DEFAULT_RECOMPUTE  # span blocks recomputed in context when a call says nothing (docs/design.md)
     # A folder where span KV outlives the engine (`spanq_backend/vllm_integration/tier.py`): prepared spans are saved there and
@@ -273,6 +276,7 @@ class SpanEngine:
             isolate_min_tokens=self.config.isolate_min_tokens,
             background=self.run_when_idle,
             read_in_context=self.config.read_in_context,
+            keep_span_order=self.config.keep_span_order,
         )
         self.pad_token_id = self.generator.pad_token_id
         log.info("%s ready in %.1f s", self.model_name, time.perf_counter() - started)

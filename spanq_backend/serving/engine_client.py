@@ -48,6 +48,7 @@ class EngineClientBackend(Backend):
         cold_spans: str = "auto",
         isolate_min_tokens: int = ISOLATE_MIN_TOKENS,
         read_in_context: bool = True,
+        keep_span_order: bool = False,
     ):
         """`span_probe`: the engine's prefix cache as this process sees it (`cache_probe.KVEventsMirror`); a span
         whose prepare prompt it holds wholly is not prepared again. `span_support`: what the engine's
@@ -71,6 +72,7 @@ class EngineClientBackend(Backend):
             cold_spans=cold_spans,
             isolate_min_tokens=isolate_min_tokens,
             read_in_context=read_in_context,
+            keep_span_order=keep_span_order,
         )
         self.capabilities = BackendCapabilities(
             name="spanq-serve",

@@ -279,8 +279,10 @@ class SpanGenerator:
         isolate_min_tokens: int = ISOLATE_MIN_TOKENS,
         background: Callable[[list[tuple[list[int], concurrent.futures.Future[int]]]], None] | None = None,
         read_in_context: bool = True,
+        keep_span_order: bool = False,
     ):
         self.stream = stream
+        self.keep_span_order = keep_span_order  # False: the shortest tail last (`lowering.shortest_tail_last`)
         # Requests opened inside `with batch():` reach the engine together, in order, before its next step (the
         # embedded engine holds its thread; elsewhere they are submitted back to back and usually share a step).
         self.batch = batch or nullcontext
@@ -494,6 +496,7 @@ class SpanGenerator:
             align_output=align_output and self.spans,
             lead_in=self.lead_in_for(call),
             as_context=as_context,
+            keep_order=self.keep_span_order,
         )
         return lowered, False
 

@@ -265,6 +265,7 @@ def lower(
     align_output: bool = False,
     lead_in: str = DEFAULT_LEAD_IN,
     as_context: frozenset[str] = frozenset(),
+    keep_order: bool = False,
 ) -> LoweredPrompt:
     """Lower a closed generate input to tokens and a span table (no spans when there is no `plus`).
 
@@ -273,8 +274,9 @@ def lower(
     that its output starts on a block boundary (an inner generation whose output a judge reads as a span);
     `lead_in` is what a canonical anchor holds after the template's opening (`DEFAULT_LEAD_IN`); a `plus` child
     whose text is in `as_context` is laid out as context (its tokens as a span's, unpadded, in no span: computed in
-    context by the request, as a stock prompt's)."""
-    read = shortest_tail_last(node, tokenizer, block_size, as_context)
+    context by the request, as a stock prompt's); `keep_order` reads each group in the order given, not its
+    shortest tail last (`shortest_tail_last`)."""
+    read = node if keep_order else shortest_tail_last(node, tokenizer, block_size, as_context)
     messages = chat_parts(read)
     slots = [p for m in messages for p in m.parts if isinstance(p, SpanPart)]
     nonce = secrets.token_hex(6)

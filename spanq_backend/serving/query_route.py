@@ -217,6 +217,7 @@ def build_query_router(
     cold_spans: str = "auto",
     isolate_min_tokens: int = ISOLATE_MIN_TOKENS,
     read_in_context: bool = True,
+    keep_span_order: bool = False,
 ) -> Any:
     """The FastAPI router of `POST /v1/query/execute`, for an app whose state holds vLLM's engine client."""
     from fastapi import APIRouter
@@ -259,6 +260,7 @@ def build_query_router(
                 cold_spans=cold_spans,
                 isolate_min_tokens=isolate_min_tokens,
                 read_in_context=read_in_context,
+                keep_span_order=keep_span_order,
             )
         return backend
 

@@ -99,6 +99,12 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         "at most a block more than the spans: stock's speed and full attention's answer",
     )
     parser.add_argument(
+        "--keep-span-order", dest="spanq_keep_span_order", action="store_true",
+        help="read a group's documents in the order given; by default the one whose last partial block is "
+        "shortest goes last (a plus is order-free), so a query computes fewer tokens, at answers a little further "
+        "from a stock answer in the given order (docs/benchmarks.md, 'The shortest tail last')",
+    )
+    parser.add_argument(
         "--isolate-min-tokens", dest="spanq_isolate_min_tokens", type=positive_int, default=ISOLATE_MIN_TOKENS,
         metavar="N", help="--cold-spans auto: cold document tokens from which they are prepared alone first",
     )
@@ -241,6 +247,7 @@ def serve_main(argv: list[str]) -> int:
         lambda: build_query_router(
             tokenizer, args.served_model_name, limits, anchor, redo, lead_in,
             args.spanq_cold_spans, args.spanq_isolate_min_tokens, args.spanq_read_in_context,
+            args.spanq_keep_span_order,
         )
     ):
         guard.deadline_s += args.shutdown_timeout  # vLLM's drain (--shutdown-timeout) comes first

@@ -296,3 +296,24 @@ def test_new_documents_read_in_context_cost_no_span_layout_before_the_answer(eng
     monkeypatch.setattr(engine.generator, "unseen_in_context", lambda *a, **k: None)
     events, _ = probes_and_requests(engine, docs("unseen-full"))
     assert events[0] == "probe", events
+
+
+def test_keep_span_order_reads_each_group_in_the_order_given(engine):
+    """By default the document with the shortest last partial block is read last (`shortest_tail_last`);
+    `EngineConfig(keep_span_order=True)` (`spanq serve --keep-span-order`) keeps the order given."""
+    from itertools import permutations
+
+    from spanq_backend.serving.engine import EngineConfig
+
+    d = docs("order")
+    gen = engine.generator
+    assert EngineConfig().keep_span_order is False and gen.keep_span_order is False
+    orders = ["".join(p) for p in permutations("ABCD")]
+    default = {o: engine.lower(query(d, o)).span_texts for o in orders}
+    moved = [o for o in orders if default[o] != [d[c] for c in o]]
+    assert moved, "no order of these documents moves one: the check could not fail"
+    gen.keep_span_order = True
+    try:
+        assert all(engine.lower(query(d, o)).span_texts == [d[c] for c in o] for o in orders)
+    finally:
+        gen.keep_span_order = False

@@ -157,6 +157,7 @@ def test_of_a_group_the_span_with_the_shortest_tail_is_read_last(tok, marker):
     # where nothing moves (no text group, or a candidate that is not a text span) the order is the given one
     assert lower(cross(system(SYSTEM), plus(fragment(DOCS["B"]), plus("x", "y")), user(QUESTION)), tok, BS,
                  marker).span_texts == [DOCS["B"], "x\n\ny"]
+    assert lower(rag("DB"), tok, BS, marker, keep_order=True).span_texts == [DOCS["D"], DOCS["B"]]  # as given
     kept = lowering.shortest_tail_last
     try:
         lowering.shortest_tail_last = lambda node, *_: node  # broken: the given order
