@@ -226,10 +226,7 @@ class SpanEngine:
         self.model_path: Path = self.admitted.path
         self.model_name = self.config.served_model_name or self.model_path.name
         _cpu_env_defaults()
-        try:
-            logs.configure()
-        except ValueError as e:  # an unknown SPANQ_LOG_LEVEL
-            raise BackendError(str(e)) from None
+        logs.configure()  # (the level was checked above)
         if self.config.spans:
             log.info("%s", family_line(self.model_path))  # after logs.configure: shown on a quiet first run
         kind = "span-aware" if self.config.spans else "stock"
