@@ -781,18 +781,23 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         tracker = self._tracker()
         started = time.perf_counter()
+        refused: set[bytes] = set()  # files refused this step: another request of the step that reads one fails too
         for rid, items in meta.loads.items():
             self._received.add(rid)
             if not items:
                 self._failed.add(rid)
                 continue
             for h, block_id, tokens in items:
+                if bytes(h) in refused:  # looked up before the file was refused (and moved aside): computed too
+                    self._failed.add(rid)
+                    break
                 try:
                     stored = self.tier.take(h)
                     stored.copy_into(self._arrays, block_id, self.tier._verified, tokens)
                 except (OSError, ValueError, RuntimeError) as e:
                     self.tier.stats.failed_loads += 1
                     self.tier.forget(h, str(e))
+                    refused.add(bytes(h))
                     self._failed.add(rid)
                     break
                 if tracker is not None:
