@@ -62,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-stock", action="store_true", help="skip the stock vLLM comparison")
     args = ap.parse_args(argv)
 
+    from spanq_backend.serving import logs
+
+    try:
+        logs.level()  # a bad SPANQ_LOG_LEVEL is named at once, not after vLLM's import (~15 s)
+    except ValueError as e:
+        print(f"demo: error: {e}", file=sys.stderr)
+        return 2
     from spanq_backend.serving.embedded import EmbeddedBackend
     from spanq_integrations import SpanQueryError
 
