@@ -78,6 +78,18 @@ def compact_tiny(tiny_model):
     backend.close()
 
 
+@pytest.fixture(scope="session")
+def notebook_kernel(tmp_path_factory) -> Iterator:
+    """The session's notebooks run one after another in one kernel (`tests.examples.NotebookKernel`)."""
+    from tests.examples import NotebookKernel
+
+    kernel = NotebookKernel(tmp_path_factory.mktemp("jupyter"))
+    try:
+        yield kernel
+    finally:
+        kernel.close()
+
+
 def _spanq_serve_command(port: int) -> list[str]:
     return [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", "tiny", "--port", str(port),
             "--max-calls", "64", "--cold-spans", "context",

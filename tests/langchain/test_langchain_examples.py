@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from spanq_integrations.langchain import ChatSpanQuery
-from tests.examples import load_example, run_notebook
+from tests.examples import load_example
 
 pytestmark = pytest.mark.vllm
 
@@ -24,8 +24,8 @@ def test_rag_script_reuses_the_reordered_documents(tiny_backend):
 
 
 @pytest.mark.slow
-def test_notebook_runs_on_the_embedded_default(tmp_path, monkeypatch):
-    outputs = run_notebook("examples/rag/langchain_rag.ipynb", tmp_path, monkeypatch, SPANQ_EXAMPLE_MAX_TOKENS="8")
+def test_notebook_runs_on_the_embedded_default(notebook_kernel):
+    outputs = notebook_kernel.run("examples/rag/langchain_rag.ipynb", SPANQ_EXAMPLE_MAX_TOKENS="8")
     assert "4 spans, 0 computed now" in outputs  # the second question: every document from the span cache
     assert "from the span cache, with its 4 documents in a new order" in outputs
     assert "fallback: text other than whitespace" in outputs
@@ -46,9 +46,9 @@ def test_agent_script_searches_reuses_the_found_documents_and_judges(compact_tin
 
 
 @pytest.mark.slow
-def test_agent_notebook_runs_on_the_embedded_default(tmp_path, monkeypatch):
-    outputs = run_notebook("examples/judge/langchain_agent.ipynb", tmp_path, monkeypatch,
-                           SPANQ_EXAMPLE_MAX_TOKENS="64", SPANQ_EXAMPLE_AGENTS="2")
+def test_agent_notebook_runs_on_the_embedded_default(notebook_kernel):
+    outputs = notebook_kernel.run("examples/judge/langchain_agent.ipynb",
+                                  SPANQ_EXAMPLE_MAX_TOKENS="64", SPANQ_EXAMPLE_AGENTS="2")
     assert "agent 0: searched" in outputs and "3 spans, 3 computed now" in outputs
     assert "agent 1: searched" in outputs and "3 spans, 0 computed now" in outputs
     assert "verdict:" in outputs

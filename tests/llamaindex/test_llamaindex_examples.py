@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.examples import load_example, run_notebook
+from tests.examples import load_example
 
 pytestmark = pytest.mark.vllm
 
@@ -36,8 +36,8 @@ def test_judge_scripts(tiny_backend, capsys):
 
 
 @pytest.mark.slow
-def test_notebook_runs_on_the_embedded_default(tmp_path, monkeypatch):
-    outputs = run_notebook("examples/rag/llamaindex_rag.ipynb", tmp_path, monkeypatch)
+def test_notebook_runs_on_the_embedded_default(notebook_kernel):
+    outputs = notebook_kernel.run("examples/rag/llamaindex_rag.ipynb")
     assert "shared documents:" in outputs and "cached tokens:" in outputs
     assert "spans computed for this question: 0 of 3" in outputs  # the same nodes reordered: all cached
     assert "$.g.input.cross[1].plus[0]" in outputs  # the tree's first leaf
