@@ -7,8 +7,9 @@ For each document count n and repetition, n fresh documents (never seen before) 
   the question over all of them);
 - stock reordered: stock vLLM reads the same documents again in reverse order, for another question (its prefix
   cache holds the first order, so only the system prompt hits);
-- spans warm: the span-aware engine reads them again in reverse order, for another question (every span hits,
-  moved by ReRoPE);
+- spans warm: the span-aware engine is given them again in reverse order, for another question (every span hits;
+  the engine reads a set of spans in one order whatever order it is given, so they sit where the cold query left
+  them: nothing is moved, where a `keep_span_order` engine moves them by ReRoPE);
 - stock canonical: what a careful user builds on stock vLLM — the reverse-order retrieval sorted back into a
   canonical order (by document id) before the prompt is built, so the same set hits the prefix cache; the other
   question after it is computed;

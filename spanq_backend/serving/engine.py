@@ -84,8 +84,9 @@ class EngineConfig:
     # A warm call whose documents the cache holds in context (read so before, in some order) is read as stock reads
     # it where that computes at most a block more than the span layout (`SpanGenerator.in_context`); False: spans
     read_in_context: bool = True
-    # Read as spans, a group's document with the shortest last partial block goes last (`lowering.shortest_tail_last`:
-    # fewer tokens computed); True keeps the order given (closer to a stock answer in that order, docs/benchmarks.md)
+    # Read as spans, a group's documents go in one order per set (`lowering.span_order`: by a digest of their text, the
+    # shortest last partial block last: nothing relocated when the set comes back, fewer tokens computed); True keeps
+    # the order given (closer to a stock answer in that order, docs/benchmarks.md)
     keep_span_order: bool = False
     compact_json: bool = False  # JSON answers without whitespace (for models that pad them with it)
     recompute: Recompute = DEFAULT_RECOMPUTE  # span blocks recomputed in context when a call says nothing (docs/design.md)

@@ -282,7 +282,7 @@ class SpanGenerator:
         keep_span_order: bool = False,
     ):
         self.stream = stream
-        self.keep_span_order = keep_span_order  # False: the shortest tail last (`lowering.shortest_tail_last`)
+        self.keep_span_order = keep_span_order  # False: one order per set (`lowering.span_order`)
         # Requests opened inside `with batch():` reach the engine together, in order, before its next step (the
         # embedded engine holds its thread; elsewhere they are submitted back to back and usually share a step).
         self.batch = batch or nullcontext

@@ -8,8 +8,10 @@ boundary, so spans start on a block and their blocks can be shared; the padding 
 context follows (the last span, before the question; a span before text between two groups) is not padded: its
 whole blocks are the span, its last partial block is context, computed by the request after everything before
 it (a span shorter than a block is padded: it has no whole block to keep). A `plus` says its children's order
-does not matter: of a group of text spans, the one with the shortest such tail is read last
-(`shortest_tail_last`), so the request computes as little of the documents as the layout allows.
+does not matter: a group of text spans is read in one order that depends only on which spans it holds
+(`span_order`: by a digest of their text, the one with the shortest such tail last), so a set of documents read
+again in another order finds its blocks where they are (nothing relocated) and the request computes as little of
+the documents as the layout allows.
 
 A span's anchor (what its KV is computed after, on its own) follows its `plus` group's policy: `"template"`
 (the default) is the chat template's opening alone — the same tokens whatever precedes the group, so a
@@ -63,7 +65,7 @@ __all__ = [
     "generated_span_ids",
     "lower",
     "render_chat",
-    "shortest_tail_last",
+    "span_order",
     "spans_first",
 ]
 
@@ -274,9 +276,9 @@ def lower(
     that its output starts on a block boundary (an inner generation whose output a judge reads as a span);
     `lead_in` is what a canonical anchor holds after the template's opening (`DEFAULT_LEAD_IN`); a `plus` child
     whose text is in `as_context` is laid out as context (its tokens as a span's, unpadded, in no span: computed in
-    context by the request, as a stock prompt's); `keep_order` reads each group in the order given, not its
-    shortest tail last (`shortest_tail_last`)."""
-    read = node if keep_order else shortest_tail_last(node, tokenizer, block_size, as_context)
+    context by the request, as a stock prompt's); `keep_order` reads each group in the order given, not in the
+    order of `span_order`."""
+    read = node if keep_order else span_order(node, tokenizer, block_size, as_context)
     messages = chat_parts(read)
     slots = [p for m in messages for p in m.parts if isinstance(p, SpanPart)]
     nonce = secrets.token_hex(6)
@@ -434,18 +436,22 @@ def spans_first(node: Node, first: Callable[[str], bool]) -> Node:
     return transform(node, reorder)
 
 
-def shortest_tail_last(
+def span_order(
     node: Node, tokenizer: Tokenizer, block_size: int, as_context: frozenset[str] = frozenset()
 ) -> Node:
-    """`node` with the child of each `plus` of text spans whose last partial block is shortest moved last.
+    """`node` with the children of each `plus` of text spans in one order that depends only on which spans the
+    group holds, not on the order given: by a digest of each span's text, the one whose last partial block is
+    shortest last.
 
-    The last span of a group keeps that block as context (the others are padded), and the request computes it
-    besides the question: over random document lengths that tail averages half a block, as much as a stock
-    prompt's own last partial block, so which document goes last decides whether the warm span prompt computes
-    more or fewer tokens than a stock prompt whose documents are all cached (docs/benchmarks.md, "8 × 512 warm
-    against stock canonical"). A group with a child that is not a text span (a generated candidate, a nested
-    group, a text read in context) is left as it is; where the last child's tail is already the shortest, nothing
-    moves."""
+    One order per set of spans: the group's cached blocks sit, after the first query that read them together, at
+    the positions every later query with the same spans reads them at (in any order given), so nothing is
+    relocated; and an answer read from spans does not depend on the order a retriever returned. The last span of a
+    group keeps its last partial block as context (the others are padded) and the request computes it besides the
+    question: over random document lengths that tail averages half a block, as much as a stock prompt's own last
+    partial block, so the shortest tail last makes the warm span prompt compute no more of its documents than a
+    stock prompt whose documents are all cached (docs/benchmarks.md, "8 × 512 warm against stock canonical"). A
+    group with a child that is not a text span (a generated candidate, a nested group, a text read in context) is
+    left as it is."""
     from spanq_integrations.query.ir import transform
 
     sep = len(_span_tokens(tokenizer, BLOCK_SEPARATOR))
@@ -459,14 +465,21 @@ def shortest_tail_last(
             return n
         if not all(isinstance(c, (Fragment, User)) and c.text and c.text not in as_context for c in n.children):
             return n
-        tails = [tail(c.text) for c in n.children]
+        ordered = sorted(n.children, key=lambda c: _order_key(c.text))
+        tails = [tail(c.text) for c in ordered]
         last = len(tails) - 1
-        k = min(range(last, -1, -1), key=lambda i: tails[i])  # the latest of the shortest: no move on a tie
-        if k == last:
+        k = min(range(last, -1, -1), key=lambda i: tails[i])  # of the shortest, the latest by digest
+        ordered = [*ordered[:k], *ordered[k + 1 :], ordered[k]]
+        if all(a is b for a, b in zip(ordered, n.children, strict=True)):
             return n
-        return n.model_copy(update={"children": (*n.children[:k], *n.children[k + 1 :], n.children[k])})
+        return n.model_copy(update={"children": tuple(ordered)})
 
     return transform(node, reorder)
+
+
+def _order_key(text: str) -> bytes:
+    """Where a span goes in its group: a digest of its text (stable across processes and versions of Python)."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
 
 
 def check_fits(ids: list[int], padded: int, max_model_len: int | None, max_new_tokens: int) -> None:

@@ -100,9 +100,10 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--keep-span-order", dest="spanq_keep_span_order", action="store_true",
-        help="read a group's documents in the order given; by default the one whose last partial block is "
-        "shortest goes last (a plus is order-free), so a query computes fewer tokens, at answers a little further "
-        "from a stock answer in the given order (docs/benchmarks.md, 'The shortest tail last')",
+        help="read a group's documents in the order given; by default a group is read in one order per set of "
+        "documents (a plus is order-free: by a digest of each text, the one whose last partial block is shortest "
+        "last), so the same documents asked about again are not relocated and a query computes fewer tokens, at "
+        "answers a little further from a stock answer in the given order (docs/benchmarks.md, 'One order per set')",
     )
     parser.add_argument(
         "--isolate-min-tokens", dest="spanq_isolate_min_tokens", type=positive_int, default=ISOLATE_MIN_TOKENS,

@@ -112,12 +112,10 @@ def test_one_request_reading_a_block_at_two_positions_gets_a_copy():
 
 @pytest.mark.vllm
 def test_eight_orders_in_one_batch_match_solo_runs_and_the_reference(tiny_backend, hf_model):
-    import torch
     from test_span_correctness import rag_query
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from benchmarks.hf_span import span_reference_logprobs
     from spanq_backend import vllm_integration as vllm_plugin
 
     engine = tiny_backend.engine
@@ -143,7 +141,20 @@ def test_eight_orders_in_one_batch_match_solo_runs_and_the_reference(tiny_backen
         alone = [await run(rag_query(o), False) for o in order_list]
         return together, alone, before, after
 
-    together, alone, before, after = asyncio.run(scenario())
+    # eight layouts of one set (by default the engine reads a set in one order, at one position)
+    engine.generator.keep_span_order = True
+    try:
+        check_eight_orders(engine, hf_model, order_list, *asyncio.run(scenario()))
+    finally:
+        engine.generator.keep_span_order = False
+
+
+def check_eight_orders(engine, hf_model, order_list, together, alone, before, after):
+    import torch
+    from test_span_correctness import rag_query
+
+    from benchmarks.hf_span import span_reference_logprobs
+
     assert after["duplicates"] > before["duplicates"], "the batch needed shared blocks at several positions"
     assert after["conflicts"] == before["conflicts"] == 0
     assert after["moved_blocks"] > before["moved_blocks"], "the private copies were rotated"
@@ -175,8 +186,9 @@ def test_duplicates_that_do_not_fit_defer_requests_instead_of_corrupting_them(ti
     from spanq_backend import vllm_integration as vllm_plugin
     from spanq_backend.serving.engine import SpanEngine
 
+    # keep_span_order: six layouts of one set (by default the engine reads a set in one order, at one position)
     engine = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=1024, max_num_seqs=8, num_blocks=64,
-                         recompute=0)
+                         recompute=0, keep_span_order=True)
     try:
         async def run(call):
             lw = engine.lower(call)

@@ -299,7 +299,7 @@ def test_new_documents_read_in_context_cost_no_span_layout_before_the_answer(eng
 
 
 def test_keep_span_order_reads_each_group_in_the_order_given(engine):
-    """By default the document with the shortest last partial block is read last (`shortest_tail_last`);
+    """By default a group is read in one order per set of documents (`lowering.span_order`);
     `EngineConfig(keep_span_order=True)` (`spanq serve --keep-span-order`) keeps the order given."""
     from itertools import permutations
 
@@ -310,6 +310,7 @@ def test_keep_span_order_reads_each_group_in_the_order_given(engine):
     assert EngineConfig().keep_span_order is False and gen.keep_span_order is False
     orders = ["".join(p) for p in permutations("ABCD")]
     default = {o: engine.lower(query(d, o)).span_texts for o in orders}
+    assert len({tuple(texts) for texts in default.values()}) == 1  # one order for the set, whatever was given
     moved = [o for o in orders if default[o] != [d[c] for c in o]]
     assert moved, "no order of these documents moves one: the check could not fail"
     gen.keep_span_order = True
@@ -317,3 +318,29 @@ def test_keep_span_order_reads_each_group_in_the_order_given(engine):
         assert all(engine.lower(query(d, o)).span_texts == [d[c] for c in o] for o in orders)
     finally:
         gen.keep_span_order = False
+
+
+def test_the_same_documents_in_another_order_are_read_where_they_sit(engine):
+    """A set of documents asked about again, in another order, is laid out as before (one order per set,
+    `lowering.span_order`): its blocks sit where the last query moved them, and nothing is relocated. The check
+    fails on the order given (`keep_span_order=True`): every reordered document is moved again."""
+    from spanq_backend import vllm_integration as vllm_plugin
+
+    def moved_by(d: dict[str, str], orders: list[str]) -> list[int]:
+        asyncio.run(engine.prepare(engine.lower(query(d, orders[0]))))  # prepared alone: each at its anchor
+        moved = []
+        for order in orders:
+            before = vllm_plugin.stats()["moved_blocks"]
+            out = asyncio.run(engine.generate(query(d, order, question=f"Which drawer? ({order})")))
+            assert out.metrics.prepared_spans == 0 and out.metrics.extra["cold_spans"] == "warm"
+            moved.append(vllm_plugin.stats()["moved_blocks"] - before)
+        return moved
+
+    first, *again = moved_by(docs("sit"), ["ABCD", "DCBA", "BADC", "CADB"])
+    assert first > 0 and again == [0, 0, 0], (first, again)  # moved once, into the set's order
+    engine.generator.keep_span_order = True
+    try:
+        first, *again = moved_by(docs("sit-given"), ["ABCD", "DCBA", "BADC", "CADB"])
+        assert all(m > 0 for m in again), again  # the broken variant moves them on every query
+    finally:
+        engine.generator.keep_span_order = False

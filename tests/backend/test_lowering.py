@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from spanq_backend.serving.lowering import NEUTRAL_LEAD_IN, LoweredPrompt, lower, shortest_tail_last
+from spanq_backend.serving.lowering import NEUTRAL_LEAD_IN, LoweredPrompt, lower, span_order
 from spanq_integrations.query.errors import ContextLengthError, QueryValidationError
 from spanq_integrations.query.flatten import to_chat_messages
 from spanq_integrations.query.ir import (
@@ -137,40 +137,48 @@ def test_the_last_span_keeps_its_tail_as_context_without_padding(tok, marker):
     assert lp.padded_tokens == bda.padded_tokens - (BS - len(short)) - (-len(own)) % BS
 
 
-def test_of_a_group_the_span_with_the_shortest_tail_is_read_last(tok, marker):
-    """A `plus` says its order does not matter, and the request computes the last span's tail: the span whose
-    tail is shortest goes last (a span shorter than a block has none), the others keep their order. The check
-    fails without the move: read in the given order, the prompt computes a longer tail."""
+def test_a_group_is_read_in_one_order_for_its_set_with_the_shortest_tail_last(tok, marker):
+    """A `plus` says its order does not matter: a group of text spans is read in one order that depends only on
+    which spans it holds (so a set read again in another order finds its blocks where they sit), with the span
+    whose tail is shortest last (the request computes the last span's tail; a span shorter than a block has
+    none). The check fails on the given order: other permutations, other layouts, a longer tail computed."""
+    from itertools import permutations
+
     from spanq_backend.serving import lowering
 
     tails = {name: 0 if (n := len(enc(tok, text) + enc(tok, "\n\n"))) < BS else n % BS for name, text in DOCS.items()}
     assert tails["B"] > tails["D"] > 0 == tails["A"] == tails["C"]
+    name = {v: k for k, v in DOCS.items()}
 
     def computed(lp: LoweredPrompt) -> int:  # what the request computes after the last span's whole blocks
         return len(lp.token_ids) - lp.table.spans[-1][1]
 
-    question = computed(lower(rag("BDA"), tok, BS, marker))  # A last: padded, nothing of it computed
-    for order, read in (("DB", "BD"), ("BD", "BD"), ("ADB", "DBA"), ("ABCD", "ABDC"), ("BAD", "BDA"), ("CA", "CA")):
-        lp = lower(rag(order), tok, BS, marker)
-        assert "".join(next(k for k, v in DOCS.items() if v == t) for t in lp.span_texts) == read, order
-        assert computed(lp) == question + tails[read[-1]], order
+    def layouts(group: str) -> set[tuple[str, ...]]:
+        return {tuple(name[t] for t in lower(rag("".join(p)), tok, BS, marker).span_texts) for p in permutations(group)}
+
+    question = computed(lower(rag("BDA"), tok, BS, marker, keep_order=True))  # A last: padded, nothing computed
+    for group in ("BD", "ABD", "ABCD", "AC", "BCD"):
+        (read,) = layouts(group)  # one layout for every order given
+        assert sorted(read) == sorted(group) and tails[read[-1]] == min(tails[c] for c in group), (group, read)
+        assert computed(lower(rag(group), tok, BS, marker)) == question + tails[read[-1]], group
     # where nothing moves (no text group, or a candidate that is not a text span) the order is the given one
     assert lower(cross(system(SYSTEM), plus(fragment(DOCS["B"]), plus("x", "y")), user(QUESTION)), tok, BS,
-                 marker).span_texts == [DOCS["B"], "x\n\ny"]
+                 marker).span_texts[0] == DOCS["B"]
     assert lower(rag("DB"), tok, BS, marker, keep_order=True).span_texts == [DOCS["D"], DOCS["B"]]  # as given
-    kept = lowering.shortest_tail_last
+    kept = lowering.span_order
     try:
-        lowering.shortest_tail_last = lambda node, *_: node  # broken: the given order
+        lowering.span_order = lambda node, *_: node  # broken: the given order
+        assert len(layouts("ABD")) == 6
         assert computed(lower(rag("DB"), tok, BS, marker)) == question + tails["B"] > question + tails["D"]
     finally:
-        lowering.shortest_tail_last = kept
+        lowering.span_order = kept
 
 
 def test_span_tokens_do_not_depend_on_the_order_or_the_neighbours(tok, newline):
     """A document's blocks are the same wherever it sits; last (its tail left as context), it keeps its whole
     blocks only."""
-    abdc = lower(rag("ABCD"), tok, BS, newline)  # read A B D C (C, shorter than a block, last)
-    dbca = lower(rag("DCBA"), tok, BS, newline)  # read D B C A (A, as short, latest)
+    abdc = lower(rag("ABDC"), tok, BS, newline, keep_order=True)  # C (shorter than a block) last
+    dbca = lower(rag("DCBA"), tok, BS, newline, keep_order=True)  # A (as short) last
     name = {v: k for k, v in DOCS.items()}
     assert [name[t] for t in abdc.span_texts] == list("ABDC") and [name[t] for t in dbca.span_texts] == list("DCBA")
     padded = {name[t]: abdc.span_ids(i) for i, t in enumerate(abdc.span_texts[:3])} | {"C": dbca.span_ids(1)}
@@ -270,7 +278,7 @@ def test_the_system_anchor_keeps_the_system_prompt(tok, newline):
 
 def test_prompt_is_the_chat_template_rendering(tok, marker):
     lp = lower(rag(), tok, BS, marker)
-    messages = to_chat_messages(shortest_tail_last(rag(), tok, BS))  # the group as it is read
+    messages = to_chat_messages(span_order(rag(), tok, BS))  # the group as it is read
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     decoded = tok.decode(unpadded(lp, marker))
     assert squeeze_newlines(decoded) == squeeze_newlines(rendered)
@@ -280,7 +288,7 @@ def test_prompt_is_the_chat_template_rendering(tok, marker):
 def test_prompt_with_newline_padding_decodes_to_the_rendering(tok, newline):
     lp = lower(rag("DB"), tok, BS, newline)
     rendered = tok.apply_chat_template(
-        to_chat_messages(shortest_tail_last(rag("DB"), tok, BS)), tokenize=False, add_generation_prompt=True
+        to_chat_messages(span_order(rag("DB"), tok, BS)), tokenize=False, add_generation_prompt=True
     )
     assert squeeze_newlines(tok.decode(lp.token_ids)) == squeeze_newlines(rendered)
 
@@ -331,7 +339,7 @@ def test_text_between_two_plus_groups_is_context(tok, marker):
     assert all(lp.table.span_at(t) is None for t in range(end_b, start_c))
     # the spans after it are still their own text
     assert lp.span_ids(2)[: len(enc(tok, lp.span_texts[2]))] == enc(tok, lp.span_texts[2])
-    read = shortest_tail_last(query, tok, BS)  # each group as it is read
+    read = span_order(query, tok, BS)  # each group as it is read
     rendered = tok.apply_chat_template(to_chat_messages(read), tokenize=False, add_generation_prompt=True)
     assert squeeze_newlines(tok.decode(unpadded(lp, marker))) == squeeze_newlines(rendered)
 
@@ -350,7 +358,7 @@ def test_text_between_two_plus_groups_is_context(tok, marker):
 def test_spans_keep_the_conversation_around_them(tok, marker, query):
     """Wherever the group sits, the prompt is the rendering; spans add only their separator and padding."""
     lp = lower(query, tok, BS, marker)
-    read = shortest_tail_last(query, tok, BS)  # the group as it is read
+    read = span_order(query, tok, BS)  # the group as it is read
     rendered = tok.apply_chat_template(to_chat_messages(read), tokenize=False, add_generation_prompt=True)
     decoded = tok.decode(unpadded(lp, marker))
     assert decoded.replace("\n", "") == rendered.replace("\n", "")
@@ -360,10 +368,13 @@ def test_spans_keep_the_conversation_around_them(tok, marker, query):
 
 
 def test_a_nested_plus_is_read_as_one_span(tok, newline):
-    lp = lower(
-        cross(system(SYSTEM), plus(fragment("one"), plus("two", "three")), user("Q")), tok, BS, newline
-    )
-    assert lp.span_texts == ["one", "two\n\nthree"]
+    """The inner group is one span of its children's text, in its own order (`span_order`): the same span
+    whichever order the inner children are given in."""
+    def read(*inner: str) -> list[str]:
+        return lower(cross(system(SYSTEM), plus(fragment("one"), plus(*inner)), user("Q")), tok, BS, newline).span_texts
+
+    assert read("two", "three") == read("three", "two") and read("two", "three")[0] == "one"
+    assert read("two", "three")[1] in ("two\n\nthree", "three\n\ntwo")
 
 
 def test_empty_plus_children_make_no_span(tok, newline):
