@@ -88,7 +88,7 @@ class NotebookKernel:
         from jupyter_client.manager import AsyncKernelManager
 
         spec_dir = self.folder / "kernels" / KERNEL_NAME
-        spec_dir.mkdir(parents=True)
+        spec_dir.mkdir(parents=True, exist_ok=True)
         (spec_dir / "kernel.json").write_text(
             json.dumps(
                 {
