@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spanq_backend.kv.cidra import CidraPlanner
+from tests.backend.settings import temporarily
 
 BS = 32
 SPANS = "ABCDE"
@@ -142,11 +143,8 @@ def test_eight_orders_in_one_batch_match_solo_runs_and_the_reference(tiny_backen
         return together, alone, before, after
 
     # eight layouts of one set (by default the engine reads a set in one order, at one position)
-    engine.generator.keep_span_order = True
-    try:
+    with temporarily(engine.generator, keep_span_order=True):
         check_eight_orders(engine, hf_model, order_list, *asyncio.run(scenario()))
-    finally:
-        engine.generator.keep_span_order = False
 
 
 def check_eight_orders(engine, hf_model, order_list, together, alone, before, after):

@@ -23,6 +23,7 @@ from spanq_backend.serving.recompute import choose_blocks, plan_recompute, recom
 from spanq_integrations import cross, fragment, generate, plus, system, user
 from spanq_integrations.query.spnl_json import from_json, to_json
 from tests.backend.logprobs import run_with_logprobs
+from tests.backend.settings import temporarily
 
 TOL = 2e-4
 
@@ -279,11 +280,8 @@ def test_every_recomputed_run_and_the_answer_are_computed_in_one_engine_step(eng
         done = await engine.generate(third)
         return lowered, plan, computed, out, list(engine.recent), done.metrics, gen.recompute_plan(third, engine.lower(third))
 
-    gen.keep_span_order = True  # three layouts of one set (by default one: the third would find the runs cached)
-    try:
+    with temporarily(gen, keep_span_order=True):  # three layouts of one set (by default one: the third would find the runs cached)
         lowered, plan, computed, out, requests, metrics, plan3 = asyncio.run(scenario())
-    finally:
-        gen.keep_span_order = False
     assert len(plan.ends) >= 3 and len(plan3.ends) >= 3, "several runs that span blocks follow"
     assert computed == [32] * len(plan.ends), "each run computed its own block only"
     assert len(requests) == len(plan3.ends) + 1  # nothing prepared: the runs and the answer

@@ -17,6 +17,7 @@ import torch
 from benchmarks.hf_span import full_attention_logprobs, span_reference_logprobs
 from spanq_integrations import cross, fragment, generate, plus, system, user
 from spanq_integrations.runtime.executor import aexecute
+from tests.backend.settings import temporarily
 
 pytestmark = [pytest.mark.vllm]
 
@@ -66,11 +67,8 @@ def test_reordered_spans_hit_cache_and_match_reference(engine, hf_model):
         return first, second
 
     assert engine.lower(rag_query("DCBA")).span_texts == engine.lower(rag_query("ABCD")).span_texts  # by default
-    engine.generator.keep_span_order = True
-    try:
+    with temporarily(engine.generator, keep_span_order=True):
         (lw1, prep1, _, tok1, lp1), (lw2, prep2, out2, tok2, lp2) = asyncio.run(scenario())
-    finally:
-        engine.generator.keep_span_order = False
     assert prep1 == 4, "all four spans were new on the first run"
     assert prep2 == 0, "the second run found every span already cached"
     span_tokens = sum(e - s for s, e in lw2.table.spans)
