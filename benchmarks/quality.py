@@ -13,7 +13,10 @@ is painted C."), teacher-forced, each engine gives its next-token distributions 
   setting (`--recompute`).
 
 Three comparisons separate the two changes: layout only (stock layout vs stock plain), attention only (spans vs
-stock layout: the same tokens), both (spans vs stock plain: what a user sees). Each reports argmax agreement
+stock layout: the same tokens), both (spans vs stock plain: what a user sees). A `plus` is order-free and the span
+engine reads a group in one order per set (`lowering.span_order`), so a fourth reference is stock on the plain
+prompt with the documents in that order (full attention, no padding: what stock answers over the same order);
+"same order" compares the spans with it, and "order only" says how far the two stock orders are apart. Each reports argmax agreement
 along the gold answer, KL(reference || other) per token (over the reference's top 20 tokens and one bucket for
 the rest: a lower bound), and the gold answer's log-probability; exact match is whether the greedy answer names
 the right colour. Means over items come with bootstrap 95% intervals. `--hf-check N` computes the exact KL of
@@ -32,7 +35,7 @@ import json
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -320,9 +323,20 @@ async def measure_item(item: QAItem, k: int, stock: Any, spans: Any, args: argpa
     gold = tokenizer.encode(item.gold, add_special_tokens=False)
     base = qa_query(item, args.max_tokens)
     plain = flattened_prompt_ids(tokenizer, base.input)
-    layout = gen.lower(base).token_ids
+    lowered_base = gen.lower(base)
+    layout = lowered_base.token_ids
     ref = await on_engine(stock, "score", plain, gold, None, TOP)
     ref_answer = await on_engine(stock, "greedy", plain, args.max_tokens, None)
+    # The documents in the order the span engine reads them, as a plain prompt (read by stock where it differs).
+    rank = {text: i for i, text in enumerate(lowered_base.span_texts)}
+    in_span_order = sorted(item.docs, key=lambda d: rank.get(d, len(rank)))
+    if in_span_order == list(item.docs):
+        same, same_answer = ref, ref_answer
+    else:
+        ordered = flattened_prompt_ids(tokenizer, qa_query(replace(item, docs=in_span_order), args.max_tokens).input)
+        same = await on_engine(stock, "score", ordered, gold, None, TOP)
+        same_answer = await on_engine(stock, "greedy", ordered, args.max_tokens, None)
+    order_only = compare(ref, same)
     lay = await on_engine(stock, "score", layout, gold, None, TOP)
     lay_answer = await on_engine(stock, "greedy", layout, args.max_tokens, None)
     layout_only = compare(ref, lay)
@@ -351,7 +365,8 @@ async def measure_item(item: QAItem, k: int, stock: Any, spans: Any, args: argpa
                 "color": item.color, "target_doc": item.target,
                 "recomputed_share": plan.tokens / span_tokens if span_tokens else 0.0,
                 "stock_answer": ref_answer, "layout_answer": lay_answer, "spans_answer": answer,
-                "stock_correct": item.correct(ref_answer),
+                "same_order_answer": same_answer, "reordered": in_span_order != list(item.docs),
+                "stock_correct": item.correct(ref_answer), "same_order_correct": item.correct(same_answer),
                 "layout_correct": item.correct(lay_answer),
                 "spans_correct": item.correct(answer),
                 "prompt_tokens_stock": len(plain), "prompt_tokens_spans": len(lowered.token_ids),
@@ -360,6 +375,8 @@ async def measure_item(item: QAItem, k: int, stock: Any, spans: Any, args: argpa
                 **{f"layout_{m}": v for m, v in layout_only.items()},
                 **{f"attention_{m}": v for m, v in compare(lay, got).items()},
                 **{f"both_{m}": v for m, v in compare(ref, got).items()},
+                **{f"order_{m}": v for m, v in order_only.items()},
+                **{f"same_{m}": v for m, v in compare(same, got).items()},
             }
             if hf_model is not None and k < args.hf_check:
                 from benchmarks import hf_span
@@ -507,6 +524,13 @@ def summarize_rows(rows: list[dict[str, Any]], speed: list[dict[str, Any]], args
                                                    for r in at]) for name in ("layout", "spans")}
         for comparison in ("layout", "attention", "both"):
             entry[comparison] = {m: bootstrap([r[f"{comparison}_{m}"] for r in at]) for m in METRICS}
+        if all("same_kl" in r for r in at):  # rows measured since the same-order reference
+            for comparison in ("order", "same"):
+                entry[comparison] = {m: bootstrap([r[f"{comparison}_{m}"] for r in at]) for m in METRICS}
+            entry["reordered"] = sum(r["reordered"] for r in at) / len(at)
+            entry["exact_match"]["same_order"] = bootstrap([r["same_order_correct"] for r in at])
+            entry["exact_match_diff_same_order"] = bootstrap(
+                [float(r["spans_correct"]) - float(r["same_order_correct"]) for r in at])
         checked = [r for r in at if "hf_attention_kl" in r]
         if checked:
             entry["hf_check"] = {
@@ -555,6 +579,13 @@ def render_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
                  f"{_ci(lay['agreement'])}, KL {_ci(lay['kl'], 3)}, gold lp Δ {_ci(lay['gold_lp_delta'])}; exact "
                  f"match stock plain {_ci(em['stock'])}, stock layout {_ci(em['layout'])}"
                  f"{f' (chance {chance:.2f})' if chance else ''}; padding {first['padding_overhead']:.0%} of the span layout")
+    for name, e in settings.items():
+        if "same" in e:
+            text += (f"\n{name} against stock plain in the span order (reordered on {e['reordered']:.0%} of items; order "
+                     f"only: agreement {_ci(e['order']['agreement'])}, KL {_ci(e['order']['kl'], 3)}): agreement "
+                     f"{_ci(e['same']['agreement'])}, KL {_ci(e['same']['kl'], 3)}, gold lp Δ "
+                     f"{_ci(e['same']['gold_lp_delta'])}; exact match stock in that order "
+                     f"{_ci(e['exact_match']['same_order'])}, Δ spans (paired) {_ci(e['exact_match_diff_same_order'])}")
     for name, e in settings.items():
         if "same_pick" in e:
             text += (f"\n{name}: the same pick as the stock judge, spans {_ci(e['same_pick']['spans'])}, stock on the "

@@ -485,3 +485,14 @@ def test_quality_bench(engines, tmp_path):
     assert settings["template/1"]["attention"]["agreement"]["mean"] == 1.0
     assert settings["template/1"]["hf_check"]["hf_kl"] < 1e-6
     assert settings["template/0"]["attention"]["agreement"]["mean"] < 1.0
+    # The same-order reference: stock on the plain prompt with the documents in the order the spans read them.
+    # Where that is the order given it is the plain reference itself; where not, stock reads another prompt (a
+    # reference left in the given order would give "same" = "both" on every item).
+    rows = report["rows"]
+    assert any(r["reordered"] for r in rows), "no item was reordered: the check below could not fail"
+    for r in rows:
+        if r["reordered"]:
+            assert r["order_kl"] > 0 and r["same_kl"] != r["both_kl"], r
+        else:
+            assert r["order_agreement"] == 1.0 and r["same_kl"] == r["both_kl"], r
+    assert 0 <= settings["template/0"]["exact_match"]["same_order"]["mean"] <= 1
