@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -102,7 +103,13 @@ def _tail(path: Path, lines: int = 30) -> str:
 class SpanReplica:
     """One span engine of the cluster: a `spanq serve` process it owns, proxied (a Ray Serve deployment)."""
 
-    def __init__(self, serve_args: Sequence[str], core_lists: Sequence[str] = (), start_timeout_s: float = 900.0):
+    def __init__(
+        self,
+        serve_args: Sequence[str],
+        core_lists: Sequence[str] = (),
+        start_timeout_s: float = 900.0,
+        log_dir: str | None = None,
+    ):
         import httpx
         from ray import serve
 
@@ -115,7 +122,13 @@ class SpanReplica:
         self.cores = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(tempfile.mkdtemp(prefix="spanq-replica-")) / "serve.log"
+        # In the cluster's log folder where it gave one (a local Ray: `serve_cluster` removes it when it ends);
+        # else in one of its own, on whatever machine the replica runs.
+        if log_dir is not None:
+            tag = re.sub(r"[^A-Za-z0-9_.-]+", "-", context.replica_id.unique_id)
+            self.log_path = Path(log_dir) / f"replica-{tag}.log"
+        else:
+            self.log_path = Path(tempfile.mkdtemp(prefix="spanq-replica-")) / "serve.log"
         # Through `supervise`: the server and its engine core live and die together, as one process group.
         command = [sys.executable, "-m", "spanq_backend.cluster.supervise",
                    sys.executable, "-m", "spanq_integrations.cli", "serve", *serve_args,
@@ -297,8 +310,10 @@ def build_app(
     stats_period_s: float = 1.0,
     retries: int = 2,
     max_ongoing_requests: int = 64,
+    log_dir: str | None = None,
 ) -> Any:
-    """The Ray Serve application: the ingress bound to `replicas` span replicas."""
+    """The Ray Serve application: the ingress bound to `replicas` span replicas (each writes its server's log into
+    `log_dir` where given, else into a folder of its own)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -323,7 +338,7 @@ def build_app(
         health_check_period_s=2,
         health_check_timeout_s=30,
         request_router_config=router,
-    ).bind(list(serve_args), list(core_lists))
+    ).bind(list(serve_args), list(core_lists), log_dir=log_dir)
     ingress = serve.deployment(
         _make_ingress(retries), name="SpanIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=10_000,
@@ -374,10 +389,15 @@ def serve_cluster(argv: Sequence[str]) -> int:
     # on a local Ray every replica runs on this machine: each gets its own cores (a remote cluster's nodes are
     # not known here; there each engine binds as vLLM decides, or as VLLM_CPU_OMP_THREADS_BIND says)
     cores = split_cores(cluster.replicas) if not cluster.ray_address else []
-    app = build_app(rest, cluster.replicas, cluster.routing, core_lists=cores, max_imbalance=cluster.max_imbalance)
+    # A local Ray's replicas write their servers' logs here; the folder goes when this command ends (a replica
+    # killed with Ray cannot remove its own).
+    log_dir = None if cluster.ray_address else tempfile.mkdtemp(prefix="spanq-cluster-")
+    app = build_app(rest, cluster.replicas, cluster.routing, core_lists=cores, max_imbalance=cluster.max_imbalance,
+                    log_dir=log_dir)  # fmt: skip
     print(
         f"spanq serve: starting {cluster.replicas} replica(s), {cluster.routing} routing, on "
-        f"http://{cluster.host}:{cluster.port}" + (f"; their engines' cores: {' | '.join(cores)}" if cores else ""),
+        f"http://{cluster.host}:{cluster.port}" + (f"; their engines' cores: {' | '.join(cores)}" if cores else "")
+        + (f"; replica logs in {log_dir}" if log_dir else ""),
         file=sys.stderr,
         flush=True,
     )
@@ -386,6 +406,8 @@ def serve_cluster(argv: Sequence[str]) -> int:
     except Exception as e:  # noqa: BLE001 - a replica that cannot start: its server's log tail is in the error
         print(f"spanq serve: error: the replicas did not start: {e}", file=sys.stderr)
         serve.shutdown()
+        if log_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
         return 1
     print(f"spanq serve: ready on http://{cluster.host}:{cluster.port}", file=sys.stderr, flush=True)
 
@@ -415,6 +437,8 @@ def serve_cluster(argv: Sequence[str]) -> int:
         ray.shutdown()
         if adopted:  # and within a bound: what is still there `END_GRACE_S` later is killed
             end_all(identities(descendants(os.getpid())), grace_s=END_GRACE_S)
+        if log_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
     return 0
 
 

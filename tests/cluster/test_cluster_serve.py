@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -210,6 +211,10 @@ def test_stopping_the_group_ends_the_cluster_and_all_it_started_even_with_a_repl
 
     started = sorted({*descendants(cluster.pid), *processes(group=cluster.pid)} - {cluster.pid})
     assert len(started) > 3, "the cluster's own processes (Ray's, the replicas') were not found"
+    said = re.search(r"replica logs in (\S+)", cluster.log.read_text())
+    assert said, log_tail(cluster.log)
+    logs = Path(said.group(1))
+    assert len(list(logs.glob("replica-*.log"))) >= 2, "each replica's server log, in the cluster's folder"
     names = {pid: _command(pid) for pid in started}
     os.killpg(cluster.pid, signal.SIGTERM)
     deadline = time.monotonic() + 25  # under Serve's 30 s controller wait
@@ -228,6 +233,7 @@ def test_stopping_the_group_ends_the_cluster_and_all_it_started_even_with_a_repl
     assert not left(), "still running 10 s after the command exited: " + "; ".join(
         f"{pid} {names[pid]}" for pid in left()
     )
+    assert not logs.exists(), "the replicas' logs were left behind"  # one folder per run would pile up in /tmp
 
 
 def _command(pid: int) -> str:
