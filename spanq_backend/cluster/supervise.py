@@ -16,29 +16,23 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
-from spanq_backend.serving.processes import processes
+from spanq_backend.serving.processes import end_all, identities, processes
 
 GRACE_S = 20.0
 
 
 def end_group(grace_s: float = GRACE_S) -> None:
-    """SIGTERM to the rest of this process's group, then SIGKILL to what is still there after `grace_s`."""
+    """SIGTERM to the rest of this process's group, then SIGKILL to what is still there after `grace_s` (members
+    that join meanwhile included)."""
     pgid = os.getpgrp()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        for pid in processes(group=pgid):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + wait_s
-        while processes(group=pgid) and time.monotonic() < deadline:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(-1, os.WNOHANG)
-            time.sleep(0.2)
-        if not processes(group=pgid):
-            return
+
+    def members() -> dict[int, int]:
+        return identities(processes(group=pgid))
+
+    end_all(members(), grace_s, joining=members)
 
 
 def _term_with_parent(parent: int | None = None) -> None:  # pragma: no cover - also runs between fork and exec

@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,21 +74,25 @@ def identities(pids: list[int]) -> dict[int, int]:
     return {pid: started for pid in pids if (started := _started(pid)) is not None}
 
 
-def end_all(started: dict[int, int], grace_s: float) -> list[int]:
+def end_all(started: dict[int, int], grace_s: float, *, joining: Callable[[], dict[int, int]] | None = None) -> list[int]:
     """End the processes of `identities(...)` that are still there: SIGTERM, then SIGKILL to what is left after
-    `grace_s`. Returns the pids that had to be killed."""
+    `grace_s`. `joining`, where given, names more (`identities` too) before each signal: processes started since
+    (a process group's new members). Returns the pids that had to be killed."""
+    started = dict(started)
 
     def left() -> list[int]:
         return [pid for pid, when in started.items() if _started(pid) == when]
 
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        if joining is not None:
+            started.update(joining())
         if not (pids := left()):
             return []
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + wait_s
-        while left() and time.monotonic() < deadline:
+        while left() and time.monotonic() < deadline:  # (a zombie is gone: whose it is to reap, it decides)
             time.sleep(0.1)
         if sig == signal.SIGKILL:
             return pids

@@ -227,3 +227,43 @@ def test_the_cluster_command_adopts_what_its_ray_orphans_and_ends_it_within_a_bo
     assert ended == "ended: True" and 0.9 <= float(took) < 8, lines[3]
     broken = subprocess.run([sys.executable, "-c", ADOPTING, "not"], check=False, capture_output=True, text=True, timeout=60)
     assert broken.stdout.splitlines()[0] == "among descendants: False", broken.stdout + broken.stderr
+
+
+GROUP = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    from spanq_backend.cluster import supervise
+
+    os.setsid()  # this process leads a group of its own, as `supervise` does
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(300)"
+    # a member that ignores SIGTERM, and one that, told to stop, starts another such member and exits
+    joiner = (f"import signal, subprocess, sys, time\\n"
+              f"def stop(*_):\\n"
+              f"    late = subprocess.Popen([sys.executable, '-c', {stubborn!r}], stdout=subprocess.PIPE)\\n"
+              f"    late.stdout.readline()\\n"
+              f"    open(sys.argv[1], 'w').write(str(late.pid))\\n"
+              f"    sys.exit(0)\\n"
+              f"signal.signal(signal.SIGTERM, stop)\\n"
+              f"print(flush=True)\\n"
+              f"time.sleep(300)\\n")
+    late_file = sys.argv[1] if sys.argv[1:] else "late.pid"
+    members = [subprocess.Popen([sys.executable, "-c", code, late_file], stdout=subprocess.PIPE) for code in (stubborn, joiner)]
+    for m in members:
+        m.stdout.readline()
+    sent = time.monotonic()
+    supervise.end_group(grace_s=1.0)
+    late = int(open(late_file).read())
+    gone = [not os.path.exists(f"/proc/{p}") or open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+            for p in (*(m.pid for m in members), late)]
+    print("gone:", gone, round(time.monotonic() - sent, 1), flush=True)
+    os.kill(late, 9) if not gone[-1] else None
+""")
+
+
+def test_supervise_ends_its_whole_group_also_what_joins_it_while_it_stops(tmp_path):
+    """A supervisor's stop (`supervise.end_group`): SIGTERM to its group, SIGKILL after the grace to what ignores
+    it, a member started during the stop included (a server starting a helper on its way out): none is left."""
+    run = subprocess.run([sys.executable, "-c", GROUP, str(tmp_path / "late.pid")], check=False, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    gone, took = run.stdout.strip().rsplit(" ", 1)
+    assert gone == "gone: [True, True, True]" and 0.9 <= float(took) < 10, run.stdout
