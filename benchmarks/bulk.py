@@ -27,7 +27,9 @@ from typing import Any
 
 from benchmarks.common import (
     BenchReport,
+    add_recompute_flag,
     base_parser,
+    engine_options_of,
     engine_pair,
     format_table,
     int_list,
@@ -114,6 +116,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--kv-blocks", type=int, default=1024,
                         help="KV cache size of each engine, in 32-token blocks (default: 1024)")
     parser.add_argument("--concurrency", type=int, default=16, help="engine max_num_seqs (default: 16)")
+    add_recompute_flag(parser)
     return parser.parse_args(list(argv))
 
 
@@ -124,7 +127,7 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
     args = parse_args(argv)
     report = BenchReport("bulk", args)
     settings = [(b, o) for b in args.bulk for o in (("arrival",) if b == 1 else ("arrival", "locality"))]
-    options = {"kv_blocks": args.kv_blocks, "max_model_len": 4096, "max_num_seqs": args.concurrency}
+    options = engine_options_of(args, kv_blocks=args.kv_blocks, max_model_len=4096, max_num_seqs=args.concurrency)
     with engine_pair(args.model, backends=backends, **options) as (stock, spans):
         w = make_workload(spans.engine.tokenizer, pool=args.pool, queries=args.queries, k=args.k,
                           frag_tokens=args.frag_tokens, zipf=args.zipf, seed=args.seed)

@@ -132,6 +132,25 @@ def base_parser(
     return parser
 
 
+def add_recompute_flag(parser: argparse.ArgumentParser) -> None:
+    """`--recompute SETTING`: the span engine's recompute setting for calls that say nothing (EngineConfig.recompute);
+    without it, the engine's default."""
+    from spanq_backend.serving.recompute import recompute_arg
+
+    parser.add_argument(
+        "--recompute", type=recompute_arg, default=None, metavar="SETTING",
+        help="span blocks recomputed in context (question, 0, first, last or a share; default: the engine's, "
+        "question; tables measured before 2026-12-04 ran at 0)",
+    )  # fmt: skip
+
+
+def engine_options_of(args: argparse.Namespace, **options: Any) -> dict[str, Any]:
+    """`EngineConfig` fields for a benchmark's engines: `options`, and the --recompute asked for, if any."""
+    if getattr(args, "recompute", None) is not None:
+        options["recompute"] = args.recompute
+    return options
+
+
 def model_label(model: str) -> str:
     """A short name for file names and tables: tiny, smollm2, or the model folder's name."""
     if model in ("default", "smollm2"):

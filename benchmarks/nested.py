@@ -22,7 +22,9 @@ from typing import Any
 from benchmarks.common import (
     WORDS,
     BenchReport,
+    add_recompute_flag,
     base_parser,
+    engine_options_of,
     engine_pair,
     float_list,
     format_table,
@@ -67,6 +69,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="inner sampling temperatures (default: 0,0.5)")
     parser.add_argument("--inner-tokens", type=int, default=128, help="tokens per inner generation (default: 128)")
     parser.add_argument("--max-model-len", type=int, default=8192, help="engine context length (default: 8192)")
+    add_recompute_flag(parser)
     return parser.parse_args(list(argv))
 
 
@@ -77,7 +80,7 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
     args = parse_args(argv)
     report = BenchReport("nested", args)
     settings = [(t, n) for t in args.temperatures for n in args.fan_out]
-    options = {"max_model_len": args.max_model_len, "max_num_seqs": max(16, *args.fan_out)}
+    options = engine_options_of(args, max_model_len=args.max_model_len, max_num_seqs=max(16, *args.fan_out))
     with engine_pair(args.model, backends=backends, **options) as (stock, spans):
         bar = progress(len(settings) * args.reps * 2, "nested", disable=args.no_progress)
         rng = random.Random(f"spanq-nested:{args.seed}")

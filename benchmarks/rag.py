@@ -37,7 +37,9 @@ from typing import Any
 
 from benchmarks.common import (
     BenchReport,
+    add_recompute_flag,
     base_parser,
+    engine_options_of,
     engine_pair,
     format_table,
     int_list,
@@ -87,6 +89,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--cold-spans", choices=("isolate", "context", "auto"), default="auto",
                         help="how the span engine computes documents it has not cached (EngineConfig.cold_spans; "
                         "default: auto, the engine's default)")
+    add_recompute_flag(parser)
     parser.add_argument("--grid", action="store_true",
                         help="every document count x every document size of --doc-tokens-list (default 64,128,256,512), "
                         "with a heat map of each speedup")
@@ -115,7 +118,7 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
 
     args = parse_args(argv)
     report = BenchReport("rag", args)
-    options = {"max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib, "max_num_seqs": 16}
+    options = engine_options_of(args, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, max_num_seqs=16)
     if backends is None:
         options["cold_spans"] = args.cold_spans
     with engine_pair(args.model, backends=backends, **options) as (stock, spans):
@@ -165,7 +168,8 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
                     bar.update(1)
         bar.close()
 
-    report.config.update({"cold_spans": getattr(spans.engine.generator, "cold_spans", None), "cells": cells, "skipped_cells": skipped, "modes": list(MODES), "question": QUESTION,
+    report.config.update({"cold_spans": getattr(spans.engine.generator, "cold_spans", None),
+                          "recompute": str(getattr(spans.engine.generator, "default_recompute", None)), "cells": cells, "skipped_cells": skipped, "modes": list(MODES), "question": QUESTION,
                           "question_first": args.question_first})
     report.summary = summarize_cells(report.rows, cells)
     print(render_table(report.summary, args))

@@ -55,12 +55,13 @@ def default_model() -> Path:
 @pytest.fixture(scope="session")
 def tiny_backend(tiny_model):
     """One span-aware embedded backend on the tiny model, shared by every test of the session. Its cold documents
-    are prepared alone first ("isolate"), whatever their size: the adapters' tests count what each call prepared
-    and read from the cache; the default policy ("auto", small cold prompts computed in context as stock does)
-    is `tests/backend/test_cold_spans.py`'s subject."""
+    are prepared alone first ("isolate"), whatever their size, and a call that says nothing recomputes nothing
+    (`recompute=0`): the adapters' tests count what each call prepared and read from the cache. The default policy
+    ("auto", small cold prompts computed in context as stock does) is `tests/backend/test_cold_spans.py`'s subject,
+    the default recompute ("question") `tests/backend/test_recompute.py`'s and `test_demo_answers.py`'s."""
     from spanq_backend.serving.embedded import EmbeddedBackend
 
-    backend = EmbeddedBackend(str(tiny_model), max_model_len=2048, max_num_seqs=8, cold_spans="isolate")
+    backend = EmbeddedBackend(str(tiny_model), max_model_len=2048, max_num_seqs=8, cold_spans="isolate", recompute=0)
     yield backend
     backend.close()
 
@@ -69,11 +70,11 @@ def tiny_backend(tiny_model):
 def compact_tiny(tiny_model):
     """The tiny model with compact JSON (`EngineConfig.compact_json`): a random model pads free-whitespace JSON
     with whitespace until max_tokens. Shared by the tool-calling and agent tests, which count prepares: cold
-    documents prepared alone first, as in `tiny_backend`."""
+    documents prepared alone first and nothing recomputed, as in `tiny_backend`."""
     from spanq_backend.serving.embedded import EmbeddedBackend
 
     backend = EmbeddedBackend(str(tiny_model), max_model_len=2048, max_num_seqs=4, compact_json=True,
-                              cold_spans="isolate")
+                              cold_spans="isolate", recompute=0)
     yield backend
     backend.close()
 

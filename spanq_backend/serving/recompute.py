@@ -38,11 +38,10 @@ from spanq_integrations.query.ir import RECOMPUTE_POLICIES, Recompute
 
 __all__ = ["DEFAULT_RECOMPUTE", "RecomputePlan", "choose_blocks", "plan_recompute", "recompute_arg", "recompute_setting"]
 
-# What a call that says nothing recomputes: nothing (span attention as it is, the fastest). `"first"` was measured
-# as the candidate default (docs/benchmarks.md, `quality`): better on average (KL to stock 0.061 -> 0.044 on
-# SmolLM2) at >= 10x warm reuse, but on the demo's second question its answer lost the towns `0` names, so it is
-# one argument away, not the default.
-DEFAULT_RECOMPUTE: Recompute = 0.0
+# What a call that says nothing recomputes: as many blocks as spans, those the question shares most with
+# (docs/design.md, "Recompute", says how it was chosen: docs/benchmarks.md `quality` measures it beside `0`).
+# `0` (nothing: span attention as it is, the fastest) is one argument away.
+DEFAULT_RECOMPUTE: Recompute = "question"
 
 
 def recompute_setting(value: Recompute | str | float | None) -> Recompute:

@@ -111,9 +111,9 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--recompute", dest="spanq_recompute", type=recompute_arg, default=DEFAULT_RECOMPUTE, metavar="SETTING",
-        help="span blocks recomputed in context for quality when a query says nothing: none (the "
-        "default: raw span speed), first, last (each span's first / last block), question (as many blocks, those the "
-        "question shares most with), or a share of span blocks such as 0.1",
+        help="span blocks recomputed in context for quality when a query says nothing: question (the default: "
+        "as many blocks as spans, those the question shares most with), none (raw span speed), first, last (each "
+        "span's first / last block), or a share of span blocks such as 0.1",
     )
     parser.add_argument(
         "--tier-dir", dest="spanq_tier_dir", default=None, metavar="DIR",

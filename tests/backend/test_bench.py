@@ -178,6 +178,22 @@ def test_bulk_workload_is_skewed_deterministic_and_ordered_for_locality(tokenize
         assert sorted(ids) == sorted(c.id for c in plain.input.children[1].children)
 
 
+def test_benches_run_at_the_engines_recompute_unless_told():
+    """`spanq bench rag|nested|bulk --recompute SETTING` (the tables before the default became "question" were measured at 0);
+    a bad setting is the flag's error, before any engine starts."""
+    from benchmarks import bulk, nested, rag
+    from benchmarks.common import engine_options_of
+
+    for bench in (rag, nested, bulk):
+        assert bench.parse_args([]).recompute is None
+        assert engine_options_of(bench.parse_args([]), max_num_seqs=4) == {"max_num_seqs": 4}
+        args = bench.parse_args(["--recompute", "0"])
+        assert args.recompute == 0 and engine_options_of(args, max_num_seqs=4) == {"max_num_seqs": 4, "recompute": 0}
+        assert bench.parse_args(["--recompute", "first"]).recompute == "first"
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--recompute", "most"])
+
+
 def test_quality_items_hold_their_answer_in_exactly_one_document():
     from benchmarks.quality import make_items, names_color
 

@@ -1,8 +1,8 @@
 """`make demo`'s answers: on the default model, at the default settings, the span engine's answers to the demo's
 questions are answers from the documents wherever stock vLLM's are — they name the documents' towns and
 town-hall colours where stock's do. Without a lead-in (the anchors before it), in the
-order given (before one order per set), they were not: "The answer to this question is:" — the check fails
-there, shown below. (Whether the answer is
+order given (before one order per set) and with nothing recomputed (the default before "question"), they were
+not: "The answer to this question is:" — the check fails there, shown below. (Whether the answer is
 *right* is the model's: SmolLM2-135M gets the demo's questions wrong on stock vLLM too; `spanq bench quality`
 measures how span answers compare with stock's over many items.)"""
 
@@ -70,10 +70,12 @@ def test_span_answers_name_the_documents_where_stock_answers_do(default_model, d
         generator.read_in_context = False
         as_spans = answers(backend, demo)
         # The check can fail: the same engine, its spans prepared after the template's opening alone (no lead-in,
-        # the default before it) and read in the order given (before one order per set, which on these questions
-        # brings the documents' names back even without a lead-in), answers without them.
+        # the default before it), read in the order given (before one order per set, which on these questions
+        # brings the documents' names back even without a lead-in) and nothing recomputed (the default before
+        # "question"), answers without them.
         generator.default_lead_in = ""
         generator.keep_span_order = True
+        generator.default_recompute = 0
         bare = answers(backend, demo)
     finally:
         backend.close()

@@ -144,7 +144,7 @@ def test_spanq_serve_on_a_compiled_tier_answers_from_it_as_the_engine_does(run, 
     result, _, folder = run
     port = free_port()
     command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", "tiny", "--port", str(port),
-               "--max-model-len", "2048", "--tier-dir", str(folder / "tier")]
+               "--max-model-len", "2048", "--tier-dir", str(folder / "tier"), "--recompute", "0"]  # as the engines ran
     with running_server(command, tmp_path / "server.log", "spanq serve --tier-dir"):
         url = f"http://127.0.0.1:{port}"
         call = query(list(reversed(DOCS))).model_copy(update={"model": "tiny"})

@@ -68,7 +68,10 @@ async def stale_blocks_first(engine: SpanEngine) -> None:
 
 
 def run_engine(tier_dir: str, docs: list[str], prepare: bool = True) -> dict:
-    with SpanEngine(EngineConfig(model="tiny", tier_dir=tier_dir, num_blocks=72, max_model_len=2048)) as engine:
+    # recompute=0: the tier's own path (a query's request loads its spans) is a call that recomputes nothing; the
+    # "recompute" call below says its own setting
+    config = EngineConfig(model="tiny", tier_dir=tier_dir, num_blocks=72, max_model_len=2048, recompute=0)
+    with SpanEngine(config) as engine:
 
         async def scenario() -> dict:
             await stale_blocks_first(engine)
