@@ -232,6 +232,7 @@ def test_the_cluster_command_adopts_what_its_ray_orphans_and_ends_it_within_a_bo
 GROUP = textwrap.dedent("""
     import os, signal, subprocess, sys, time
     from spanq_backend.cluster import supervise
+    from spanq_backend.serving.processes import identities
 
     os.setsid()  # this process leads a group of its own, as `supervise` does
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(300)"
@@ -252,8 +253,7 @@ GROUP = textwrap.dedent("""
     sent = time.monotonic()
     supervise.end_group(grace_s=1.0)
     late = int(open(late_file).read())
-    gone = [not os.path.exists(f"/proc/{p}") or open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
-            for p in (*(m.pid for m in members), late)]
+    gone = [identities([p]) == {} for p in (*(m.pid for m in members), late)]  # gone or a zombie
     print("gone:", gone, round(time.monotonic() - sent, 1), flush=True)
     os.kill(late, 9) if not gone[-1] else None
 """)
