@@ -167,18 +167,79 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.kv_events_config is None:
         # vLLM's KV cache events on a private socket: the query route follows the prefix cache through them
         # and skips prepare requests for spans already cached (`cache_probe.KVEventsMirror`).
-        import tempfile
-        import uuid
-
         from vllm.config.kv_events import KVEventsConfig
 
-        socket_path = f"{tempfile.gettempdir()}/spanq-kv-{uuid.uuid4().hex[:12]}"
-        if len(socket_path) > 100:  # a Unix socket path holds at most ~107 bytes
-            socket_path = f"/tmp/spanq-kv-{uuid.uuid4().hex[:12]}"
+        socket_path = kv_events_socket_path()
         args.kv_events_config = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", topic="spanq-kv", endpoint=f"ipc://{socket_path}"
         )
     return args
+
+
+KV_SOCKET_PREFIX = "spanq-kv-"
+
+
+def kv_events_socket_path() -> str:
+    """A new Unix socket path for a server's KV cache events, `<tmp>/spanq-kv-<pid>-<random>`.
+
+    The socket's file goes when its server exits, unless the server was killed (SIGKILL, the OOM killer): so the
+    folder is swept first of the sockets such servers left (`sweep_stale_kv_sockets`)."""
+    import os
+    import tempfile
+    import uuid
+
+    folder = tempfile.gettempdir()
+    if len(folder) > 60:  # a Unix socket path holds at most ~107 bytes
+        folder = "/tmp"
+    sweep_stale_kv_sockets(folder)
+    return f"{folder}/{KV_SOCKET_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def sweep_stale_kv_sockets(folder: str) -> list[str]:
+    """Remove, from `folder`, the KV-event sockets of servers that are gone; return their paths.
+
+    A socket is stale only if both hold: the process its name carries no longer exists, and nothing listens on it
+    (a connection is refused). A socket of a live server, or a file that is not such a socket, is left alone."""
+    import os
+    import socket
+    import stat
+
+    removed = []
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(KV_SOCKET_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        pid_text = name[len(KV_SOCKET_PREFIX):].partition("-")[0]
+        path = os.path.join(folder, name)
+        if not pid_text.isdigit():
+            continue  # an old name without a process: not ours to judge
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # its process is alive (or another user's): keep it
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError, ValueError):
+            continue
+        try:
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                continue
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.settimeout(1.0)
+                probe.connect(path)
+                continue  # something listens there
+            except ConnectionRefusedError:
+                pass
+            finally:
+                probe.close()
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d KV-event socket(s) of servers that were killed: %s", len(removed), ", ".join(removed))
+    return removed
 
 
 GRACEFUL_HTTP_S = 5  # once the engine has stopped, how long the HTTP server waits for open connections
@@ -252,8 +313,25 @@ def serve_main(argv: list[str]) -> int:
         )
     ):
         guard.deadline_s += args.shutdown_timeout  # vLLM's drain (--shutdown-timeout) comes first
-        uvloop.run(_run_server(args, guard))
+        try:
+            uvloop.run(_run_server(args, guard))
+        finally:
+            _remove_own_kv_socket(args)
     return 0
+
+
+def _remove_own_kv_socket(args: argparse.Namespace) -> None:
+    """The KV-event socket this server made (`kv_events_socket_path`) goes with it: vLLM leaves the file behind.
+    (A server killed before this runs leaves it to the next server's sweep.)"""
+    import os
+
+    endpoint = getattr(args.kv_events_config, "endpoint", "") or ""
+    path = endpoint.removeprefix("ipc://")
+    if endpoint.startswith("ipc://") and os.path.basename(path).startswith(f"{KV_SOCKET_PREFIX}{os.getpid()}-"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

@@ -137,6 +137,68 @@ def test_a_client_names_the_model_as_the_server_was_started_as_listed_or_not_at_
     assert chat.json()["model"] == server.served_name  # answers name the model as /v1/models lists it first
 
 
+def test_the_servers_kv_event_socket_names_its_process(server: SpanqServe):
+    import os
+    import tempfile
+
+    from spanq_backend.serving.server import KV_SOCKET_PREFIX
+
+    ours = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"{KV_SOCKET_PREFIX}{server.pid}-")]
+    assert len(ours) == 1, "the running server's socket names its process (what the sweep below reads)"
+
+
+def test_a_killed_servers_kv_event_socket_is_swept_by_the_next_server_and_a_live_ones_is_kept():
+    """A server's KV-event socket carries its process id. One left by a server that was killed (its process gone,
+    nothing listening) is removed when the next server picks its socket; a live server's, a socket whose process
+    lives and anything else are kept."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    from spanq_backend.serving.server import KV_SOCKET_PREFIX, kv_events_socket_path, sweep_stale_kv_sockets
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a process id that no longer exists
+    folder = Path(tempfile.mkdtemp(prefix="kv", dir="/tmp"))
+    try:
+        def unix_socket(name: str, listening: bool) -> socket.socket:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(str(folder / name))
+            if listening:
+                sock.listen(1)
+                return sock
+            sock.close()  # the file stays, as a killed server leaves it
+            return sock
+
+        unix_socket(f"{KV_SOCKET_PREFIX}{gone.pid}-dead", listening=False)
+        live = unix_socket(f"{KV_SOCKET_PREFIX}{gone.pid}-listening", listening=True)
+        unix_socket(f"{KV_SOCKET_PREFIX}{os.getpid()}-mine", listening=False)
+        unix_socket(f"{KV_SOCKET_PREFIX}old-name", listening=False)
+        (folder / f"{KV_SOCKET_PREFIX}{gone.pid}-file").write_text("not a socket")
+        removed = sweep_stale_kv_sockets(str(folder))
+        live.close()
+        assert removed == [str(folder / f"{KV_SOCKET_PREFIX}{gone.pid}-dead")]
+        assert sorted(n.name for n in folder.iterdir()) == sorted(
+            f"{KV_SOCKET_PREFIX}{x}" for x in (f"{gone.pid}-listening", f"{os.getpid()}-mine", "old-name", f"{gone.pid}-file")
+        )
+        # the server's own choice of socket sweeps its folder first
+        unix_socket(f"{KV_SOCKET_PREFIX}{gone.pid}-dead", listening=False)
+        kept = tempfile.tempdir
+        tempfile.tempdir = str(folder)
+        try:
+            path = kv_events_socket_path()
+        finally:
+            tempfile.tempdir = kept
+        assert path.startswith(f"{folder}/{KV_SOCKET_PREFIX}{os.getpid()}-")
+        assert not (folder / f"{KV_SOCKET_PREFIX}{gone.pid}-dead").exists()
+    finally:
+        for entry in folder.iterdir():
+            entry.unlink()
+        folder.rmdir()
+
+
 def test_reordered_fragments_are_served_from_the_span_cache(server: SpanqServe, tiny_model: Path):
     from spanq_backend.serving.generator import load_chat_tokenizer
     from spanq_backend.serving.lowering import lower
