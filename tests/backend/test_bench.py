@@ -512,3 +512,13 @@ def test_quality_bench(engines, tmp_path):
         else:
             assert r["order_agreement"] == 1.0 and r["same_kl"] == r["both_kl"], r
     assert 0 <= settings["template/0"]["exact_match"]["same_order"]["mean"] <= 1
+
+    # The demo's items read one set of documents: items 0 and 2 ask the same question, and the spans read the set in
+    # one order, so their prompts (stock's in the span order, and the spans') are the same tokens again. Asked again,
+    # a prompt's rows would come from the prefix cache, with no distribution computed: each is scored once.
+    demo = ["--model", "tiny", "--tasks", "demo", "--items", "3", "--max-tokens", "2", "--recompute", "0",
+            "--hf-check", "0", "--speed-docs", "0", "--out", str(tmp_path / "demo"), "--no-progress"]
+    assert main(demo, backends=engines) == 0
+    rows = read_report(tmp_path / "demo", "quality-tiny")["rows"]
+    assert [r["item"] for r in rows] == [0, 1, 2]
+    assert rows[0]["same_kl"] == rows[2]["same_kl"] and rows[0]["spans_answer"] == rows[2]["spans_answer"]
