@@ -406,6 +406,29 @@ class SpanGenerator:
         self._remember_orders(node)  # read in this order again: the most recent
         return stock
 
+    def in_context_later(self, call: Generate, lowered: LoweredPrompt) -> list[int] | None:
+        """For a call whose cold documents were prepared alone first: the stock prompt over its documents in the
+        order the spans read them, to be computed when the engine is idle; the order is remembered. The next call
+        over the same set, in any order, then finds the documents in context (`in_context`) and reads them as
+        stock canonical does: full attention's answer, nothing recomputed or moved. None where `in_context` would
+        never read them so (a call that asks "isolate", reading in context off, an engine with a span tier, whose
+        plain prompts would be saved there) or this order is remembered already."""
+        if (not self.read_in_context or self.span_in_tier is not None or not lowered.has_spans
+                or lowered.generated_spans or (call.cold_spans or self.cold_spans) == "isolate"):  # fmt: skip
+            return None
+        orders = plus_orders(call.input)
+        rank = {text: i for i, text in enumerate(lowered.span_texts)}
+        read = {frozenset(o): tuple(sorted(o, key=lambda t: rank.get(t, len(rank)))) for o in orders}
+        if not orders or all(self._orders.get(key) == order for key, order in read.items()):
+            return None
+        node = in_order(call.input, read.get)
+        try:
+            stock, _ = self._lower(call.model_copy(update={"input": node}), stock=True)
+        except SpanQueryError:
+            return None
+        self._remember_orders(node)
+        return stock.token_ids
+
     REMEMBERED_SPANS = 65536
 
     def _note_spans(self, lowered: LoweredPrompt) -> None:
@@ -916,7 +939,11 @@ class SpanGenerator:
             except Exception as e:  # noqa: BLE001 - the answer was stock's: only the prepares for later are lost
                 log.info("spans of %s not prepared for later: %s", path, e)
                 deferred, also = [], []
-        if deferred:
+        if mode == "isolate":
+            in_context_later = self.in_context_later(call, lowered)
+            if in_context_later:
+                also = [*also, in_context_later]
+        if deferred or also:
             self.defer(deferred, also)
         if mode == "context" and not lowered.has_spans:
             self._remember_orders(call.input)  # read in context in this order: the cache holds it so

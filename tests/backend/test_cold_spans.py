@@ -156,6 +156,48 @@ def test_documents_read_in_context_before_are_read_so_again_in_any_order_and_ans
     assert (as_spans - ref).abs().max().item() > 2 * TOL
 
 
+def test_documents_prepared_alone_first_are_read_in_context_when_idle_and_so_again_in_any_order(engine, hf_model):
+    """A cold query whose documents are prepared alone first (`auto`, above `isolate_min_tokens`) answers from the
+    spans; when the engine is idle the stock prompt over its documents, in the order the spans read them, is
+    computed too. The next query over the same set, in any order, with another question, is read in context as
+    stock canonical reads it: full attention's answer, nothing recomputed or moved (docs/design.md, "Read in
+    context again")."""
+    gen = engine.generator
+    question = "Which drawer keeps 4 keys?"
+
+    async def scenario(d):
+        cold = await engine.generate(query(d, "ABCD"))
+        engine.settle()
+        again = query(d, "CADB", question)
+        layout = await gen.layout(again)
+        result = await engine.generate(again)
+        logprobs = await run_with_logprobs(engine, layout.lowered, 5, with_table=False)
+        return cold, gen._lower(query(d, "ABCD"))[0], layout, result, logprobs
+
+    with temporarily(gen, cold_spans="auto", isolate_min_tokens=1):
+        d = docs("later")
+        cold, lowered, layout, result, (_, toks, lps) = asyncio.run(scenario(d))
+        iso = query(d, "ABCD").model_copy(update={"cold_spans": "isolate"})
+        assert gen.in_context_later(iso, gen._lower(iso)[0]) is None, "a call that asks isolate never reads so"
+    assert cold.metrics.extra["cold_spans"] == "isolate" and cold.metrics.prepared_spans == 4
+    assert layout.mode == "in-context" and result.metrics.extra["cold_spans"] == "in-context"
+    # The stock prompt with the documents in the order the spans read them, found cached up to the question.
+    order = "".join(sorted("ABCD", key=lambda c: lowered.span_texts.index(docs("later")[c])))
+    assert layout.lowered.token_ids == flattened_prompt_ids(engine.tokenizer, query(d, order, question).input)
+    m = result.metrics
+    asked = len(engine.tokenizer.encode(question, add_special_tokens=False)) + 16
+    assert m.cached_tokens >= m.prompt_tokens - asked - 32 and m.prepared_spans == 0 and m.padded_tokens == 0
+    assert m.extra["recomputed_tokens"] == 0
+    ref = full_attention_logprobs(hf_model, layout.lowered.token_ids, toks).double()
+    assert (lps - ref).abs().max().item() < TOL
+    assert result.texts[0] == engine.tokenizer.decode(toks)
+
+    # The check can fail: without the stock prompt computed when idle, the same scenario reads the spans.
+    with temporarily(gen, cold_spans="auto", isolate_min_tokens=1, in_context_later=lambda *a: None):
+        *_, layout, result, _ = asyncio.run(scenario(docs("later-off")))
+    assert layout.mode == "warm" and result.metrics.extra["cold_spans"] == "warm"
+
+
 def test_documents_no_longer_cached_in_context_are_read_as_spans(engine, hf_model):
     """The order remembered is only a guess of what the cache holds: once the in-context blocks are gone (evicted,
     reset), the same query is not read in context (it would compute everything) but as spans, prepared anew."""
