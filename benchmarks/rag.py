@@ -148,8 +148,10 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
                         ("stock_canonical", stock, sorted(again), THIRD_QUESTION if n == 1 else later),
                         ("stock_same", stock, first, QUESTION))
                 for mode, backend, order, question in plan:
+                    # What the span engine does between queries (background prepares, documents read in context
+                    # when idle) is done before every measurement, stock's too: on a shared CPU it would slow them.
+                    settle(spans)
                     if backend is spans:
-                        settle(spans)  # what the span engine does between queries (background prepares) is done
                         before = _span_engine_stats(spans)
                     (call,) = execute(rag_query(docs, order, question, args.question_first), backend).calls
                     row = {
