@@ -451,6 +451,7 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
     from spanq_backend.serving.models import resolve_model
 
     args = parse_args(argv)
+    _ASKED.clear()  # answers are remembered for one run's engines only
     report = BenchReport("quality", args)
     if args.rows_from:
         _load_rows(report, args)
