@@ -201,8 +201,6 @@ def sweep_stale_kv_sockets(folder: str) -> list[str]:
     A socket is stale only if both hold: the process its name carries no longer exists, and nothing listens on it
     (a connection is refused). A socket of a live server, or a file that is not such a socket, is left alone."""
     import os
-    import socket
-    import stat
 
     removed = []
     try:
@@ -210,36 +208,54 @@ def sweep_stale_kv_sockets(folder: str) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        pid_text = name[len(KV_SOCKET_PREFIX):].partition("-")[0]
+        pid_text = name[len(KV_SOCKET_PREFIX):].partition("-")[0]  # an old name without a process: not ours to judge
         path = os.path.join(folder, name)
-        if not pid_text.isdigit():
-            continue  # an old name without a process: not ours to judge
-        try:
-            os.kill(int(pid_text), 0)
-            continue  # its process is alive (or another user's): keep it
-        except ProcessLookupError:
-            pass
-        except (PermissionError, OverflowError, ValueError):
-            continue
-        try:
-            if not stat.S_ISSOCK(os.lstat(path).st_mode):
-                continue
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if pid_text.isdigit() and not _process_exists(int(pid_text)) and _refuses_connections(path):
             try:
-                probe.settimeout(1.0)
-                probe.connect(path)
-                continue  # something listens there
-            except ConnectionRefusedError:
-                pass
-            finally:
-                probe.close()
-            os.unlink(path)
+                os.unlink(path)
+            except OSError:
+                continue
             removed.append(path)
-        except OSError:
-            continue
     if removed:
         log.info("removed %d KV-event socket(s) of servers that were killed: %s", len(removed), ", ".join(removed))
     return removed
+
+
+def _process_exists(pid: int) -> bool:
+    """Whether a process with this id exists (another user's too)."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # another user's, or not a process id this system can name: keep what carries it
+    return True
+
+
+def _refuses_connections(path: str) -> bool:
+    """Whether `path` is a Unix socket on which nothing listens (a connection is refused)."""
+    import os
+    import socket
+    import stat
+
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return False
+    except OSError:
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False  # something listens there
 
 
 GRACEFUL_HTTP_S = 5  # once the engine has stopped, how long the HTTP server waits for open connections

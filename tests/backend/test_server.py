@@ -30,6 +30,7 @@ from spanq_integrations import (
 )
 from spanq_integrations.backends.span import SpanBackend
 from spanq_integrations.query.spnl_json import from_json, to_json
+from tests.backend.settings import temporarily
 from tests.integrations.spnl_reader import read_chat_completion, read_completion, read_completion_stream
 from tests.servers import SpanqServe
 
@@ -168,8 +169,8 @@ def test_a_killed_servers_kv_event_socket_is_swept_by_the_next_server_and_a_live
             sock.bind(str(folder / name))
             if listening:
                 sock.listen(1)
-                return sock
-            sock.close()  # the file stays, as a killed server leaves it
+            else:
+                sock.close()  # the file stays, as a killed server leaves it
             return sock
 
         unix_socket(f"{KV_SOCKET_PREFIX}{gone.pid}-dead", listening=False)
@@ -185,12 +186,8 @@ def test_a_killed_servers_kv_event_socket_is_swept_by_the_next_server_and_a_live
         )
         # the server's own choice of socket sweeps its folder first
         unix_socket(f"{KV_SOCKET_PREFIX}{gone.pid}-dead", listening=False)
-        kept = tempfile.tempdir
-        tempfile.tempdir = str(folder)
-        try:
+        with temporarily(tempfile, tempdir=str(folder)):
             path = kv_events_socket_path()
-        finally:
-            tempfile.tempdir = kept
         assert path.startswith(f"{folder}/{KV_SOCKET_PREFIX}{os.getpid()}-")
         assert not (folder / f"{KV_SOCKET_PREFIX}{gone.pid}-dead").exists()
     finally:
