@@ -394,9 +394,8 @@ class SpanGenerator:
             reused += len(prefix)
         span_computes = len(ids) - reused
         node = in_order(call.input, self._orders.get)
-        try:
-            stock, _ = self._lower(call.model_copy(update={"input": node}), stock=True)
-        except SpanQueryError:
+        stock = self._stock_layout(call, node)
+        if stock is None:
             return None
         # Up to a block more than the spans: each computes a partial block before the question (stock its last
         # document's end, spans the last document's tail), one as much as the other on average; for that, nothing
@@ -422,12 +421,18 @@ class SpanGenerator:
         if not orders or all(self._orders.get(key) == order for key, order in read.items()):
             return None
         node = in_order(call.input, read.get)
-        try:
-            stock, _ = self._lower(call.model_copy(update={"input": node}), stock=True)
-        except SpanQueryError:
+        stock = self._stock_layout(call, node)
+        if stock is None:
             return None
         self._remember_orders(node)
         return stock.token_ids
+
+    def _stock_layout(self, call: Generate, node: Any) -> LoweredPrompt | None:
+        """The prompt stock vLLM reads for `call` with `node` as its input (None where it cannot be laid out)."""
+        try:
+            return self._lower(call.model_copy(update={"input": node}), stock=True)[0]
+        except SpanQueryError:
+            return None
 
     REMEMBERED_SPANS = 65536
 
