@@ -8,11 +8,13 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -119,3 +121,74 @@ class SpanqServe:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
         return 0
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def wait_for(what: str, found: Callable[[], Any], timeout_s: float, log: Path | None = None) -> Any:
+    """`found()` once it is true; fails the test (with the log's tail) if it is not within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := found()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout_s:.0f} s" + (f"\n{log_tail(log)}" if log else ""))
+        time.sleep(0.2)
+    return value
+
+
+class Supervised:
+    """`spanq serve` run through `supervise`, as a cluster replica (`SpanReplica`) runs it: the supervisor's
+    process, the server's pid, its URL and log (the supervisor's output and everything under it)."""
+
+    def __init__(self, supervisor: subprocess.Popen, server: int, url: str, log: Path):
+        self.supervisor, self.server, self.url, self.log = supervisor, server, url, log
+
+    def alive(self) -> bool:
+        return self.supervisor.poll() is None
+
+    def healthy(self) -> bool:
+        """True once the server answers; fails the test if its supervisor has exited."""
+        if not self.alive():
+            pytest.fail(f"spanq serve exited with {self.supervisor.returncode}:\n{log_tail(self.log)}")
+        with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(
+            f"{self.url}/health", timeout=2
+        ) as answer:
+            return answer.status == 200
+        return False
+
+    def kill_group(self) -> None:
+        """Whatever is left of its process group, killed (the group `supervise` made outlives its leader)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.supervisor.pid, signal.SIGKILL)
+        self.supervisor.wait()
+
+
+def start_supervised(model: Path | str, log: Path, *args: str) -> Supervised:
+    """`supervise` running `spanq serve --model MODEL ARGS...` in vLLM's default engine mode (the engine core in a
+    process of its own), as `SpanReplica` starts it; returns once the server's process exists, not once it
+    answers (`Supervised.healthy`)."""
+    from spanq_backend.serving.processes import processes
+
+    port = free_port()
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default, as a replica runs
+    command = [sys.executable, "-m", "spanq_backend.cluster.supervise",
+               sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", str(model),
+               "--host", "127.0.0.1", "--port", str(port), *args]  # fmt: skip
+    with open(log, "wb") as out:
+        supervisor = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        server = wait_for(
+            "spanq serve started",
+            lambda: next((p for p in processes(parent=supervisor.pid) if b"spanq_integrations.cli" in cmdline(p)), 0),
+            60,
+            log,
+        )
+    except BaseException:
+        Supervised(supervisor, 0, "", log).kill_group()
+        raise
+    return Supervised(supervisor, server, f"http://127.0.0.1:{port}", log)

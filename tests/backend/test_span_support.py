@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
-import sys
 from pathlib import Path
 
 import httpx
@@ -26,7 +23,7 @@ from spanq_backend.vllm_integration.worker import runner_span_status
 from spanq_integrations import cross, fragment, generate, plus, system, user
 from spanq_integrations.query.spnl_json import to_json
 from tests.backend.logprobs import run_with_logprobs
-from tests.servers import free_port, log_tail, running_server
+from tests.servers import START_TIMEOUT_S, log_tail, wait_for
 
 pytestmark = [pytest.mark.vllm]
 
@@ -235,44 +232,23 @@ def test_a_stock_engine_never_starts_the_span_runtime(tiny_model):
 # --------------------------------------------------------------------------------------------- processes
 
 
-@pytest.fixture(scope="module")
-def tiny_gpt2(tiny_model: Path, tmp_path_factory) -> Path:
-    """A tiny random GPT-2 (learned absolute positions, no rotary embedding) with SmolLM2's tokenizer: its
-    config passes the start-up check, and the worker's relocation runtime refuses it."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    out = tmp_path_factory.mktemp("tiny-gpt2")
-    config = GPT2Config(vocab_size=49152, n_positions=2048, n_embd=64, n_layer=2, n_head=2)
-    torch.manual_seed(0)
-    GPT2LMHeadModel(config).save_pretrained(out)
-    for name in os.listdir(tiny_model):
-        if name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
-            shutil.copy(tiny_model / name, out / name)
-    return out
-
-
 @pytest.mark.slow
-def test_spanq_serve_with_workers_in_other_processes_serves_span_queries_as_stock(tiny_gpt2, tmp_path):
-    port = free_port()
-    log = tmp_path / "server.log"
-    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", str(tiny_gpt2),
-               "--port", str(port), "--max-model-len", "2048"]
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine core in its own process
-    url = f"http://127.0.0.1:{port}"
+def test_spanq_serve_with_workers_in_other_processes_serves_span_queries_as_stock(supervised_serve):
+    """On the session's supervised `spanq serve` (vLLM's default engine mode) on the tiny GPT-2."""
+    server = supervised_serve()
+    wait_for("spanq serve answered", server.healthy, START_TIMEOUT_S, server.log)
     d = docs("p")
-    with running_server(command, log, "spanq serve (multiprocess)", env):
-        answers = []
-        for order in ("ABCD", "DCBA"):
-            r = httpx.post(f"{url}/v1/query/execute", json=to_json(query(d, order)), timeout=120)
-            assert r.status_code == 200, r.text
-            answers.append(r.json())
-        text = log.read_text(errors="replace")
+    answers = []
+    for order in ("ABCD", "DCBA"):
+        r = httpx.post(f"{server.url}/v1/query/execute", json=to_json(query(d, order)), timeout=120)
+        assert r.status_code == 200, r.text
+        answers.append(r.json())
+    text = server.log.read_text(errors="replace")
     assert "EngineCore" in text  # the engine core did run in a process of its own
     for body in answers:
         usage = body["usage"]
         assert usage["span_fallback"] and "keys cannot be moved" in usage["span_fallback"], usage
         assert usage["prepared_spans"] == 0 and usage["padded_tokens"] == 0
     # The engine core (its own process) ignores span tables too, whatever a client sends.
-    assert "span tables run as stock requests" in text, log_tail(log)
+    assert "span tables run as stock requests" in text, log_tail(server.log)
     assert json.dumps(answers[1]["calls"][0]["fallback"]) != "null"

@@ -13,15 +13,13 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from spanq_backend.serving.processes import descendants, processes
-from tests.servers import START_TIMEOUT_S, free_port, log_tail
+from spanq_backend.serving.processes import descendants
+from tests.servers import START_TIMEOUT_S, cmdline, log_tail, start_supervised, wait_for
 
 EXIT_BOUND_S = 45  # spanq serve's deadline after a SIGTERM (30 s), and room for a loaded machine
 
@@ -33,22 +31,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def cmdline(pid: int) -> bytes:
-    try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def wait_for(what: str, found: Callable[[], Any], timeout_s: float, log: Path | None = None) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := found()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout_s:.0f} s" + (f"\n{log_tail(log)}" if log else ""))
-        time.sleep(0.2)
-    return value
-
-
 def assert_gone(pids: list[int], log: Path) -> None:
     deadline = time.monotonic() + EXIT_BOUND_S
     while left := [p for p in pids if alive(p)]:
@@ -56,32 +38,6 @@ def assert_gone(pids: list[int], log: Path) -> None:
             described = ", ".join(f"{p} {cmdline(p)[:60]!r}" for p in left)
             pytest.fail(f"still running {EXIT_BOUND_S} s after the supervisor was killed: {described}\n{log_tail(log)}")
         time.sleep(0.5)
-
-
-@contextlib.contextmanager
-def replica(tiny_model: Path, log: Path) -> Iterator[tuple[subprocess.Popen, int, str]]:
-    """`supervise` running `spanq serve` on the tiny model, as `SpanReplica` starts it: (the supervisor, the
-    server's pid, its URL). Whatever is left of its process group is killed afterwards."""
-    port = free_port()
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default, as a replica runs: the engine core apart
-    command = [sys.executable, "-m", "spanq_backend.cluster.supervise",
-               sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", str(tiny_model),
-               "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    with open(log, "wb") as out:
-        supervisor = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        server = wait_for(
-            "spanq serve started",
-            lambda: next((p for p in processes(parent=supervisor.pid) if b"spanq_integrations.cli" in cmdline(p)), 0),
-            60,
-            log,
-        )
-        yield supervisor, server, f"http://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(supervisor.pid, signal.SIGKILL)  # the group (supervise made it) outlives its leader
-        supervisor.wait()
 
 
 def engine_core(server: int) -> int:
@@ -92,46 +48,46 @@ def engine_core(server: int) -> int:
 @pytest.mark.slow
 def test_a_replica_whose_supervisor_is_killed_while_its_engine_core_starts_exits_with_it(tiny_model, tmp_path):
     log = tmp_path / "serve.log"
-    with replica(tiny_model, log) as (supervisor, server, _):
-        wait_for("the engine core started", lambda: engine_core(server), START_TIMEOUT_S, log)
+    replica = start_supervised(tiny_model, log)
+    try:
+        wait_for("the engine core started", lambda: engine_core(replica.server), START_TIMEOUT_S, log)
         time.sleep(1)  # the server now waits for its engine core to report
-        started = [server, *descendants(server)]
-        os.kill(supervisor.pid, signal.SIGKILL)
-        supervisor.wait()
+        started = [replica.server, *descendants(replica.server)]
+        os.kill(replica.supervisor.pid, signal.SIGKILL)
+        replica.supervisor.wait()
         assert_gone(started, log)
+    finally:
+        replica.kill_group()
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_a_replica_streaming_an_answer_exits_when_its_supervisor_is_killed(tiny_model, tmp_path):
-    log = tmp_path / "serve.log"
-    with replica(tiny_model, log) as (supervisor, server, url):
-
-        def healthy() -> bool:
-            if supervisor.poll() is not None:
-                pytest.fail(f"spanq serve exited with {supervisor.returncode}:\n{log_tail(log)}")
-            with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
-            return False
-
-        wait_for("spanq serve answered", healthy, START_TIMEOUT_S, log)
+def test_a_replica_streaming_an_answer_exits_when_its_supervisor_is_killed(supervised_serve):
+    """On the session's supervised server (its last user: the next one to ask gets a new one)."""
+    replica = supervised_serve()
+    try:
+        wait_for("spanq serve answered", replica.healthy, START_TIMEOUT_S, replica.log)
         streaming = threading.Event()
-        body = {"model": tiny_model.name, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 4000,
+        served = httpx.get(f"{replica.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        body = {"model": served, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 1900,
                 "ignore_eos": True, "stream": True}  # fmt: skip
 
         def stream() -> None:
             with contextlib.suppress(httpx.HTTPError), httpx.stream(
-                "POST", f"{url}/v1/chat/completions", json=body, timeout=None
+                "POST", f"{replica.url}/v1/chat/completions", json=body, timeout=None
             ) as answer:
                 for _ in answer.iter_lines():
                     streaming.set()
 
         threading.Thread(target=stream, daemon=True).start()
-        assert streaming.wait(120), log_tail(log)
-        started = [server, *descendants(server)]
-        os.kill(supervisor.pid, signal.SIGKILL)
-        supervisor.wait()
-        assert_gone(started, log)
+        assert streaming.wait(120), log_tail(replica.log)
+        started = [replica.server, *descendants(replica.server)]
+        assert engine_core(replica.server) in started  # the engine core streams from a process of its own
+        os.kill(replica.supervisor.pid, signal.SIGKILL)
+        replica.supervisor.wait()
+        assert_gone(started, replica.log)
+    finally:
+        replica.kill_group()
 
 
 GUARDED = textwrap.dedent("""
