@@ -96,28 +96,6 @@ def tiny_gpt2(tiny_model: Path, tmp_path_factory) -> Path:
             shutil.copy(tiny_model / name, out / name)
     return out
 
-
-@pytest.fixture(scope="session")
-def supervised_serve(tiny_gpt2: Path, tmp_path_factory) -> Iterator:
-    """The session's `spanq serve` as a cluster replica runs it (`tests.servers.start_supervised`: through
-    `supervise`, the engine core in a process of its own), on `tiny_gpt2`: a factory that returns the running
-    one, or starts one where there is none or it was ended. One server start (~50 s, two processes importing
-    vLLM) serves `tests/backend/test_span_support.py`'s span queries and `tests/cluster/test_replica_exit.py`'s
-    streaming exit, which kills it."""
-    from tests.servers import start_supervised
-
-    running: list = []
-
-    def get():
-        if not running or not running[-1].alive():
-            log = tmp_path_factory.mktemp("supervised-serve") / "serve.log"
-            running.append(start_supervised(tiny_gpt2, log, "--max-model-len", "2048"))
-        return running[-1]
-
-    yield get
-    for server in running:
-        server.kill_group()
-
 @pytest.fixture(scope="session")
 def notebook_kernel(tmp_path_factory) -> Iterator:
     """The session's notebooks run one after another in one kernel (`tests.examples.NotebookKernel`)."""

@@ -2,18 +2,17 @@
 
 A span block found at a new position is only right once its keys are re-rotated, and only a hooked model
 runner with a relocation runtime does that. These tests take that away — a runner without spanq's hook, a
-model whose rotary embedding the runtime refuses, in one process and with the engine core and the worker in
-processes of their own — and check that span queries then run as stock requests (exact under ordinary
-attention), say why (`fallback`), and that without the guard the same request would be wrong.
+model whose rotary embedding the runtime refuses, in one process (and, in `tests/cluster/test_replica_exit.py`,
+with the engine core and the worker in processes of their own) — and check that span queries then run as stock
+requests (exact under ordinary attention), say why (`fallback`), and that without the guard the same request
+would be wrong.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -21,9 +20,7 @@ from benchmarks.hf_span import full_attention_logprobs, span_reference_logprobs
 from spanq_backend.vllm_integration.support import SpanSupport
 from spanq_backend.vllm_integration.worker import runner_span_status
 from spanq_integrations import cross, fragment, generate, plus, system, user
-from spanq_integrations.query.spnl_json import to_json
 from tests.backend.logprobs import run_with_logprobs
-from tests.servers import START_TIMEOUT_S, log_tail, wait_for
 
 pytestmark = [pytest.mark.vllm]
 
@@ -227,28 +224,3 @@ def test_a_stock_engine_never_starts_the_span_runtime(tiny_model):
         assert not support.enabled and support.reason == f"worker 0: {STOCK.reason}"
     finally:
         engine.close()
-
-
-# --------------------------------------------------------------------------------------------- processes
-
-
-@pytest.mark.slow
-def test_spanq_serve_with_workers_in_other_processes_serves_span_queries_as_stock(supervised_serve):
-    """On the session's supervised `spanq serve` (vLLM's default engine mode) on the tiny GPT-2."""
-    server = supervised_serve()
-    wait_for("spanq serve answered", server.healthy, START_TIMEOUT_S, server.log)
-    d = docs("p")
-    answers = []
-    for order in ("ABCD", "DCBA"):
-        r = httpx.post(f"{server.url}/v1/query/execute", json=to_json(query(d, order)), timeout=120)
-        assert r.status_code == 200, r.text
-        answers.append(r.json())
-    text = server.log.read_text(errors="replace")
-    assert "EngineCore" in text  # the engine core did run in a process of its own
-    for body in answers:
-        usage = body["usage"]
-        assert usage["span_fallback"] and "keys cannot be moved" in usage["span_fallback"], usage
-        assert usage["prepared_spans"] == 0 and usage["padded_tokens"] == 0
-    # The engine core (its own process) ignores span tables too, whatever a client sends.
-    assert "span tables run as stock requests" in text, log_tail(server.log)
-    assert json.dumps(answers[1]["calls"][0]["fallback"]) != "null"

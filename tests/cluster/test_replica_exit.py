@@ -1,11 +1,13 @@
-"""A cluster replica's `spanq serve` (started through `supervise`, as `SpanReplica` starts it) ends with its engine
-core within a bound when its supervisor is killed outright (Ray kills a dead replica actor's children so; the
-server gets its parent-death SIGTERM): while its engine core starts, and while it streams an answer. And
+"""A cluster replica's `spanq serve` (started through `supervise`, as `SpanReplica` starts it, the engine core in a
+process of its own): it serves span queries as stock where its workers cannot move keys, and it ends with its
+engine core within a bound when its supervisor is killed outright (Ray kills a dead replica actor's children so;
+the server gets its parent-death SIGTERM): while its engine core starts, and while it streams an answer. And
 `ExitGuard`, which bounds that, on its own (no engine)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -13,13 +15,16 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from spanq_backend.serving.processes import descendants
-from tests.servers import START_TIMEOUT_S, cmdline, log_tail, start_supervised, wait_for
+from spanq_integrations.query.spnl_json import to_json
+from tests.backend.test_span_support import docs, query
+from tests.servers import START_TIMEOUT_S, Supervised, cmdline, log_tail, start_supervised, wait_for
 
 EXIT_BOUND_S = 45  # spanq serve's deadline after a SIGTERM (30 s), and room for a loaded machine
 
@@ -44,6 +49,46 @@ def engine_core(server: int) -> int:
     return next((p for p in descendants(server) if cmdline(p).startswith(b"VLLM::EngineCore")), 0)
 
 
+@pytest.fixture(scope="module")
+def supervised(tiny_gpt2: Path, tmp_path_factory) -> Iterator[Callable[[], Supervised]]:
+    """The module's replica-like `spanq serve` on the tiny GPT-2, whose worker cannot move keys: a factory that
+    returns the running one, or starts one where there is none or it was ended. One start (~50 s: two processes
+    import vLLM) serves the span queries below and then the streaming exit, which kills it."""
+    running: list[Supervised] = []
+
+    def get() -> Supervised:
+        if not running or not running[-1].alive():
+            log = tmp_path_factory.mktemp("supervised-serve") / "serve.log"
+            running.append(start_supervised(tiny_gpt2, log, "--max-model-len", "2048"))
+        return running[-1]
+
+    yield get
+    for server in running:
+        server.kill_group()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_spanq_serve_with_workers_in_other_processes_serves_span_queries_as_stock(supervised):
+    server = supervised()
+    wait_for("spanq serve answered", server.healthy, START_TIMEOUT_S, server.log)
+    d = docs("p")
+    answers = []
+    for order in ("ABCD", "DCBA"):
+        r = httpx.post(f"{server.url}/v1/query/execute", json=to_json(query(d, order)), timeout=120)
+        assert r.status_code == 200, r.text
+        answers.append(r.json())
+    text = server.log.read_text(errors="replace")
+    assert "EngineCore" in text  # the engine core did run in a process of its own
+    for body in answers:
+        usage = body["usage"]
+        assert usage["span_fallback"] and "keys cannot be moved" in usage["span_fallback"], usage
+        assert usage["prepared_spans"] == 0 and usage["padded_tokens"] == 0
+    # The engine core (its own process) ignores span tables too, whatever a client sends.
+    assert "span tables run as stock requests" in text, log_tail(server.log)
+    assert json.dumps(answers[1]["calls"][0]["fallback"]) != "null"
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_a_replica_whose_supervisor_is_killed_while_its_engine_core_starts_exits_with_it(tiny_model, tmp_path):
@@ -62,9 +107,9 @@ def test_a_replica_whose_supervisor_is_killed_while_its_engine_core_starts_exits
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_a_replica_streaming_an_answer_exits_when_its_supervisor_is_killed(supervised_serve):
-    """On the session's supervised server (its last user: the next one to ask gets a new one)."""
-    replica = supervised_serve()
+def test_a_replica_streaming_an_answer_exits_when_its_supervisor_is_killed(supervised):
+    """On the module's server, after the test above (its last user: a later one would get a new one)."""
+    replica = supervised()
     try:
         wait_for("spanq serve answered", replica.healthy, START_TIMEOUT_S, replica.log)
         streaming = threading.Event()
