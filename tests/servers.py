@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -192,3 +194,32 @@ def start_supervised(model: Path | str, log: Path, *args: str) -> Supervised:
         Supervised(supervisor, 0, "", log).kill_group()
         raise
     return Supervised(supervisor, server, f"http://127.0.0.1:{port}", log)
+
+
+class Ahead:
+    """A command run to its end in the background, at the lowest CPU priority (`in_background`), started before
+    the test that reads it needs it (a module's `start_ahead`, called by tests/conftest.py once the session's tests
+    are collected): its output goes to files, so nothing blocks on a pipe nobody reads yet. `result()` waits."""
+
+    def __init__(self, command: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None):
+        self.command = list(command)
+        self.folder = Path(tempfile.mkdtemp(prefix="spanq-tests-ahead-"))
+        with open(self.folder / "stdout", "wb") as out, open(self.folder / "stderr", "wb") as err:
+            self.proc = subprocess.Popen(in_background(self.command), stdout=out, stderr=err, cwd=cwd,
+                                         env=dict(env) if env else None, start_new_session=True)  # fmt: skip
+
+    def result(self, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        """The finished run (a failure to finish in `timeout` seconds fails the test)."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"{' '.join(self.command)[:200]} did not end within {timeout:.0f} s")
+        out, err = ((self.folder / name).read_text(errors="replace") for name in ("stdout", "stderr"))
+        return subprocess.CompletedProcess(self.command, self.proc.returncode, out, err)
+
+    def stop(self) -> None:
+        """End it if it still runs, and remove its files."""
+        if self.proc.poll() is None:
+            stop(self.proc)
+        shutil.rmtree(self.folder, ignore_errors=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,31 +26,54 @@ from tests.backend.logprobs import greedy_runs
 
 engine = SpanEngine(model=sys.argv[1], spans=False, max_model_len=2048, max_num_seqs=8)
 assert not vllm_integration._registered, "the plugin loaded although SPANQ_DISABLE_PLUGIN=1"
-print("RESULT " + json.dumps(greedy_runs(engine, json.loads(sys.argv[2]))))
+prompts = [engine.tokenizer.encode(t) for t in json.loads(sys.argv[2])]
+print("RESULT " + json.dumps({"prompts": prompts, "runs": greedy_runs(engine, prompts)}))
 engine.close()
 """
 
+BASE = "You are a careful assistant. " * 12
+TEXTS = [BASE + "Name three colours.", BASE + "Name three rivers.", "Count to five.", BASE + "Name three colours."]
+_AHEAD: list = []  # the stock run, once started (`start_ahead`)
+
 
 def _prompts(tokenizer) -> list[list[int]]:
-    base = "You are a careful assistant. " * 12
-    texts = [base + "Name three colours.", base + "Name three rivers.", "Count to five.", base + "Name three colours."]
-    return [tokenizer.encode(t) for t in texts]
+    return [tokenizer.encode(t) for t in TEXTS]
+
+
+def _start_stock_run() -> None:
+    from spanq_backend.serving.models import tiny_model_path
+    from tests.servers import Ahead
+
+    env = {**os.environ, "SPANQ_DISABLE_PLUGIN": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    command = [sys.executable, "-c", STOCK_RUN, str(tiny_model_path()), json.dumps(TEXTS)]
+    # in the repository: `tests.backend.logprobs` is importable there
+    _AHEAD.append(Ahead(command, env=env, cwd=Path(__file__).resolve().parents[2]))
+
+
+def start_ahead(items: list) -> None:
+    """Started once the session's tests are collected (tests/conftest.py): the stock process's ~25 s (an import of
+    vLLM, an engine start, four short prompts) overlap the tests before this module's."""
+    if not _AHEAD and any("stock" in getattr(item, "fixturenames", ()) for item in items):
+        _start_stock_run()
+
+
+def stop_ahead() -> None:
+    while _AHEAD:
+        _AHEAD.pop().stop()
 
 
 @pytest.fixture(scope="module")
-def stock(tiny_backend, tiny_model) -> list[dict]:
-    prompts = _prompts(tiny_backend.engine.tokenizer)
-    env = {**os.environ, "SPANQ_DISABLE_PLUGIN": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    done = subprocess.run(
-        [sys.executable, "-c", STOCK_RUN, str(tiny_model), json.dumps(prompts)],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
-        cwd=Path(__file__).resolve().parents[2],  # the repository: `tests.backend.logprobs` is importable there
-    )
+def stock(tiny_backend) -> list[dict]:
+    if not _AHEAD:
+        _start_stock_run()
+    done = _AHEAD[-1].result()
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, done.stdout[-2000:] + done.stderr[-3000:]
     results = json.loads(line.removeprefix("RESULT "))
-    assert results[-1]["cached"] > 0, "the stock run hit its prefix cache (the repeated prompt)"
-    return results
+    assert results["prompts"] == _prompts(tiny_backend.engine.tokenizer), "both sides run the same tokens"
+    runs = results["runs"]
+    assert runs[-1]["cached"] > 0, "the stock run hit its prefix cache (the repeated prompt)"
+    return runs
 
 
 def same(stock: list[dict], ours: list[dict]) -> bool:

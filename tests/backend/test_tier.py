@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,18 +33,43 @@ DOCS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tier")
+_AHEAD: list = []  # the tier run, once started (`start_ahead`)
+
+
+def _start_run() -> None:
+    """Write the corpus and start the tier run (`tier_run.py`, in a process of its own) in the background."""
+    from tests.servers import Ahead
+
+    folder = Path(tempfile.mkdtemp(prefix="spanq-tests-tier-"))
     corpus = folder / "corpus.jsonl"
     lines = [json.dumps({"text": DOCS[0]}), json.dumps({"page_content": DOCS[1]}), "{not json", json.dumps(DOCS[2]),
              json.dumps({"title": "no text"}), json.dumps({"content": DOCS[3]}), json.dumps("word " * 5000)]
     corpus.write_text("\n".join(lines) + "\n")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.backend.tier_run", str(corpus), str(folder / "tier")],
-        check=False, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
-    )
+    command = [sys.executable, "-m", "tests.backend.tier_run", str(corpus), str(folder / "tier")]
+    _AHEAD.append((Ahead(command, env=env, cwd=ROOT), folder))
+
+
+def start_ahead(items: list) -> None:
+    """Started once the session's tests are collected (tests/conftest.py), when one that reads the run is among
+    them: its ~50 s (an import of vLLM and seven engine starts, little compute) overlap the tests before it."""
+    if not _AHEAD and any("run" in getattr(item, "fixturenames", ()) for item in items):
+        _start_run()
+
+
+def stop_ahead() -> None:
+    while _AHEAD:
+        running, folder = _AHEAD.pop()
+        running.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def run():
+    if not _AHEAD:
+        _start_run()
+    running, folder = _AHEAD[-1]
+    done = running.result()
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr, folder
 
