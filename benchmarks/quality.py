@@ -346,8 +346,7 @@ async def measure_item(item: QAItem, k: int, stock: Any, spans: Any, args: argpa
     ref = await on_engine(stock, "score", plain, gold, None, TOP)
     ref_answer = await on_engine(stock, "greedy", plain, args.max_tokens, None)
     # The documents in the order the span engine reads them, as a plain prompt (read by stock where it differs).
-    rank = {text: i for i, text in enumerate(lowered_base.span_texts)}
-    in_span_order = sorted(item.docs, key=lambda d: rank.get(d, len(rank)))
+    in_span_order = lowered_base.in_span_order(item.docs)
     if in_span_order == list(item.docs):
         same, same_answer = ref, ref_answer
     else:

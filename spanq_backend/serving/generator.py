@@ -416,8 +416,7 @@ class SpanGenerator:
                 or lowered.generated_spans or (call.cold_spans or self.cold_spans) == "isolate"):  # fmt: skip
             return None
         orders = plus_orders(call.input)
-        rank = {text: i for i, text in enumerate(lowered.span_texts)}
-        read = {frozenset(o): tuple(sorted(o, key=lambda t: rank.get(t, len(rank)))) for o in orders}
+        read = {frozenset(o): tuple(lowered.in_span_order(o)) for o in orders}
         if not orders or all(self._orders.get(key) == order for key, order in read.items()):
             return None
         node = in_order(call.input, read.get)

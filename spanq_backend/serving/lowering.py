@@ -36,7 +36,7 @@ import hashlib
 import secrets
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -136,6 +136,12 @@ class LoweredPrompt:
     @property
     def has_spans(self) -> bool:
         return bool(self.table.spans)
+
+    def in_span_order(self, texts: Iterable[str]) -> list[str]:
+        """`texts` in the order this prompt reads them as spans; a text it does not read as a span goes last, in
+        the order given (the sort is stable)."""
+        rank = {text: i for i, text in enumerate(self.span_texts)}
+        return sorted(texts, key=lambda t: rank.get(t, len(rank)))
 
     @property
     def anchor_ids(self) -> list[int]:
