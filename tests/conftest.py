@@ -79,23 +79,6 @@ def compact_tiny(tiny_model):
     backend.close()
 
 
-
-@pytest.fixture(scope="session")
-def tiny_gpt2(tiny_model: Path, tmp_path_factory) -> Path:
-    """A tiny random GPT-2 (learned absolute positions, no rotary embedding) with SmolLM2's tokenizer: its
-    config passes the start-up check, and the worker's relocation runtime refuses it."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    out = tmp_path_factory.mktemp("tiny-gpt2")
-    config = GPT2Config(vocab_size=49152, n_positions=2048, n_embd=64, n_layer=2, n_head=2)
-    torch.manual_seed(0)
-    GPT2LMHeadModel(config).save_pretrained(out)
-    for name in os.listdir(tiny_model):
-        if name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
-            shutil.copy(tiny_model / name, out / name)
-    return out
-
 @pytest.fixture(scope="session")
 def notebook_kernel(tmp_path_factory) -> Iterator:
     """The session's notebooks run one after another in one kernel (`tests.examples.NotebookKernel`)."""

@@ -201,8 +201,12 @@ class Ahead:
     the test that reads it needs it (a module's `start_ahead`, called by tests/conftest.py once the session's tests
     are collected): its output goes to files, so nothing blocks on a pipe nobody reads yet. `result()` waits."""
 
-    def __init__(self, command: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None):
+    def __init__(
+        self, command: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None,
+        owns: Sequence[Path] = (),
+    ):
         self.command = list(command)
+        self.owns = list(owns)  # folders the command reads or writes, removed with it
         self.folder = Path(tempfile.mkdtemp(prefix="spanq-tests-ahead-"))
         with open(self.folder / "stdout", "wb") as out, open(self.folder / "stderr", "wb") as err:
             self.proc = subprocess.Popen(in_background(self.command), stdout=out, stderr=err, cwd=cwd,
@@ -219,7 +223,32 @@ class Ahead:
         return subprocess.CompletedProcess(self.command, self.proc.returncode, out, err)
 
     def stop(self) -> None:
-        """End it if it still runs, and remove its files."""
+        """End it if it still runs, and remove its files and the folders it owns."""
         if self.proc.poll() is None:
             stop(self.proc)
-        shutil.rmtree(self.folder, ignore_errors=True)
+        for folder in (self.folder, *self.owns):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+class AheadOnce:
+    """A test module's one `Ahead` run, read by its fixture `fixture`: `start_ahead(items)` starts it (`start()`)
+    when a collected test needs that fixture, `result()` waits for it (starting it if nothing did), `stop_ahead()`
+    ends it. A module hands tests/conftest.py its hooks: `start_ahead, stop_ahead = RUN.start_ahead, RUN.stop_ahead`."""
+
+    def __init__(self, fixture: str, start: Callable[[], Ahead]):
+        self.fixture, self.start = fixture, start
+        self.running: Ahead | None = None
+
+    def start_ahead(self, items: Sequence[Any]) -> None:
+        if self.running is None and any(self.fixture in getattr(item, "fixturenames", ()) for item in items):
+            self.running = self.start()
+
+    def result(self) -> subprocess.CompletedProcess[str]:
+        if self.running is None:
+            self.running = self.start()
+        return self.running.result()
+
+    def stop_ahead(self) -> None:
+        if self.running is not None:
+            self.running.stop()
+            self.running = None

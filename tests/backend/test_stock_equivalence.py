@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.backend.logprobs import greedy_runs
+from tests.servers import Ahead, AheadOnce
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -33,40 +34,30 @@ engine.close()
 
 BASE = "You are a careful assistant. " * 12
 TEXTS = [BASE + "Name three colours.", BASE + "Name three rivers.", "Count to five.", BASE + "Name three colours."]
-_AHEAD: list = []  # the stock run, once started (`start_ahead`)
 
 
 def _prompts(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(t) for t in TEXTS]
 
 
-def _start_stock_run() -> None:
+def _start_stock_run() -> Ahead:
     from spanq_backend.serving.models import tiny_model_path
-    from tests.servers import Ahead
 
     env = {**os.environ, "SPANQ_DISABLE_PLUGIN": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     command = [sys.executable, "-c", STOCK_RUN, str(tiny_model_path()), json.dumps(TEXTS)]
     # in the repository: `tests.backend.logprobs` is importable there
-    _AHEAD.append(Ahead(command, env=env, cwd=Path(__file__).resolve().parents[2]))
+    return Ahead(command, env=env, cwd=Path(__file__).resolve().parents[2])
 
 
-def start_ahead(items: list) -> None:
-    """Started once the session's tests are collected (tests/conftest.py): the stock process's ~25 s (an import of
-    vLLM, an engine start, four short prompts) overlap the tests before this module's."""
-    if not _AHEAD and any("stock" in getattr(item, "fixturenames", ()) for item in items):
-        _start_stock_run()
-
-
-def stop_ahead() -> None:
-    while _AHEAD:
-        _AHEAD.pop().stop()
+# Started once the session's tests are collected (tests/conftest.py): the stock process's ~25 s (an import of vLLM,
+# an engine start, four short prompts) overlap the tests before this module's.
+RUN = AheadOnce("stock", _start_stock_run)
+start_ahead, stop_ahead = RUN.start_ahead, RUN.stop_ahead
 
 
 @pytest.fixture(scope="module")
 def stock(tiny_backend) -> list[dict]:
-    if not _AHEAD:
-        _start_stock_run()
-    done = _AHEAD[-1].result()
+    done = RUN.result()
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, done.stdout[-2000:] + done.stderr[-3000:]
     results = json.loads(line.removeprefix("RESULT "))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +23,7 @@ from spanq_backend.kv.span_table import SpanTable
 from spanq_backend.serving.prepare import read_corpus
 from spanq_backend.vllm_integration import tier
 from spanq_backend.vllm_integration.frontend import InProcessEngines
+from tests.servers import Ahead, AheadOnce
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 2e-4
@@ -33,13 +33,8 @@ DOCS = [
 ]
 
 
-_AHEAD: list = []  # the tier run, once started (`start_ahead`)
-
-
-def _start_run() -> None:
+def _start_run() -> Ahead:
     """Write the corpus and start the tier run (`tier_run.py`, in a process of its own) in the background."""
-    from tests.servers import Ahead
-
     folder = Path(tempfile.mkdtemp(prefix="spanq-tests-tier-"))
     corpus = folder / "corpus.jsonl"
     lines = [json.dumps({"text": DOCS[0]}), json.dumps({"page_content": DOCS[1]}), "{not json", json.dumps(DOCS[2]),
@@ -47,31 +42,20 @@ def _start_run() -> None:
     corpus.write_text("\n".join(lines) + "\n")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     command = [sys.executable, "-m", "tests.backend.tier_run", str(corpus), str(folder / "tier")]
-    _AHEAD.append((Ahead(command, env=env, cwd=ROOT), folder))
+    return Ahead(command, env=env, cwd=ROOT, owns=[folder])
 
 
-def start_ahead(items: list) -> None:
-    """Started once the session's tests are collected (tests/conftest.py), when one that reads the run is among
-    them: its ~50 s (an import of vLLM and seven engine starts, little compute) overlap the tests before it."""
-    if not _AHEAD and any("run" in getattr(item, "fixturenames", ()) for item in items):
-        _start_run()
-
-
-def stop_ahead() -> None:
-    while _AHEAD:
-        running, folder = _AHEAD.pop()
-        running.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+# Started once the session's tests are collected (tests/conftest.py), when one that reads the run is among them:
+# its ~50 s (an import of vLLM and seven engine starts, little compute) overlap the tests before it.
+RUN = AheadOnce("run", _start_run)
+start_ahead, stop_ahead = RUN.start_ahead, RUN.stop_ahead
 
 
 @pytest.fixture(scope="module")
 def run():
-    if not _AHEAD:
-        _start_run()
-    running, folder = _AHEAD[-1]
-    done = running.result()
+    done = RUN.result()
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr, folder
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr, RUN.running.owns[0]
 
 
 def reference(hf_model, out):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,6 +48,23 @@ def assert_gone(pids: list[int], log: Path) -> None:
 
 def engine_core(server: int) -> int:
     return next((p for p in descendants(server) if cmdline(p).startswith(b"VLLM::EngineCore")), 0)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tiny_model: Path, tmp_path_factory) -> Path:
+    """A tiny random GPT-2 (learned absolute positions, no rotary embedding) with SmolLM2's tokenizer: its
+    config passes the start-up check, and the worker's relocation runtime refuses it."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    out = tmp_path_factory.mktemp("tiny-gpt2")
+    config = GPT2Config(vocab_size=49152, n_positions=2048, n_embd=64, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(out)
+    for name in os.listdir(tiny_model):
+        if name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            shutil.copy(tiny_model / name, out / name)
+    return out
 
 
 @pytest.fixture(scope="module")
