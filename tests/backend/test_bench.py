@@ -366,6 +366,7 @@ def engines(tiny_model):
     close_backend(stock)
 
 
+@pytest.mark.slow  # a vLLM import and engine start in a process of its own (~20-50 s)
 @pytest.mark.vllm
 def test_the_baseline_is_stock_vllm_in_its_own_process(engines):
     """The baseline engine runs without spanq's plugin, in another process; it answers as the span engine does

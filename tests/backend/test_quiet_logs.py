@@ -24,6 +24,7 @@ def run_demo(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # the demo in a process of its own: a vLLM import and two engine starts (~30 s)
 def test_the_demo_fits_on_a_screen_and_shows_spanqs_progress():
     done = run_demo()
     out = done.stdout + done.stderr
