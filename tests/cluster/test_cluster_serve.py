@@ -6,6 +6,7 @@ One cluster for the module (about 60 s to start on this machine); `SpanBackend` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import re
@@ -76,25 +77,39 @@ class Cluster:
                     found.append(child)
         return found
 
+    def replica_urls(self) -> dict[int, str]:
+        """Each replica server's pid and its own URL (from the `--port` its replica gave it)."""
+        urls = {}
+        for pid in self.replica_servers():
+            try:
+                command = (Path("/proc") / str(pid) / "cmdline").read_bytes().decode().split("\0")
+                urls[pid] = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
+            except (OSError, ValueError, IndexError):
+                continue
+        return urls
+
     def wait_for_replicas(self, n: int = 2, timeout_s: float = 300) -> None:
         """Until `n` replicas' servers answer `/health` themselves (a restarted replica's process exists ~45 s
         before its engine is up and Ray routes to it), then a moment for Ray to tell the ingress's router."""
         deadline = time.monotonic() + timeout_s
         while True:
             ready = 0
-            for pid in self.replica_servers():
-                try:
-                    command = (Path("/proc") / str(pid) / "cmdline").read_bytes().decode().split("\0")
-                    port = command[command.index("--port") + 1]
-                    ready += httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-                except (OSError, ValueError, IndexError, httpx.HTTPError):
-                    continue
+            for url in self.replica_urls().values():
+                with contextlib.suppress(httpx.HTTPError):
+                    ready += httpx.get(f"{url}/health", timeout=5).status_code == 200
             if ready >= n:
                 break
             assert time.monotonic() < deadline, f"only {ready} of {n} replicas answer after {timeout_s:.0f} s"
             time.sleep(2)
         # the controller marks a replica running when its constructor returns; handles learn by long poll
         time.sleep(3)
+
+
+def running_requests(url: str) -> float:
+    """vLLM's gauge of the requests a server's engine is running now."""
+    found = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", httpx.get(f"{url}/metrics", timeout=10).text,
+                      re.MULTILINE)  # fmt: skip
+    return float(found.group(1)) if found else 0.0
 
 
 @pytest.fixture(scope="module")
@@ -158,24 +173,28 @@ def test_bad_input_is_a_4xx_through_the_cluster(cluster):
 
 
 def test_a_replica_killed_mid_answer_is_routed_around_its_answers_retried_whole_and_it_is_restarted(cluster):
-    """Four long answers in flight over both replicas (no spans: the least busy replica takes each); one
-    replica's server is killed while they generate; every answer still arrives, whole, from the other (a
+    """Four long answers in flight (no spans: the least busy replica takes each); the server of a replica
+    running some of them is killed while they generate; every answer still arrives, whole, from the other (a
     non-streamed answer's body comes only when it is done, so here the server dies before the head; a body cut
     off after its head is retried the same way, in `SpanIngress.relay`). The queries after it, span queries,
     streamed or not, are routed around it; Ray Serve starts a replica in its place."""
     from concurrent.futures import ThreadPoolExecutor
 
     cluster.wait_for_replicas(2)  # both answering, so that one survives the kill
-    servers = cluster.replica_servers()
     long_run = to_json(generate(user("Count to a thousand."), max_tokens=300, temperature=0.0))
 
     def post() -> httpx.Response:
         return httpx.post(f"{cluster.url}{EXECUTE}", params={"stream": "false"}, json=long_run, timeout=300)
 
+    urls = cluster.replica_urls()
     with ThreadPoolExecutor(4) as pool:
         answers = [pool.submit(post) for _ in range(4)]
-        time.sleep(1.5)
-        os.kill(servers[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not any((running := {pid: running_requests(url) for pid, url in urls.items()}).values()):
+            assert time.monotonic() < deadline, "no replica started the answers"
+            time.sleep(0.2)
+        victim = max(running, key=running.__getitem__)  # a replica with answers in flight
+        os.kill(victim, signal.SIGKILL)
         results = [a.result() for a in answers]
     assert [r.status_code for r in results] == [200] * 4, [r.text[:200] for r in results]
     assert all(r.json()["usage"]["completion_tokens"] == 300 for r in results)
@@ -186,7 +205,7 @@ def test_a_replica_killed_mid_answer_is_routed_around_its_answers_retried_whole_
     streamed = execute(rag(queries[0]), backend=f"spanq+{cluster.url}")
     assert streamed.answer == after[0].answer
     deadline = time.monotonic() + 300
-    while not (set(cluster.replica_servers()) - set(servers)):  # a new replica's server, started by Ray Serve
+    while not (set(cluster.replica_servers()) - set(urls)):  # a new replica's server, started by Ray Serve
         assert time.monotonic() < deadline, "Ray Serve did not restart the replica"
         time.sleep(2)
 
