@@ -66,12 +66,16 @@ def test_a_split_that_ignores_fragments_fails_the_check():
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_64_queries_over_two_engines_answer_as_one_engine_in_input_order(tiny_backend):
+    import ray
+
     from spanq_backend.cluster.bulk import run_bulk
     from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE
 
     queries = batch(64)
     queries[10] = generate(user("word " * 9000), max_tokens=4)  # over the context window: fails alone
+    assert not ray.is_initialized(), "a test before this one left Ray running in the test process"
     items = list(run_bulk(queries, actors=2, model="tiny"))
+    assert not ray.is_initialized(), "run_bulk left the Ray it started running (everything after it runs slower)"
     assert [item.index for item in items] == list(range(64))
     assert not items[10].ok and items[10].error.startswith("ContextLengthError: ")
     ok = [item for item in items if item.ok]
@@ -90,7 +94,10 @@ def test_64_queries_over_two_engines_answer_as_one_engine_in_input_order(tiny_ba
 @pytest.mark.vllm
 def test_spanq_run_bulk_names_a_malformed_line_and_runs_the_rest(tmp_path: Path):
     """The command line over a file (one engine: two, and how they share the work, are the test above's), through
-    the command's own entry point in this process: on the Ray the test above started here, if it ran."""
+    the command's own entry point in this process, on a Ray this process joined before: left running for it."""
+    import ray
+
+    from spanq_backend.cluster.connect import connect
     from spanq_integrations.cli import main
 
     lines = [json.dumps(to_json(q)) for q in batch(4)]
@@ -99,8 +106,13 @@ def test_spanq_run_bulk_names_a_malformed_line_and_runs_the_rest(tmp_path: Path)
     path = tmp_path / "queries.jsonl"
     path.write_text("\n".join(lines) + "\n")
     stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = main(["run", "--bulk", str(path), "--model", "tiny", "--actors", "1"])
+    connect(None)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = main(["run", "--bulk", str(path), "--model", "tiny", "--actors", "1"])
+        assert ray.is_initialized(), "the caller's Ray was stopped under it"
+    finally:
+        ray.shutdown()
     assert code == 1, stderr.getvalue()[-2000:]
     out = [json.loads(line) for line in stdout.getvalue().splitlines()]
     assert [(o["index"], o["line"]) for o in out] == [(0, 1), (1, 2), (2, 3), (3, 5), (4, 6)]
