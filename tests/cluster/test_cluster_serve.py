@@ -22,7 +22,7 @@ import pytest
 from spanq_integrations import cross, execute, fragment, generate, plus, system, user
 from spanq_integrations.backends.span import SpanBackend
 from spanq_integrations.query.spnl_json import to_json
-from tests.servers import free_port, log_tail, running_server
+from tests.servers import cmdline, free_port, log_tail, running_server
 
 pytest.importorskip("ray.serve", reason="the cluster extra: pip install 'spanq[cluster]'")
 
@@ -81,11 +81,9 @@ class Cluster:
         """Each replica server's pid and its own URL (from the `--port` its replica gave it)."""
         urls = {}
         for pid in self.replica_servers():
-            try:
-                command = (Path("/proc") / str(pid) / "cmdline").read_bytes().decode().split("\0")
+            command = cmdline(pid).decode().split("\0")
+            if "--port" in command[:-1]:  # (empty: the process is gone)
                 urls[pid] = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
-            except (OSError, ValueError, IndexError):
-                continue
         return urls
 
     def wait_for_replicas(self, n: int = 2, timeout_s: float = 300) -> None:
