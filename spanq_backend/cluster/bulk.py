@@ -98,7 +98,7 @@ def run_bulk(
 
     Ray: the one this process is connected to, else a local one (or the cluster at `address`) joined for the
     batch and left when it ends — an idle Ray left in the process slows every engine step after it (SmolLM2's
-    decode by ~1.3x on this 2-core machine: `scripts/idle_ray_cost.py`)."""
+    decode by 1.2-1.3x on this 2-core machine: `scripts/idle_cost.py ray`)."""
     if actors < 1:
         raise ValueError(f"actors must be at least 1, got {actors}")
     if not queries:
