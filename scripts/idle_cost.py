@@ -1,13 +1,16 @@
 """What an idle neighbour in the same process costs an embedded engine's steps: the same greedy answer timed on an
 engine alone, beside the neighbour left idle, and after it is gone, with each phase's CPU ticks and voluntary
-context switches of the process's threads (threads that sleep and wake at each parallel region instead of running
-show there, not in CPU time).
+context switches of the process's live threads (threads that sleep and wake at each parallel region instead of
+running show there, not in CPU time; threads that ended, such as an engine's OpenMP workers handed back when it went
+idle, are not counted).
 
     python scripts/idle_cost.py ray [--model default] [--tokens 80] [--reps 5]
     python scripts/idle_cost.py engines [--others 2] [--model default] [--tokens 80] [--reps 5]
+    python scripts/idle_cost.py thread [--model default] [--tokens 80] [--reps 5]
 
 `ray`: a local Ray joined and idle (as `run_bulk` left it until 2026-12-04), then `ray.shutdown()`.
 `engines`: `--others` idle tiny embedded engines (each started and asked once), then closed.
+`thread`: a thread that ran one torch parallel operator and waits (an OpenMP team of its own), then ended.
 """
 
 from __future__ import annotations
@@ -68,7 +71,29 @@ def engine_neighbours(args: argparse.Namespace) -> tuple[str, Callable[[], None]
     return f"{args.others} idle tiny engines", start, stop
 
 
-NEIGHBOURS = {"ray": ray_neighbour, "engines": engine_neighbours}
+def thread_neighbour(args: argparse.Namespace) -> tuple[str, Callable[[], None], Callable[[], None]]:
+    import threading
+
+    import torch
+
+    done = threading.Event()
+
+    def parked() -> None:
+        a = torch.randn(512, 512)
+        a @ a  # one parallel region: this thread now has an OpenMP team of its own
+        done.wait()
+
+    thread = threading.Thread(target=parked, daemon=True)
+
+    def stop() -> None:
+        done.set()
+        if thread.is_alive():
+            thread.join()
+
+    return "a thread that ran one matrix product, parked", thread.start, stop
+
+
+NEIGHBOURS = {"ray": ray_neighbour, "engines": engine_neighbours, "thread": thread_neighbour}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ from spanq_backend.serving.generator import (
 )
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR, LoweredPrompt
 from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE, recompute_setting
-from spanq_backend.vllm_integration import tier
+from spanq_backend.vllm_integration import openmp, tier
 from spanq_backend.vllm_integration.cache_probe import BlockPoolProbe
 from spanq_backend.vllm_integration.frontend import in_process_engines
 from spanq_backend.vllm_integration.support import STOCK, STOCK_ENGINE_KEY, query_span_support
@@ -159,6 +159,8 @@ def _cpu_env_defaults() -> None:
 # works on its own (deferred prepares while idle) may otherwise step beside another engine's call.
 _STEP_LOCK = threading.Lock()
 
+ENGINE_THREAD_NAME = "spanq-engine"  # the thread that steps an engine, and (in the OS) its OpenMP workers
+
 BATCH_WAIT_S = 5.0  # the most the engine thread waits for the rest of a batch (its caller submits in a loop)
 
 
@@ -251,7 +253,7 @@ class SpanEngine:
         # The last requests added, with the steps they were added at and first answered in (what a test or a
         # profile reads to see how many rounds a call took).
         self.recent: collections.deque[_Request] = collections.deque(maxlen=256)
-        self._thread = threading.Thread(target=self._run, name="spanq-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._start_error is not None:
@@ -325,6 +327,7 @@ class SpanEngine:
         return engine
 
     def _run(self) -> None:
+        openmp.name_this_thread(ENGINE_THREAD_NAME)  # its OpenMP workers take the name too
         has_tier = bool(self.config.tier_dir)
         try:
             if has_tier:
@@ -345,9 +348,15 @@ class SpanEngine:
             return
         self._ready.set()
         held = 0  # inside a batch (`batch`): everything up to its release is added before the next step
+        stepped = True  # a step (or the build) ran since this thread last handed its OpenMP workers back
         try:
             while True:
                 busy = engine.has_unfinished_requests() or bool(self._idle)
+                if not busy and stepped:
+                    # Idle: end this thread's OpenMP team, whose sleeping workers would otherwise throttle the
+                    # spinning of every other busy team in the process (vllm_integration/openmp.py).
+                    openmp.release_workers()
+                    stepped = False
                 try:
                     cmd = self._cmds.get(block=not busy)
                 except queue.Empty:
@@ -372,6 +381,7 @@ class SpanEngine:
                     self.steps += 1
                     with _STEP_LOCK:  # one forward pass at a time in this process
                         outputs = engine.step()
+                    stepped = True
                     for out in outputs:
                         self._deliver(engine, out)
                     self._answer_settled()  # the step may have finished the last deferred prepare
