@@ -238,3 +238,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         stop(_AHEAD.popitem()[1].proc)
     while _LOGS:
         shutil.rmtree(_LOGS.pop(), ignore_errors=True)
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
+    """The test thread hands its OpenMP workers back after each test (a reference model run here starts a team):
+    left idle, they would throttle every engine's steps for the rest of the session
+    (spanq_backend/vllm_integration/openmp.py)."""
+    if "torch" in sys.modules:
+        from spanq_backend.vllm_integration import openmp
+
+        openmp.release_workers()
