@@ -13,6 +13,7 @@ from spanq_backend.serving.models import (
     TINY_MODEL_NAMES,
     resolve_model,
 )
+from spanq_backend.vllm_integration import openmp
 from spanq_integrations.backends.protocol import Backend, BackendCapabilities, Completion, TokenCallback
 from spanq_integrations.query.ir import Generate
 
@@ -69,6 +70,10 @@ class EmbeddedBackend(Backend):
                 "(start an engine on that model with EmbeddedBackend(model=...), ChatSpanQuery(model=...) or "
                 "SpanQueryLLM(model=...))", self.model_name, call.model, self.model_name,
             )
+        # The calling thread may hold an idle OpenMP team (an embedding model run on it before this call): while it
+        # lives, libgomp throttles the engine thread's team and every step takes ~1.5x as long. Hand it back; the
+        # thread's next torch operator starts a new one (vllm_integration/openmp.py).
+        openmp.release_workers()
         return await self.engine.generate(call, path=path, on_token=on_token, span_output=span_output)
 
     async def aclose(self) -> None:

@@ -90,3 +90,32 @@ def torch_threads() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+def test_a_caller_that_ran_torch_before_its_query_keeps_no_openmp_workers_through_it(tiny_backend, monkeypatch):
+    """An application that embeds its documents on the thread that then asks the engine (the usual RAG app) would
+    otherwise throttle every step of the answer (x1.50: `python scripts/idle_cost.py thread`)."""
+    import torch
+
+    query = generate(user("Count to twenty."), max_tokens=8, temperature=0.0)
+    a = torch.randn(512, 512)
+    seen: dict[str, int] = {}
+
+    def app(key: str) -> None:
+        openmp.name_this_thread("spanq-app-test")
+        a @ a  # the application's own torch work: this thread now has a team
+        seen[f"{key} before"] = len(named("spanq-app-test"))
+        execute(query, tiny_backend)
+        seen[f"{key} after"] = len(named("spanq-app-test"))
+        openmp.release_workers()
+
+    def run(key: str) -> None:
+        thread = threading.Thread(target=app, args=(key,))
+        thread.start()
+        thread.join()
+
+    run("released")
+    monkeypatch.setattr(openmp, "release_workers", lambda: False)  # the check can fail: a backend that does not
+    run("kept")
+    assert seen == {"released before": torch_threads(), "released after": 1,
+                    "kept before": torch_threads(), "kept after": torch_threads()}  # fmt: skip
