@@ -6,8 +6,8 @@ spin for the next one, but only while the process's OpenMP workers, all teams to
 CPUs: past that it spins ~100 times, then sleeps each worker on a futex, and every parallel region pays a wake-up.
 One idle team beside an engine is enough to cross that line on a small machine: an embedded engine's 80-token
 answer took x1.50 as long beside a parked thread that had run one matrix product, x0.99 after that thread ended
-(`python scripts/idle_cost.py thread`; docs/design.md §8 has the runs). No environment variable moves the line (`OMP_WAIT_POLICY=ACTIVE` and
-`GOMP_SPINCOUNT` set the spin of the unthrottled case only).
+(`python scripts/idle_cost.py thread`; docs/design.md §8 has the runs). No environment variable moves the line
+(`OMP_WAIT_POLICY=ACTIVE` and `GOMP_SPINCOUNT` set the spin of the unthrottled case only).
 
 `release_workers()` ends the calling thread's team (OpenMP 5.0's `omp_pause_resource_all`); the thread's next
 parallel region starts a new one, which costs a thread start. The embedded engine calls it each time its thread
@@ -29,8 +29,9 @@ __all__ = ["name_this_thread", "release_workers"]
 OMP_PAUSE_HARD = 2  # omp_pause_resource_t: the runtime's threads and their state are freed
 
 
-_found: dict[str, ctypes.CDLL] = {}  # path -> each libgomp found so far (torch, scikit-learn, sentencepiece each
-# ship their own copy, each with its own count of workers)
+# path -> each libgomp found so far (torch, scikit-learn and sentencepiece each ship their own copy, each with its
+# own count of workers)
+_found: dict[str, ctypes.CDLL] = {}
 _looked_at = [float("-inf")]  # when the process's mappings were last read for them
 RESCAN_S = 30.0  # reading the mappings costs milliseconds: a library loaded since is found within this
 
