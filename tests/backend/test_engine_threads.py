@@ -117,5 +117,7 @@ def test_a_caller_that_ran_torch_before_its_query_keeps_no_openmp_workers_throug
     run("released")
     monkeypatch.setattr(openmp, "release_workers", lambda: False)  # the check can fail: a backend that does not
     run("kept")
+    monkeypatch.undo()
+    execute(query, tiny_backend)  # the engine, whose release was off too, hands its team back for the tests after
     assert seen == {"released before": torch_threads(), "released after": 1,
                     "kept before": torch_threads(), "kept after": torch_threads()}  # fmt: skip
