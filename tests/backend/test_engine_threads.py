@@ -8,7 +8,7 @@ import os
 import threading
 import time
 
-import pytest
+import torch
 
 from spanq_backend.serving.engine import ENGINE_THREAD_NAME
 from spanq_backend.vllm_integration import openmp
@@ -48,7 +48,6 @@ def steady(name: str, quiet: float = 0.5) -> set[str]:
 
 
 def test_a_thread_that_releases_its_openmp_workers_keeps_none():
-    torch = pytest.importorskip("torch")
     seen: dict[str, int] = {}
     a = torch.randn(512, 512)
 
@@ -80,23 +79,15 @@ def test_an_engine_gone_idle_keeps_no_openmp_workers_and_one_that_keeps_them_is_
     # The check can fail: an engine that does not hand its workers back leaves them alive after the answer.
     monkeypatch.setattr(openmp, "release_workers", lambda: False)
     execute(query, tiny_backend)
-    assert len(settled(ENGINE_THREAD_NAME, idle, within=1.0) - idle) == torch_threads() - 1
+    assert len(settled(ENGINE_THREAD_NAME, idle, within=1.0) - idle) == torch.get_num_threads() - 1
     monkeypatch.undo()
     execute(query, tiny_backend)
     assert settled(ENGINE_THREAD_NAME, idle) == idle
 
 
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
 def test_a_caller_that_ran_torch_before_its_query_keeps_no_openmp_workers_through_it(tiny_backend, monkeypatch):
     """An application that embeds its documents on the thread that then asks the engine (the usual RAG app) would
     otherwise throttle every step of the answer (x1.50: `python scripts/idle_cost.py thread`)."""
-    import torch
-
     query = generate(user("Count to twenty."), max_tokens=8, temperature=0.0)
     a = torch.randn(512, 512)
     seen: dict[str, int] = {}
@@ -119,5 +110,5 @@ def test_a_caller_that_ran_torch_before_its_query_keeps_no_openmp_workers_throug
     run("kept")
     monkeypatch.undo()
     execute(query, tiny_backend)  # the engine, whose release was off too, hands its team back for the tests after
-    assert seen == {"released before": torch_threads(), "released after": 1,
-                    "kept before": torch_threads(), "kept after": torch_threads()}  # fmt: skip
+    assert seen == {"released before": torch.get_num_threads(), "released after": 1,
+                    "kept before": torch.get_num_threads(), "kept after": torch.get_num_threads()}  # fmt: skip
