@@ -22,6 +22,7 @@ __all__ = [
     "kl_divergence",
     "load_hf_model",
     "span_attention_next_token_logprobs",
+    "span_attention_weights",
     "span_reference_logprobs",
 ]
 
@@ -115,6 +116,29 @@ def span_layer_kv(
     spans = table.spans
     kv, _, _ = _span_kv(model, list(token_ids), spans, [table.anchor_of(i) for i in range(len(spans))])
     return [(k, v) for k, v in kv.layers or []]
+
+
+@torch.no_grad()
+def span_attention_weights(model: Any, token_ids: Sequence[int], table: Any) -> list[torch.Tensor]:
+    """Per layer, how the text after the last span attends under span attention: `[heads, rows, keys]`
+    probabilities, one row per token after the last span, one key per token of the prompt (the spans' keys as
+    span attention cached them). The model runs its eager attention for this pass only (the one that returns
+    weights), then the implementation it had."""
+    spans = table.spans
+    ids = list(token_ids)
+    kv, _, pos = _span_kv(model, ids, spans, [table.anchor_of(i) for i in range(len(spans))])
+    if pos == len(ids):
+        raise ValueError("nothing after the last span attends to the spans")
+    had = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        out = model(
+            torch.tensor([ids[pos:]]), position_ids=torch.arange(pos, len(ids)).unsqueeze(0),
+            past_key_values=kv.cache(), use_cache=True, output_attentions=True, logits_to_keep=1,
+        )
+    finally:
+        model.set_attn_implementation(had)
+    return [a[0] for a in out.attentions]
 
 
 @torch.no_grad()
