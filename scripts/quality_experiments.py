@@ -4,7 +4,10 @@
     python scripts/quality_experiments.py criteria [--items 10] [--filler 12] [--model default]
         argmax agreement with full attention along the gold answer, and KL, for recompute block choices:
         none, each span's first / last block, spanq's share criterion, question overlap alone, block position,
-        and the blocks whose cached K/V deviate most from their in-context K/V at layer 1 or 3 (CacheBlend's).
+        the blocks whose cached K/V deviate most from their in-context K/V at layer 1 or 3 (CacheBlend's), and
+        the blocks the question attends to most under span attention at one layer or over all of them (its
+        attention mass; at layer 0 it depends on the tokens and positions alone). `--only A,B`: the choices whose
+        names start so, only; `--task cross`: items whose answer needs two documents.
     python scripts/quality_experiments.py padding [--items 20] [--filler 0] [--model default] [--layouts A,B]
         what the span layout's padding costs under full attention (the layout alone, against the plain prompt):
         newline padding after each span (spanq's: the last span's tail unpadded), after every span (before
@@ -27,11 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 from benchmarks import hf_span
-from benchmarks.quality import make_items, qa_query
+from benchmarks.quality import bootstrap, make_items, make_task_items, qa_query
 from spanq_backend.serving.generator import flattened_prompt_ids, load_chat_tokenizer
 from spanq_backend.serving.lowering import LoweredPrompt, lower
 from spanq_backend.serving.models import resolve_model
 from spanq_backend.serving.recompute import choose_blocks, plan_recompute
+
+
+def _ci(b: dict[str, float]) -> str:
+    return f"{b['mean']:.3f} [{b['lo']:.3f}, {b['hi']:.3f}]"
 
 
 def _budget(low: LoweredPrompt, share: float) -> tuple[list[int], int]:
@@ -79,6 +86,31 @@ def deviation_orders(model: Any, low: LoweredPrompt, layers: tuple[int, ...]) ->
     return orders
 
 
+def attention_orders(model: Any, low: LoweredPrompt, pad: int, layers: tuple[int, ...]) -> dict[str, list[tuple[int, int]]]:
+    """Per layer of `layers` (and over every layer, "all"), every span block, the most attended first: the
+    attention probability the question's tokens (the text after the spans, less the last span's tail the prompt
+    keeps as context) give the block's tokens under span attention — what the answer reads, before anything is
+    recomputed — summed over heads and the question's tokens (each layer's rows sum to one per head and token, so
+    "all" weighs every layer alike)."""
+    table = low.table
+    bs = table.block_size
+    tail = low.prepare_tails.get(len(table.spans) - 1, ())
+    kept = len(tail)
+    while kept and tail[kept - 1] == pad:
+        kept -= 1
+    weights = hf_span.span_attention_weights(model, low.token_ids, table)
+    per_layer = [w[:, kept:, :].sum(dim=(0, 1)) for w in weights]  # attention each key position receives
+    blocks = [(i, b, s + b * bs) for i, (s, e) in enumerate(table.spans) for b in range((e - s) // bs)]
+
+    def order(mass: Any) -> list[tuple[int, int]]:
+        score = {(i, b): float(mass[start : start + bs].sum()) for i, b, start in blocks}
+        return sorted(score, key=lambda pair: (-score[pair], pair))
+
+    orders = {f"L{layer}": order(per_layer[layer]) for layer in layers}
+    orders["all"] = order(sum(per_layer))
+    return orders
+
+
 def by_deviation(order: list[tuple[int, int]], budget: int) -> list[tuple[int, int]]:
     return sorted(order[:budget])
 
@@ -95,9 +127,21 @@ def criteria(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> 
                                                by_deviation(orders[layer], len(low.table.spans)))
         for layer in (1, 3)
     })
+    attended: dict[str, list[tuple[int, int]]] = {}  # per layer group, for the item being measured
+    attention_layers = (0, 1, 3, 15, 29)
+    attention = {
+        f"attention {group}, first's count": (lambda low, group=group: sorted(attended[group][: len(low.table.spans)]))
+        for group in [*(f"L{layer}" for layer in attention_layers), "all"]
+    }
+    attention.update({
+        f"attention {group} {share}": (lambda low, group=group, share=share:
+                                       sorted(attended[group][: _budget(low, share)[1]]))
+        for group in ("L0", "all") for share in (0.1, 0.15)
+    })
     choices = {
         "none": lambda low: [],
         "first": lambda low: choose_blocks(low, "first", pad),
+        "question (spanq's default)": lambda low: choose_blocks(low, "question", pad),
         "last": lambda low: choose_blocks(low, "last", pad),
         "share 0.1 (spanq)": lambda low: choose_blocks(low, 0.1, pad),
         "share 0.15 (spanq)": lambda low: choose_blocks(low, 0.15, pad),
@@ -106,14 +150,21 @@ def criteria(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> 
         "position 0.1": lambda low: by_position(low, 0.1),
         "position 0.15": lambda low: by_position(low, 0.15),
         **deviation,
+        **attention,
     }
+    if args.only:
+        wanted = args.only.split(",")
+        choices = {k: v for k, v in choices.items() if any(k.startswith(w) for w in wanted)}
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in choices}
-    for item in make_items(args.items, 5, seed=0, filler=args.filler):
+    for item in make_task_items(args.task, args.items, 5, seed=0, filler=args.filler):
         low = lower(qa_query(item, 16).input, tokenizer, 32, pad)
         gold = tokenizer.encode(item.gold, add_special_tokens=False)
         full = hf_span.full_attention_next_token_logprobs(model, low.token_ids, gold)
         blocks = sum((e - s) // 32 for s, e in low.table.spans)
-        orders.update(deviation_orders(model, low, (1, 3)))
+        if any(name.startswith("deviation") for name in choices):
+            orders.update(deviation_orders(model, low, (1, 3)))
+        if any(name.startswith("attention") for name in choices):
+            attended.update(attention_orders(model, low, pad, attention_layers))
         for name, choose in choices.items():
             plan = plan_recompute(low, choose(low))
             span = hf_span.span_attention_next_token_logprobs(model, low.token_ids, plan.lowered.table, gold)
@@ -122,10 +173,14 @@ def criteria(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> 
                 float((full.argmax(-1) == span.argmax(-1)).double().mean()),
                 len(plan.blocks) / blocks,
             ))
+    base = results.get("question (spanq's default)")
     for name, rows in results.items():
         n = len(rows)
-        print(f"{name:20s} share {sum(r[2] for r in rows) / n:.3f}  agreement {sum(r[1] for r in rows) / n:.3f}  "
-              f"KL {sum(r[0] for r in rows) / n:.3f}")
+        line = (f"{name:32s} share {sum(r[2] for r in rows) / n:.3f}  agreement {_ci(bootstrap([r[1] for r in rows]))}  "
+                f"KL {_ci(bootstrap([r[0] for r in rows]))}")
+        if base is not None and rows is not base:  # paired over the same items: this choice's KL less the default's
+            line += f"  KL - default's {_ci(bootstrap([r[0] - b[0] for r, b in zip(rows, base)]))}"
+        print(line)
 
 
 def _relaid(low: LoweredPrompt, pad: int, how: str) -> list[int]:
@@ -210,6 +265,9 @@ def main() -> int:
     parser.add_argument("--filler", type=int, default=None)
     parser.add_argument("--model", default="default")
     parser.add_argument("--layouts", default="", help="padding: only the layouts whose names start so (comma list)")
+    parser.add_argument("--task", choices=("qa", "cross"), default="qa",
+                        help="criteria: the items' shape (`spanq bench quality --tasks`: one document answers, or two)")
+    parser.add_argument("--only", default="", help="criteria: only the choices whose names start so (comma list)")
     parser.add_argument("--scales", default="0.9,1.0,1.1,1.2,1.3",
                         help="temperature: the factors on the spans' keys (comma list)")
     args = parser.parse_args()
