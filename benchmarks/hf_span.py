@@ -71,6 +71,7 @@ def span_attention_next_token_logprobs(
     continuation: Sequence[int],
     anchors: Sequence[int | Sequence[int]] | None = None,
     key_scale: float = 1.0,
+    span_bias: float = 0.0,
 ) -> torch.Tensor:
     """`[len(continuation), vocab]` log-probabilities of the next token after `token_ids` + each prefix of
     `continuation`, under span attention with exact relocation.
@@ -82,6 +83,9 @@ def span_attention_next_token_logprobs(
 
     `key_scale` multiplies the spans' cached keys (every layer) after each span is computed: what reads them later
     attends with their logits scaled so, a temperature of 1 / key_scale on span tokens (APE's); 1 leaves them.
+    `span_bias` is added to the attention logits the text after the last span gives every span token (every layer
+    and head): their attention weights multiplied by e^bias before normalization (APE's scaling factor); 0 leaves
+    them.
     """
     if hasattr(spans, "spans"):  # a SpanTable
         table = spans
@@ -96,9 +100,17 @@ def span_attention_next_token_logprobs(
     # Logits only for the rows read: from the one that predicts the continuation's first token (the vocabulary
     # projection of every row of the prompt was most of a small model's reference time).
     keep = len(rest) if pos == len(ids) else len(cont) + 1
+    mask = None
+    if span_bias != 0.0:  # causal over the cache and these rows, the bias on span keys: an additive 4D mask
+        keys = torch.arange(pos + len(rest))
+        rows = torch.arange(pos, pos + len(rest)).unsqueeze(1)
+        mask = torch.zeros(len(rest), len(keys))
+        for s, e in spans:
+            mask[:, s:e] = span_bias
+        mask = mask.masked_fill(keys.unsqueeze(0) > rows, torch.finfo(torch.float32).min)[None, None]
     out = model(
         torch.tensor([rest]), position_ids=torch.arange(pos, pos + len(rest)).unsqueeze(0),
-        past_key_values=kv.cache(), use_cache=True, logits_to_keep=keep,
+        past_key_values=kv.cache(), use_cache=True, logits_to_keep=keep, attention_mask=mask,
     )
     logits = out.logits[0]
     if pos == len(ids):  # the prompt ends with a span: its own last row predicts the continuation's first token

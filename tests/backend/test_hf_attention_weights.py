@@ -60,3 +60,17 @@ def test_a_prompt_that_ends_with_its_last_span_is_refused(hf_model, lowered):
     end = lowered.table.spans[-1][1]
     with pytest.raises(ValueError, match="nothing after the last span"):
         span_attention_weights(hf_model, lowered.token_ids[:end], lowered.table)
+
+
+def test_a_bias_on_span_logits_keeps_the_causal_mask_and_moves_only_what_reads_spans(hf_model, lowered):
+    """`span_bias` (APE's scaling factor, an experiment of `scripts/quality_experiments.py bias`) builds its own
+    attention mask: at a bias of ~0 it must give exactly the reference without one (a mask that let a row see the
+    rows after it would not), and a bias must change the answer's distributions."""
+    from benchmarks.hf_span import span_attention_next_token_logprobs
+
+    cont = [lowered.token_ids[5], lowered.token_ids[9], lowered.token_ids[13]]
+    plain = span_attention_next_token_logprobs(hf_model, lowered.token_ids, lowered.table, cont)
+    tiny = span_attention_next_token_logprobs(hf_model, lowered.token_ids, lowered.table, cont, span_bias=1e-9)
+    torch.testing.assert_close(tiny, plain, atol=1e-5, rtol=0)
+    biased = span_attention_next_token_logprobs(hf_model, lowered.token_ids, lowered.table, cont, span_bias=-2.0)
+    assert (biased - plain).abs().max() > 1e-3
