@@ -16,6 +16,10 @@
         an attention temperature on span tokens (APE's): the spans' cached keys multiplied by each scale of
         `--scales` (logits of span tokens scaled so for whatever reads them), with no recompute and with `first`;
         KL and argmax agreement against full attention on the plain prompt (what a user sees).
+    python scripts/quality_experiments.py bias [--items 20] [--filler 12] [--model default] [--biases ...]
+        APE's other knob: each bias of `--biases` added to the attention logits the text after the spans gives
+        span tokens (their weights times e^bias), with no recompute and with `question` (the default); KL and
+        agreement against full attention on the plain prompt, with bootstrap intervals.
 """
 
 from __future__ import annotations
@@ -258,9 +262,29 @@ def temperature(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) 
         print(f"{name}  agreement {sum(r[1] for r in rows) / n:.3f}  KL {sum(r[0] for r in rows) / n:.4f}  ({n} items)")
 
 
+def bias(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> None:
+    biases = [float(x) for x in args.biases.split(",")]
+    results: dict[str, list[tuple[float, float]]] = {}
+    for item in make_items(args.items, 5, seed=0, filler=args.filler):
+        query = qa_query(item, 16)
+        gold = tokenizer.encode(item.gold, add_special_tokens=False)
+        ref = hf_span.full_attention_next_token_logprobs(model, flattened_prompt_ids(tokenizer, query.input), gold)
+        low = lower(query.input, tokenizer, 32, pad)
+        for setting in ("0", "question"):
+            plan = plan_recompute(low, choose_blocks(low, "question", pad) if setting == "question" else [])
+            for b in biases:
+                lp = hf_span.span_attention_next_token_logprobs(
+                    model, plan.lowered.token_ids, plan.lowered.table, gold, span_bias=b)
+                results.setdefault(f"recompute {setting:8s} bias {b:+.2f}", []).append((
+                    float(hf_span.kl_divergence(ref, lp).mean()), float((ref.argmax(-1) == lp.argmax(-1)).double().mean())))
+    for name, rows in results.items():
+        print(f"{name}  agreement {_ci(bootstrap([r[1] for r in rows]))}  KL {_ci(bootstrap([r[0] for r in rows]))}  "
+              f"({len(rows)} items)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("experiment", choices=("criteria", "padding", "temperature"))
+    parser.add_argument("experiment", choices=("criteria", "padding", "temperature", "bias"))
     parser.add_argument("--items", type=int, default=None)
     parser.add_argument("--filler", type=int, default=None)
     parser.add_argument("--model", default="default")
@@ -268,6 +292,8 @@ def main() -> int:
     parser.add_argument("--task", choices=("qa", "cross"), default="qa",
                         help="criteria: the items' shape (`spanq bench quality --tasks`: one document answers, or two)")
     parser.add_argument("--only", default="", help="criteria: only the choices whose names start so (comma list)")
+    parser.add_argument("--biases", default="-0.5,-0.2,0,0.2,0.5",
+                        help="bias: what is added to the logits of span tokens for the text after them (comma list)")
     parser.add_argument("--scales", default="0.9,1.0,1.1,1.2,1.3",
                         help="temperature: the factors on the spans' keys (comma list)")
     args = parser.parse_args()
@@ -277,7 +303,8 @@ def main() -> int:
     tokenizer = load_chat_tokenizer(path)
     model = hf_span.load_hf_model(path)
     pad = tokenizer.encode("\n", add_special_tokens=False)[-1]
-    {"criteria": criteria, "padding": padding, "temperature": temperature}[args.experiment](model, tokenizer, pad, args)
+    experiments = {"criteria": criteria, "padding": padding, "temperature": temperature, "bias": bias}
+    experiments[args.experiment](model, tokenizer, pad, args)
     return 0
 
 
