@@ -242,21 +242,31 @@ def padding(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> N
               f"KL {sum(r[0] for r in rows) / n:.4f}")
 
 
-def temperature(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> None:
-    scales = [float(x) for x in args.scales.split(",")]
+def _sweep(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace, recompute: str, knob: str,
+           values: list[float], label: Any) -> dict[str, list[tuple[float, float]]]:
+    """Per (recompute setting, value of `knob` of `span_attention_next_token_logprobs`), each QA item's KL and argmax
+    agreement against full attention on the plain prompt, with nothing recomputed and with `recompute`;
+    `label(setting, value)` names each row."""
     results: dict[str, list[tuple[float, float]]] = {}
     for item in make_items(args.items, 5, seed=0, filler=args.filler):
         query = qa_query(item, 16)
         gold = tokenizer.encode(item.gold, add_special_tokens=False)
         ref = hf_span.full_attention_next_token_logprobs(model, flattened_prompt_ids(tokenizer, query.input), gold)
         low = lower(query.input, tokenizer, 32, pad)
-        for setting in ("0", "first"):
-            plan = plan_recompute(low, choose_blocks(low, "first", pad) if setting == "first" else [])
-            for scale in scales:
+        for setting in ("0", recompute):
+            plan = plan_recompute(low, choose_blocks(low, recompute, pad) if setting == recompute else [])
+            for value in values:
                 lp = hf_span.span_attention_next_token_logprobs(
-                    model, plan.lowered.token_ids, plan.lowered.table, gold, key_scale=scale)
-                results.setdefault(f"recompute {setting:5s} key scale {scale:.2f}", []).append((
+                    model, plan.lowered.token_ids, plan.lowered.table, gold, **{knob: value})
+                results.setdefault(label(setting, value), []).append((
                     float(hf_span.kl_divergence(ref, lp).mean()), float((ref.argmax(-1) == lp.argmax(-1)).double().mean())))
+    return results
+
+
+def temperature(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> None:
+    scales = [float(x) for x in args.scales.split(",")]
+    results = _sweep(model, tokenizer, pad, args, "first", "key_scale", scales,
+                     lambda setting, scale: f"recompute {setting:5s} key scale {scale:.2f}")
     for name, rows in results.items():
         n = len(rows)
         print(f"{name}  agreement {sum(r[1] for r in rows) / n:.3f}  KL {sum(r[0] for r in rows) / n:.4f}  ({n} items)")
@@ -264,19 +274,8 @@ def temperature(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) 
 
 def bias(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> None:
     biases = [float(x) for x in args.biases.split(",")]
-    results: dict[str, list[tuple[float, float]]] = {}
-    for item in make_items(args.items, 5, seed=0, filler=args.filler):
-        query = qa_query(item, 16)
-        gold = tokenizer.encode(item.gold, add_special_tokens=False)
-        ref = hf_span.full_attention_next_token_logprobs(model, flattened_prompt_ids(tokenizer, query.input), gold)
-        low = lower(query.input, tokenizer, 32, pad)
-        for setting in ("0", "question"):
-            plan = plan_recompute(low, choose_blocks(low, "question", pad) if setting == "question" else [])
-            for b in biases:
-                lp = hf_span.span_attention_next_token_logprobs(
-                    model, plan.lowered.token_ids, plan.lowered.table, gold, span_bias=b)
-                results.setdefault(f"recompute {setting:8s} bias {b:+.2f}", []).append((
-                    float(hf_span.kl_divergence(ref, lp).mean()), float((ref.argmax(-1) == lp.argmax(-1)).double().mean())))
+    results = _sweep(model, tokenizer, pad, args, "question", "span_bias", biases,
+                     lambda setting, b: f"recompute {setting:8s} bias {b:+.2f}")
     for name, rows in results.items():
         print(f"{name}  agreement {_ci(bootstrap([r[1] for r in rows]))}  KL {_ci(bootstrap([r[0] for r in rows]))}  "
               f"({len(rows)} items)")
