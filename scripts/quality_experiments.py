@@ -20,11 +20,19 @@
         APE's other knob: each bias of `--biases` added to the attention logits the text after the spans gives
         span tokens (their weights times e^bias), with no recompute and with `question` (the default); KL and
         agreement against full attention on the plain prompt, with bootstrap intervals.
+    python scripts/quality_experiments.py leadin [--items 20] [--filler 12] [--model default] [--only A,B]
+        what a canonical anchor's lead-in buys, by its length: none, the first one, two, four (the default until
+        2026-12-05) or eight (the default since) of spanq's neutral passages, the first four twice, twelve (four
+        more written here), and the first document of another item (what "auto" reads on these items: a document
+        like the span's own); with no recompute and with `question`, against full attention on the same layout
+        (the tokens are the same in every row: the lead-in lives in the anchor only), each row's KL less the
+        four passages' paired item by item. `--only A,B`: the rows whose names start so, and the four passages.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -36,7 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import hf_span
 from benchmarks.quality import bootstrap, make_items, make_task_items, qa_query
 from spanq_backend.serving.generator import flattened_prompt_ids, load_chat_tokenizer
-from spanq_backend.serving.lowering import LoweredPrompt, lower
+from spanq_backend.serving.lowering import (
+    BLOCK_SEPARATOR,
+    NEUTRAL_LEAD_IN,
+    NEUTRAL_PASSAGES,
+    LoweredPrompt,
+    lower,
+)
 from spanq_backend.serving.models import resolve_model
 from spanq_backend.serving.recompute import choose_blocks, plan_recompute
 
@@ -281,16 +295,66 @@ def bias(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> None
               f"({len(rows)} items)")
 
 
+MORE_PASSAGES = (  # four more passages in the neutral lead-in's manner, for the twelve-passage row of `leadin`
+    ("Chess is played on a board of sixty-four squares by two players, each with sixteen pieces. The game ends when "
+    "one king is attacked and cannot escape, and a draw is declared when neither side can win or the same position "
+    "comes up three times."),
+    ("The river port handles grain, timber and gravel brought down by barge from the upland farms and quarries. Its "
+    "two cranes were replaced in 1988, and a ferry still crosses to the far bank every twenty minutes in summer."),
+    ("Wool is sheared from the sheep in late spring, washed to remove the grease, then carded so that the fibres lie "
+    "in one direction. Spun into yarn and dyed, it is knitted or woven into cloth that keeps its warmth when wet."),
+    ("The annual music festival takes place in the park on the last weekend of July. Three stages host around forty "
+    "bands, food stalls line the main path, and the evening concerts end with fireworks over the lake."),
+)
+
+
+def leadin(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> None:
+    items = make_task_items(args.task, args.items + 1, 5, seed=0, filler=args.filler)
+    base_name = "neutral 4 (the default until 2026-12-05)"
+    lead_ins = {
+        "none": "",
+        "neutral 1": NEUTRAL_PASSAGES[0],
+        "neutral 2": BLOCK_SEPARATOR.join(NEUTRAL_PASSAGES[:2]),
+        base_name: BLOCK_SEPARATOR.join(NEUTRAL_PASSAGES[:4]),
+        "neutral 4 twice": BLOCK_SEPARATOR.join((*NEUTRAL_PASSAGES[:4], *NEUTRAL_PASSAGES[:4])),
+        "neutral 8 (spanq's default)": NEUTRAL_LEAD_IN,
+        "neutral 12": BLOCK_SEPARATOR.join((*NEUTRAL_PASSAGES[:8], *MORE_PASSAGES)),
+        "another item's document": None,  # per item: the next item's first document
+    }
+    if args.only:
+        wanted = args.only.split(",")
+        lead_ins = {k: v for k, v in lead_ins.items() if k == base_name or any(k.startswith(w) for w in wanted)}
+    results: dict[str, list[tuple[float, float]]] = {}
+    for item, other in itertools.pairwise(items):
+        gold = tokenizer.encode(item.gold, add_special_tokens=False)
+        base = lower(qa_query(item, 16).input, tokenizer, 32, pad)
+        full = hf_span.full_attention_next_token_logprobs(model, base.token_ids, gold)
+        for name, text in lead_ins.items():
+            low = lower(qa_query(item, 16).input, tokenizer, 32, pad, lead_in=other.docs[0] if text is None else text)
+            assert low.token_ids == base.token_ids, "a lead-in changed the prompt's tokens"
+            for setting in ("0", "question"):
+                plan = plan_recompute(low, choose_blocks(low, setting, pad) if setting != "0" else [])
+                lp = hf_span.span_attention_next_token_logprobs(model, low.token_ids, plan.lowered.table, gold)
+                results.setdefault(f"{setting:8s} {name}", []).append(
+                    (float(hf_span.kl_divergence(full, lp).mean()), float((full.argmax(-1) == lp.argmax(-1)).double().mean())))
+    for name, rows in results.items():
+        base_rows = results[f"{name[:8]} {base_name}"]
+        line = f"{name:40s} agreement {_ci(bootstrap([r[1] for r in rows]))}  KL {_ci(bootstrap([r[0] for r in rows]))}"
+        if rows is not base_rows:
+            line += f"  KL - default's {_ci(bootstrap([r[0] - b[0] for r, b in zip(rows, base_rows)]))}"
+        print(f"{line}  ({len(rows)} items)", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("experiment", choices=("criteria", "padding", "temperature", "bias"))
+    parser.add_argument("experiment", choices=("criteria", "padding", "temperature", "bias", "leadin"))
     parser.add_argument("--items", type=int, default=None)
     parser.add_argument("--filler", type=int, default=None)
     parser.add_argument("--model", default="default")
     parser.add_argument("--layouts", default="", help="padding: only the layouts whose names start so (comma list)")
     parser.add_argument("--task", choices=("qa", "cross"), default="qa",
-                        help="criteria: the items' shape (`spanq bench quality --tasks`: one document answers, or two)")
-    parser.add_argument("--only", default="", help="criteria: only the choices whose names start so (comma list)")
+                        help="criteria, leadin: the items' shape (`spanq bench quality --tasks`: one document answers, or two)")
+    parser.add_argument("--only", default="", help="criteria, leadin: only the rows whose names start so (comma list)")
     parser.add_argument("--biases", default="-0.5,-0.2,0,0.2,0.5",
                         help="bias: what is added to the logits of span tokens for the text after them (comma list)")
     parser.add_argument("--scales", default="0.9,1.0,1.1,1.2,1.3",
@@ -302,7 +366,8 @@ def main() -> int:
     tokenizer = load_chat_tokenizer(path)
     model = hf_span.load_hf_model(path)
     pad = tokenizer.encode("\n", add_special_tokens=False)[-1]
-    experiments = {"criteria": criteria, "padding": padding, "temperature": temperature, "bias": bias}
+    experiments = {"criteria": criteria, "padding": padding, "temperature": temperature, "bias": bias,
+                   "leadin": leadin}
     experiments[args.experiment](model, tokenizer, pad, args)
     return 0
 
