@@ -21,9 +21,9 @@
         span tokens (their weights times e^bias), with no recompute and with `question` (the default); KL and
         agreement against full attention on the plain prompt, with bootstrap intervals.
     python scripts/quality_experiments.py leadin [--items 20] [--filler 12] [--model default] [--only A,B]
-        what a canonical anchor's lead-in buys, by its length: none, the first one, two, four (the default until
-        2026-12-05) or eight (the default since) of spanq's neutral passages, the first four twice, twelve (four
-        more written here), and the first document of another item (what "auto" reads on these items: a document
+        what a canonical anchor's lead-in buys, by its length: none, the first one, two, four (every span's until
+        2026-12-05) or eight of spanq's neutral passages, spanq's default (eight for a span of five blocks or more,
+        four below), the first four twice, twelve (four more written here), and the first document of another item (what "auto" reads on these items: a document
         like the span's own); with no recompute and with `question`, against full attention on the same layout
         (the tokens are the same in every row: the lead-in lives in the anchor only), each row's KL less the
         four passages' paired item by item. `--only A,B`: the rows whose names start so, and the four passages.
@@ -48,8 +48,10 @@ from spanq_backend.serving.lowering import (
     BLOCK_SEPARATOR,
     NEUTRAL_LEAD_IN,
     NEUTRAL_PASSAGES,
+    SHORT_NEUTRAL_LEAD_IN,
     LoweredPrompt,
     lower,
+    neutral_lead_in,
 )
 from spanq_backend.serving.models import resolve_model
 from spanq_backend.serving.recompute import choose_blocks, plan_recompute
@@ -315,9 +317,10 @@ def leadin(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> No
         "none": "",
         "neutral 1": NEUTRAL_PASSAGES[0],
         "neutral 2": BLOCK_SEPARATOR.join(NEUTRAL_PASSAGES[:2]),
-        base_name: BLOCK_SEPARATOR.join(NEUTRAL_PASSAGES[:4]),
+        base_name: SHORT_NEUTRAL_LEAD_IN,
         "neutral 4 twice": BLOCK_SEPARATOR.join((*NEUTRAL_PASSAGES[:4], *NEUTRAL_PASSAGES[:4])),
-        "neutral 8 (spanq's default)": NEUTRAL_LEAD_IN,
+        "neutral 8": NEUTRAL_LEAD_IN,
+        "spanq's default (8 from 5 blocks, else 4)": neutral_lead_in,
         "neutral 12": BLOCK_SEPARATOR.join((*NEUTRAL_PASSAGES[:8], *MORE_PASSAGES)),
         "another item's document": None,  # per item: the next item's first document
     }
@@ -325,12 +328,13 @@ def leadin(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> No
         wanted = args.only.split(",")
         lead_ins = {k: v for k, v in lead_ins.items() if k == base_name or any(k.startswith(w) for w in wanted)}
     results: dict[str, list[tuple[float, float]]] = {}
+    lead_in: Any
     for item, other in itertools.pairwise(items):
         gold = tokenizer.encode(item.gold, add_special_tokens=False)
         base = lower(qa_query(item, 16).input, tokenizer, 32, pad)
         full = hf_span.full_attention_next_token_logprobs(model, base.token_ids, gold)
-        for name, text in lead_ins.items():
-            low = lower(qa_query(item, 16).input, tokenizer, 32, pad, lead_in=other.docs[0] if text is None else text)
+        for name, lead_in in lead_ins.items():
+            low = lower(qa_query(item, 16).input, tokenizer, 32, pad, lead_in=other.docs[0] if lead_in is None else lead_in)
             assert low.token_ids == base.token_ids, "a lead-in changed the prompt's tokens"
             for setting in ("0", "question"):
                 plan = plan_recompute(low, choose_blocks(low, setting, pad) if setting != "0" else [])
