@@ -21,9 +21,9 @@
         span tokens (their weights times e^bias), with no recompute and with `question` (the default); KL and
         agreement against full attention on the plain prompt, with bootstrap intervals.
     python scripts/quality_experiments.py leadin [--items 20] [--filler 12] [--model default] [--only A,B]
-        what a canonical anchor's lead-in buys, by its length: none, the first one, two, four (every span's until
-        2026-12-05) or eight of spanq's neutral passages, spanq's default (eight for a span of five blocks or more,
-        four below), the first four twice, twelve (four more written here), and the first document of another item (what "auto" reads on these items: a document
+        what a canonical anchor's lead-in buys, by its length: none, the first one, two, four (the default until
+        2026-12-05) or eight (the default since) of spanq's neutral passages, the first four twice, twelve (four
+        more written here), and the first document of another item (what "auto" reads on these items: a document
         like the span's own); with no recompute and with `question`, against full attention on the same layout
         (the tokens are the same in every row: the lead-in lives in the anchor only), each row's KL less the
         four passages' paired item by item. `--only A,B`: the rows whose names start so, and the four passages.
@@ -48,10 +48,8 @@ from spanq_backend.serving.lowering import (
     BLOCK_SEPARATOR,
     NEUTRAL_LEAD_IN,
     NEUTRAL_PASSAGES,
-    SHORT_NEUTRAL_LEAD_IN,
     LoweredPrompt,
     lower,
-    neutral_lead_in,
 )
 from spanq_backend.serving.models import resolve_model
 from spanq_backend.serving.recompute import choose_blocks, plan_recompute
@@ -317,10 +315,9 @@ def leadin(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> No
         "none": "",
         "neutral 1": NEUTRAL_PASSAGES[0],
         "neutral 2": BLOCK_SEPARATOR.join(NEUTRAL_PASSAGES[:2]),
-        base_name: SHORT_NEUTRAL_LEAD_IN,
+        base_name: BLOCK_SEPARATOR.join(NEUTRAL_PASSAGES[:4]),
         "neutral 4 twice": BLOCK_SEPARATOR.join((*NEUTRAL_PASSAGES[:4], *NEUTRAL_PASSAGES[:4])),
-        "neutral 8": NEUTRAL_LEAD_IN,
-        "spanq's default (8 from 5 blocks, else 4)": neutral_lead_in,
+        "neutral 8 (spanq's default)": NEUTRAL_LEAD_IN,
         "neutral 12": BLOCK_SEPARATOR.join((*NEUTRAL_PASSAGES[:8], *MORE_PASSAGES)),
         "another item's document": None,  # per item: the next item's first document
     }

@@ -26,14 +26,13 @@ from spanq_backend.kv.span_table import EXTRA_ARGS_KEY, SpanTable
 from spanq_backend.serving import metrics
 from spanq_backend.serving.lowering import (
     DEFAULT_ANCHOR,
+    NEUTRAL_LEAD_IN,
     GeneratedSpan,
-    LeadIn,
     LoweredPrompt,
     Tokenizer,
     check_fits,
     generated_span_ids,
     lower,
-    neutral_lead_in,
     render_chat,
     span_digest,
     spans_first,
@@ -208,7 +207,7 @@ a 2048-token grid cell hold just under 2048 span tokens, hence 1536)."""
 
 
 LEAD_IN_AUTO = "auto"  # the lead-in setting that takes the start of the first document given (`lead_in_for`)
-LEAD_IN_NEUTRAL = "neutral"  # the default: `lowering.neutral_lead_in`, the same on every engine
+LEAD_IN_NEUTRAL = "neutral"  # the default: `lowering.NEUTRAL_LEAD_IN`, the same on every engine
 LEAD_IN_MIN_TOKENS = 64
 LEAD_IN_MAX_TOKENS = 256
 
@@ -463,16 +462,16 @@ class SpanGenerator:
         out = self._generated.get((tuple(lowered.token_ids), node.text))
         return None if out is None else GeneratedSpan(tuple(lowered.token_ids), out)
 
-    def lead_in_for(self, call: Generate) -> LeadIn:
-        """The lead-in of this call's canonical anchors. "neutral" (the default): `neutral_lead_in`, the same texts
-        on every engine (eight passages for a span of five blocks or more, the first four for a shorter one), so
-        replicas and restarts compute the same span KV and give the same answers. "none" (or ""): nothing. "auto": the start of the first document this generator was given (`LEAD_IN_MIN_TOKENS` or
+    def lead_in_for(self, call: Generate) -> str:
+        """The lead-in of this call's canonical anchors. "neutral" (the default): `NEUTRAL_LEAD_IN`, the same text
+        on every engine, so replicas and restarts compute the same span KV and give the same answers. "none" (or
+        ""): nothing. "auto": the start of the first document this generator was given (`LEAD_IN_MIN_TOKENS` or
         more; its first `LEAD_IN_MAX_TOKENS`), kept for its lifetime so every span shares one anchor (a neutral
         one until then): closer to full attention (docs/benchmarks.md, "The lead-in"), but an engine's answers
         then depend on which document it read first. Any other text is itself."""
         setting = self.default_lead_in
         if setting == LEAD_IN_NEUTRAL:
-            return neutral_lead_in
+            return NEUTRAL_LEAD_IN
         if setting in ("none", ""):
             return ""
         if setting != LEAD_IN_AUTO:
@@ -483,7 +482,7 @@ class SpanGenerator:
                 self.corpus_lead_in = picked
                 log.info("spans read %d tokens of the first document given as their lead-in (--span-lead-in)",
                          len(self.tokenizer.encode(picked, add_special_tokens=False)))
-        return self.corpus_lead_in if self.corpus_lead_in is not None else neutral_lead_in
+        return self.corpus_lead_in if self.corpus_lead_in is not None else NEUTRAL_LEAD_IN
 
     def _first_document(self, call: Generate) -> str | None:
         for _, node in walk(call.input):

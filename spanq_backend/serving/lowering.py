@@ -57,18 +57,14 @@ from spanq_integrations.query.ir import (
 __all__ = [
     "DEFAULT_ANCHOR",
     "DEFAULT_LEAD_IN",
-    "LONG_SPAN_BLOCKS",
     "NEUTRAL_LEAD_IN",
     "NEUTRAL_PASSAGES",
-    "SHORT_NEUTRAL_LEAD_IN",
     "GeneratedSpan",
-    "LeadIn",
     "LoweredPrompt",
     "Tokenizer",
     "check_fits",
     "generated_span_ids",
     "lower",
-    "neutral_lead_in",
     "render_chat",
     "span_order",
     "spans_first",
@@ -119,31 +115,11 @@ NEUTRAL_PASSAGES = (
     ),
 )
 NEUTRAL_LEAD_IN = BLOCK_SEPARATOR.join(NEUTRAL_PASSAGES)
-"""The neutral lead-in in full (eight short passages on unrelated subjects, ~460 tokens): what a canonical anchor
-reads before a span of `LONG_SPAN_BLOCKS` blocks or more when no document of the corpus is known yet or asked for
-(`neutral_lead_in`)."""
+"""A neutral lead-in (eight short passages on unrelated subjects, ~460 tokens; the first four until 2026-12-05,
+docs/benchmarks.md "The lead-in's length"): what a canonical anchor reads before a span when no document of the
+corpus is known yet (`SpanGenerator`'s "auto" lead-in) or asked for."""
 
-SHORT_NEUTRAL_LEAD_IN = BLOCK_SEPARATOR.join(NEUTRAL_PASSAGES[:4])
-"""The neutral lead-in of a span shorter than `LONG_SPAN_BLOCKS` blocks: its first four passages (~260 tokens; every
-span's until 2026-12-05). A prefix of `NEUTRAL_LEAD_IN`: both anchors share their leading blocks in the cache."""
-
-LONG_SPAN_BLOCKS = 5
-"""Spans of this many KV blocks or more read the whole neutral lead-in, shorter ones its first four passages.
-Measured with the HF reference on SmolLM2 (QA items, paired; docs/benchmarks.md, "The lead-in's length"):
-documents of ~190 tokens (6 blocks) are closer to full attention after eight passages than after four, documents
-of ~90 tokens (3 blocks) after four than after eight."""
-
-LeadIn = str | Callable[[int], str]
-"""What a canonical anchor reads after the template's opening: a text, or a text per span size in KV blocks."""
-
-
-def neutral_lead_in(blocks: int) -> str:
-    """The neutral lead-in of a span of `blocks` KV blocks. A span is read after about as much text as documents
-    of its size are read after in a prompt: eight passages for `LONG_SPAN_BLOCKS` blocks or more, four below."""
-    return NEUTRAL_LEAD_IN if blocks >= LONG_SPAN_BLOCKS else SHORT_NEUTRAL_LEAD_IN
-
-
-DEFAULT_LEAD_IN: LeadIn = neutral_lead_in
+DEFAULT_LEAD_IN = NEUTRAL_LEAD_IN
 """What a span reads before itself in its canonical anchor ("template", "system"), after the chat template's
 opening, as if other documents came first. In a prompt a document follows others; computed right after the
 opening, its tokens attend as if they started the text, and what reads the span later sees one such start per
@@ -276,7 +252,7 @@ def _anchor_tokens(
     systems: tuple[str, ...],
     block_size: int,
     pad_token_id: int,
-    lead_in: str = NEUTRAL_LEAD_IN,
+    lead_in: str = DEFAULT_LEAD_IN,
 ) -> tuple[int, ...]:
     """The tokens of a canonical anchor: the chat template's opening of a user turn (after the query's leading
     system messages for "system"), then the lead-in and the separator spans end with, padded to a block
@@ -315,7 +291,7 @@ def lower(
     generated_ids: Callable[[Assistant], GeneratedSpan | None] | None = None,
     default_anchor: AnchorPolicy = DEFAULT_ANCHOR,
     align_output: bool = False,
-    lead_in: LeadIn = DEFAULT_LEAD_IN,
+    lead_in: str = DEFAULT_LEAD_IN,
     as_context: frozenset[str] = frozenset(),
     keep_order: bool = False,
 ) -> LoweredPrompt:
@@ -324,8 +300,7 @@ def lower(
     `generated_ids(assistant)` returns what the engine knows of a generated assistant (None: nothing);
     `default_anchor` is the policy of a `plus` that names none; `align_output` pads a prompt without spans so
     that its output starts on a block boundary (an inner generation whose output a judge reads as a span);
-    `lead_in` is what a canonical anchor holds after the template's opening (`DEFAULT_LEAD_IN`; a function of the span's
-    size in blocks gives each span its own); a `plus` child
+    `lead_in` is what a canonical anchor holds after the template's opening (`DEFAULT_LEAD_IN`); a `plus` child
     whose text is in `as_context` is laid out as context (its tokens as a span's, unpadded, in no span: computed in
     context by the request, as a stock prompt's); `keep_order` reads each group in the order given, not in the
     order of `span_order`."""
@@ -391,11 +366,8 @@ def lower(
         policy = slot.anchor or default_anchor
         if policy == "prefix":
             return anchor_len
-        # Its blocks as its prepare request computes them (the tail padded): a span reads the same lead-in wherever
-        # it sits (the last before the question, its tail kept as context, or padded).
-        text = lead_in(-(-size // block_size)) if callable(lead_in) else lead_in
-        tokens = _anchor_tokens(tokenizer, policy, systems, block_size, pad_token_id, text)
-        if text and max_model_len is not None and len(tokens) + size + block_size >= max_model_len:
+        tokens = _anchor_tokens(tokenizer, policy, systems, block_size, pad_token_id, lead_in)
+        if lead_in and max_model_len is not None and len(tokens) + size + block_size >= max_model_len:
             # a span too long to be prepared after the lead-in within the context window: without it
             tokens = _anchor_tokens(tokenizer, policy, systems, block_size, pad_token_id, "")
         if tuple(ids[:anchor_len]) == tokens or len(tokens) > MAX_ANCHOR_TOKENS:
