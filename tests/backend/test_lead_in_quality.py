@@ -1,10 +1,9 @@
 """What the canonical anchor's lead-in buys (docs/design.md, "The lead-in"), on the default model: documents (the QA
-items of `spanq bench quality`) read as spans after the default lead-in (eight passages) give answers closer to full
-attention than after the four passages that were the default until 2026-12-05, which are closer than the bare
-template opening. Measured with the HF reference (`benchmarks.hf_span`): the KL from full attention on the same
-tokens along the gold answer. An anchor that dropped its lead-in (or a lowering that ignored the setting) reads as
-the bare opening, and a default of four passages reads as the four: either fails the check.
-(`python scripts/quality_experiments.py leadin` gives the same rows over more items, with intervals.)"""
+items of `spanq bench quality`) read as spans after the default lead-in give answers closer to full attention than
+after the bare template opening. Measured with the HF reference (`benchmarks.hf_span`): the KL from full attention
+on the same tokens along the gold answer. An anchor that dropped its lead-in (or a lowering that ignored the
+setting) reads as the bare opening and fails the check. (`python scripts/quality_experiments.py leadin` gives the
+same rows, and longer lead-ins, over more items with intervals.)"""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import pytest
 from benchmarks import hf_span
 from benchmarks.quality import make_items, qa_query
 from spanq_backend.serving.generator import load_chat_tokenizer
-from spanq_backend.serving.lowering import BLOCK_SEPARATOR, NEUTRAL_PASSAGES, lower
+from spanq_backend.serving.lowering import lower
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +44,6 @@ def mean_kls(smol, lead_ins: dict[str, str | None], items: int, filler: int) -> 
     return {name: sum(v) / len(v) for name, v in kls.items()}
 
 
-def test_documents_read_after_the_default_lead_in_are_closest_to_full_attention(smol):
-    four = BLOCK_SEPARATOR.join(NEUTRAL_PASSAGES[:4])
-    kl = mean_kls(smol, {"default": None, "four passages": four, "none": ""}, items=3, filler=12)
-    assert kl["default"] < kl["four passages"] < kl["none"], kl
+def test_documents_read_after_the_default_lead_in_are_closer_to_full_attention(smol):
+    kl = mean_kls(smol, {"default": None, "none": ""}, items=3, filler=12)
+    assert kl["default"] < 0.8 * kl["none"], kl
