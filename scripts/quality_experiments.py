@@ -22,8 +22,8 @@
         agreement against full attention on the plain prompt, with bootstrap intervals.
     python scripts/quality_experiments.py leadin [--items 20] [--filler 12] [--model default] [--only A,B]
         what a canonical anchor's lead-in buys, by its length: none, the first one, two or four (the default) of
-        spanq's neutral passages, the four twice, eight and twelve (the four and more written here), and the first document of another item (what "auto" reads on these items: a document
-        like the span's own); with no recompute and with `question`, against full attention on the same layout
+        spanq's neutral passages, the four twice, eight and twelve (the four and more written here), and the first
+        document of another item (what "auto" reads on these items: a document like the span's own); with no recompute and with `question`, against full attention on the same layout
         (the tokens are the same in every row: the lead-in lives in the anchor only), each row's KL less the
         four passages' paired item by item. `--only A,B`: the rows whose names start so, and the four passages.
 """
@@ -56,6 +56,15 @@ from spanq_backend.serving.recompute import choose_blocks, plan_recompute
 
 def _ci(b: dict[str, float]) -> str:
     return f"{b['mean']:.3f} [{b['lo']:.3f}, {b['hi']:.3f}]"
+
+
+def _measures(rows: list[tuple[float, ...]], base: list[tuple[float, ...]] | None = None) -> str:
+    """Agreement and KL over items (rows of `(KL, agreement, ...)`) with bootstrap intervals, and, given `base`
+    (the same items under the row compared with), the KL less base's, paired item by item."""
+    line = f"agreement {_ci(bootstrap([r[1] for r in rows]))}  KL {_ci(bootstrap([r[0] for r in rows]))}"
+    if base is not None and rows is not base:
+        line += f"  KL - default's {_ci(bootstrap([r[0] - b[0] for r, b in zip(rows, base)]))}"
+    return line
 
 
 def _budget(low: LoweredPrompt, share: float) -> tuple[list[int], int]:
@@ -192,12 +201,7 @@ def criteria(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> 
             ))
     base = results.get("question (spanq's default)")
     for name, rows in results.items():
-        n = len(rows)
-        line = (f"{name:32s} share {sum(r[2] for r in rows) / n:.3f}  agreement {_ci(bootstrap([r[1] for r in rows]))}  "
-                f"KL {_ci(bootstrap([r[0] for r in rows]))}")
-        if base is not None and rows is not base:  # paired over the same items: this choice's KL less the default's
-            line += f"  KL - default's {_ci(bootstrap([r[0] - b[0] for r, b in zip(rows, base)]))}"
-        print(line)
+        print(f"{name:32s} share {sum(r[2] for r in rows) / len(rows):.3f}  {_measures(rows, base)}")
 
 
 def _relaid(low: LoweredPrompt, pad: int, how: str) -> list[int]:
@@ -290,8 +294,7 @@ def bias(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> None
     results = _sweep(model, tokenizer, pad, args, "question", "span_bias", biases,
                      lambda setting, b: f"recompute {setting:8s} bias {b:+.2f}")
     for name, rows in results.items():
-        print(f"{name}  agreement {_ci(bootstrap([r[1] for r in rows]))}  KL {_ci(bootstrap([r[0] for r in rows]))}  "
-              f"({len(rows)} items)")
+        print(f"{name}  {_measures(rows)}  ({len(rows)} items)")
 
 
 MORE_PASSAGES = (  # eight more passages in the neutral lead-in's manner, for the rows of eight and twelve of `leadin`
@@ -313,15 +316,23 @@ MORE_PASSAGES = (  # eight more passages in the neutral lead-in's manner, for th
         "Bees collect nectar from flowers and store it in wax cells, where it thickens into honey. A strong hive holds "
         "tens of thousands of workers and a single queen, and in a good summer a keeper may take twenty kilograms."
     ),
-    ("Chess is played on a board of sixty-four squares by two players, each with sixteen pieces. The game ends when "
-    "one king is attacked and cannot escape, and a draw is declared when neither side can win or the same position "
-    "comes up three times."),
-    ("The river port handles grain, timber and gravel brought down by barge from the upland farms and quarries. Its "
-    "two cranes were replaced in 1988, and a ferry still crosses to the far bank every twenty minutes in summer."),
-    ("Wool is sheared from the sheep in late spring, washed to remove the grease, then carded so that the fibres lie "
-    "in one direction. Spun into yarn and dyed, it is knitted or woven into cloth that keeps its warmth when wet."),
-    ("The annual music festival takes place in the park on the last weekend of July. Three stages host around forty "
-    "bands, food stalls line the main path, and the evening concerts end with fireworks over the lake."),
+    (
+        "Chess is played on a board of sixty-four squares by two players, each with sixteen pieces. The game ends when "
+        "one king is attacked and cannot escape, and a draw is declared when neither side can win or the same position "
+        "comes up three times."
+    ),
+    (
+        "The river port handles grain, timber and gravel brought down by barge from the upland farms and quarries. Its "
+        "two cranes were replaced in 1988, and a ferry still crosses to the far bank every twenty minutes in summer."
+    ),
+    (
+        "Wool is sheared from the sheep in late spring, washed to remove the grease, then carded so that the fibres lie "
+        "in one direction. Spun into yarn and dyed, it is knitted or woven into cloth that keeps its warmth when wet."
+    ),
+    (
+        "The annual music festival takes place in the park on the last weekend of July. Three stages host around forty "
+        "bands, food stalls line the main path, and the evening concerts end with fireworks over the lake."
+    ),
 )
 
 
@@ -344,11 +355,12 @@ def leadin(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> No
     results: dict[str, list[tuple[float, float]]] = {}
     lead_in: Any
     for item, other in itertools.pairwise(items):
+        query = qa_query(item, 16).input
         gold = tokenizer.encode(item.gold, add_special_tokens=False)
-        base = lower(qa_query(item, 16).input, tokenizer, 32, pad)
+        base = lower(query, tokenizer, 32, pad)
         full = hf_span.full_attention_next_token_logprobs(model, base.token_ids, gold)
         for name, lead_in in lead_ins.items():
-            low = lower(qa_query(item, 16).input, tokenizer, 32, pad, lead_in=other.docs[0] if lead_in is None else lead_in)
+            low = lower(query, tokenizer, 32, pad, lead_in=other.docs[0] if lead_in is None else lead_in)
             assert low.token_ids == base.token_ids, "a lead-in changed the prompt's tokens"
             for setting in ("0", "question"):
                 plan = plan_recompute(low, choose_blocks(low, setting, pad) if setting != "0" else [])
@@ -356,11 +368,7 @@ def leadin(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> No
                 results.setdefault(f"{setting:8s} {name}", []).append(
                     (float(hf_span.kl_divergence(full, lp).mean()), float((full.argmax(-1) == lp.argmax(-1)).double().mean())))
     for name, rows in results.items():
-        base_rows = results[f"{name[:8]} {base_name}"]
-        line = f"{name:40s} agreement {_ci(bootstrap([r[1] for r in rows]))}  KL {_ci(bootstrap([r[0] for r in rows]))}"
-        if rows is not base_rows:
-            line += f"  KL - default's {_ci(bootstrap([r[0] - b[0] for r, b in zip(rows, base_rows)]))}"
-        print(f"{line}  ({len(rows)} items)", flush=True)
+        print(f"{name:40s} {_measures(rows, results[f'{name[:8]} {base_name}'])}  ({len(rows)} items)", flush=True)
 
 
 def main() -> int:
