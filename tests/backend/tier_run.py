@@ -10,7 +10,13 @@ Engines, in order:
              into once held keys at other positions), then answers the query, its spans prepared first
   direct     the same, the query's own request loading its spans (at other positions than they were stored at)
   stale      the same, with the tracker not told where loaded keys sit (a broken tier: must answer wrong)
-  corrupt    after one byte of one stored block is flipped: the block must be refused and computed instead
+  corrupt    after values of one stored block (the first of the query's second span) are flipped: the block
+             must be refused and its span computed alone by its prepare
+  corrupt_direct  the same flip, the query's own request loading its spans: the block is refused and the request
+             starts over, computing it and all that follows in context (never cached under a span's key); a query
+             that then prepares its spans computes that span alone again
+  unkeyed    the same, with missed span blocks not re-keyed (a broken engine: in-context KV kept under the span's
+             key, which the query asked again reads as the span: must answer wrong)
   unchecked  the same flip, with the checksum not checked (a broken tier: must answer wrong)
 """
 
@@ -41,6 +47,14 @@ def query(docs: list[str]):
     )
 
 
+def span_hashes(engine: SpanEngine, lowered, i: int) -> tuple:
+    """The cache keys of span i's whole blocks (its prepare's blocks after the anchor), in order."""
+    bs = lowered.table.block_size
+    hashes = engine._probe.block_hashes(lowered.prepare_prompt(i))
+    first = lowered.table.anchor_size(i) // bs
+    return hashes[first : first + len(lowered.span_ids(i)) // bs]
+
+
 async def answer(engine: SpanEngine, call, prepare: bool = True) -> dict:
     """The call's tokens and log-probabilities: its spans prepared first (each prepare loads its span from the
     tier), or not (`prepare=False`: the call's own request loads them, as `generate` does on a tier engine)."""
@@ -52,6 +66,10 @@ async def answer(engine: SpanEngine, call, prepare: bool = True) -> dict:
         "spans": [list(s) for s in lowered.table.spans],
         "anchors": [a if isinstance(a, int) else list(a) for a in lowered.table.anchors] if lowered.table.anchors else None,
         "prepared": prepared,
+        # each span block's file in the tier, and whether the engine's cache holds a block under its key now
+        "span_blocks": [[str(engine.tier.path_of(h)) for h in span_hashes(engine, lowered, i)] for i in range(len(lowered.table.spans))],
+        "span_blocks_cached": [[engine._probe.holds((h,)) for h in span_hashes(engine, lowered, i)]
+                               for i in range(len(lowered.table.spans))],
         "tokens": tokens,
         "logprobs": logprobs.tolist(),
     }
@@ -67,7 +85,7 @@ async def stale_blocks_first(engine: SpanEngine) -> None:
     assert engine.reset_prefix_cache()
 
 
-def run_engine(tier_dir: str, docs: list[str], prepare: bool = True) -> dict:
+def run_engine(tier_dir: str, docs: list[str], prepare: bool = True, again: bool = False) -> dict:
     # recompute=0: the tier's own path (a query's request loads its spans) is a call that recomputes nothing; the
     # "recompute" call below says its own setting
     config = EngineConfig(model="tiny", tier_dir=tier_dir, num_blocks=72, max_model_len=2048, recompute=0)
@@ -76,7 +94,9 @@ def run_engine(tier_dir: str, docs: list[str], prepare: bool = True) -> dict:
         async def scenario() -> dict:
             await stale_blocks_first(engine)
             out = await answer(engine, query(docs), prepare)
-            if not prepare:  # and how `generate` reads them now, in another order
+            if again:  # the same query again, its spans prepared first: what the engine's cache now holds for them
+                out["again"] = await answer(engine, query(docs))
+            elif not prepare:  # and how `generate` reads them now, in another order
                 done = await engine.generate(query(docs[1:] + docs[:1]))
                 out["generate"] = {"mode": done.metrics.extra["cold_spans"], "prepared_spans": done.metrics.prepared_spans}
                 # a call that recomputes blocks, after the engine forgot everything: its prepares load the spans
@@ -95,14 +115,12 @@ def run_engine(tier_dir: str, docs: list[str], prepare: bool = True) -> dict:
         return out
 
 
-def flip_one_block(tier_dir: str) -> str:
-    """Flip the high byte of many values in the payload of one stored block that a query's span loads; its path."""
-    blocks = sorted(p for p in Path(tier_dir).rglob("*.kv"))
-    target = blocks[len(blocks) // 2]
-    data = bytearray(target.read_bytes())
+def flip_one_block(target: str) -> str:
+    """Flip the high byte of many values in the payload of one stored block (its file `target`); its path."""
+    data = bytearray(Path(target).read_bytes())
     for i in range(len(data) - 4 * 4096 - 20, len(data) - 20, 4):  # values near the end: the last layer's
         data[i + 3] ^= 0x40
-    target.write_bytes(bytes(data))
+    Path(target).write_bytes(bytes(data))
     return str(target)
 
 
@@ -130,9 +148,22 @@ def main() -> None:
     finally:
         relocation.BlockPositionTracker.loaded = told
 
-    result["flipped"] = flip_one_block(tier_dir)
+    # the first block of the query's second span: a span block the query's request loads after a whole span
+    result["flipped"] = flip_one_block(result["restart"]["span_blocks"][1][0])
     unchecked = Path(result["flipped"]).read_bytes()
     result["corrupt"] = run_engine(tier_dir, order)
+    Path(result["flipped"]).write_bytes(unchecked)  # the same flip again (the prepare above wrote a good copy)
+    result["corrupt_direct"] = run_engine(tier_dir, order, prepare=False, again=True)
+
+    Path(result["flipped"]).write_bytes(unchecked)  # and again, with nothing re-keyed (a broken engine)
+    from spanq_backend.vllm_integration import engine_core
+
+    rekey = engine_core.rekey_missed_spans
+    engine_core.rekey_missed_spans = lambda request, num_computed_tokens, keep_span_keys=False: 0
+    try:
+        result["unkeyed"] = run_engine(tier_dir, order, prepare=False, again=True)
+    finally:
+        engine_core.rekey_missed_spans = rekey
 
     Path(result["flipped"]).write_bytes(unchecked)  # the same flip back in place, read without the checksum
     checked = tier.DiskTier._verified
