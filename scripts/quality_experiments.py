@@ -21,11 +21,12 @@
         span tokens (their weights times e^bias), with no recompute and with `question` (the default); KL and
         agreement against full attention on the plain prompt, with bootstrap intervals.
     python scripts/quality_experiments.py leadin [--items 20] [--filler 12] [--model default] [--only A,B]
-        what a canonical anchor's lead-in buys, by its length: none, the first one, two or four (the default) of
-        spanq's neutral passages, the four twice, eight and twelve (the four and more written here), and the first
-        document of another item (what "auto" reads on these items: a document like the span's own); with no recompute and with `question`, against full attention on the same layout
-        (the tokens are the same in every row: the lead-in lives in the anchor only), each row's KL less the
-        four passages' paired item by item. `--only A,B`: the rows whose names start so, and the four passages.
+        what a canonical anchor's lead-in buys, by its length: none, the first one, two, four or eight (the
+        default since 2026-12-05) of spanq's neutral passages, the first four twice, twelve (four more written
+        here), and the first document of another item (what "auto" reads on these items: a document like the
+        span's own); with no recompute and with `question`, against full attention on the same layout (the tokens
+        are the same in every row: the lead-in lives in the anchor only), each row's KL less the default's paired
+        item by item. `--only A,B`: the rows whose names start so, and the default.
 """
 
 from __future__ import annotations
@@ -297,25 +298,7 @@ def bias(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> None
         print(f"{name}  {_measures(rows)}  ({len(rows)} items)")
 
 
-MORE_PASSAGES = (  # eight more passages in the neutral lead-in's manner, for the rows of eight and twelve of `leadin`
-    (
-        "Tomatoes grow best in full sun and well-drained soil. Seedlings are planted out once the nights are warm, "
-        "tied to stakes as they grow and watered at the roots. The fruit ripens from green to red over several weeks "
-        "and is picked when it gives a little to the touch."
-    ),
-    (
-        "The museum's east wing holds a collection of old clocks, from pocket watches to a tower mechanism taken from "
-        "a church in 1902. Guided tours start every hour, and a workshop on the ground floor shows how the springs "
-        "and gears are repaired."
-    ),
-    (
-        "A train leaves the central station for the coast every half hour. The journey takes about ninety minutes, "
-        "with stops at four market towns, and bicycles may be carried in the last carriage outside the morning rush."
-    ),
-    (
-        "Bees collect nectar from flowers and store it in wax cells, where it thickens into honey. A strong hive holds "
-        "tens of thousands of workers and a single queen, and in a good summer a keeper may take twenty kilograms."
-    ),
+MORE_PASSAGES = (  # four more passages in the neutral lead-in's manner, for the row of twelve of `leadin`
     (
         "Chess is played on a board of sixty-four squares by two players, each with sixteen pieces. The game ends when "
         "one king is attacked and cannot escape, and a draw is declared when neither side can win or the same position "
@@ -338,14 +321,14 @@ MORE_PASSAGES = (  # eight more passages in the neutral lead-in's manner, for th
 
 def leadin(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> None:
     items = make_task_items(args.task, args.items + 1, 5, seed=0, filler=args.filler)
-    base_name = "neutral 4 (spanq's default)"
+    base_name = "neutral 8 (spanq's default)"
     lead_ins = {
         "none": "",
         "neutral 1": NEUTRAL_PASSAGES[0],
         "neutral 2": BLOCK_SEPARATOR.join(NEUTRAL_PASSAGES[:2]),
+        "neutral 4": BLOCK_SEPARATOR.join(NEUTRAL_PASSAGES[:4]),
+        "neutral 4 twice": BLOCK_SEPARATOR.join((*NEUTRAL_PASSAGES[:4], *NEUTRAL_PASSAGES[:4])),
         base_name: NEUTRAL_LEAD_IN,
-        "neutral 4 twice": BLOCK_SEPARATOR.join((*NEUTRAL_PASSAGES, *NEUTRAL_PASSAGES)),
-        "neutral 8": BLOCK_SEPARATOR.join((*NEUTRAL_PASSAGES, *MORE_PASSAGES[:4])),
         "neutral 12": BLOCK_SEPARATOR.join((*NEUTRAL_PASSAGES, *MORE_PASSAGES)),
         "another item's document": None,  # per item: the next item's first document
     }

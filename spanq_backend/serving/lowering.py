@@ -95,10 +95,29 @@ NEUTRAL_PASSAGES = (
         "recorded climb was in 1854 by a party of four guides. Today a cable car carries visitors to a viewpoint "
         "near the summit, and marked trails lead down through pine forest."
     ),
+    (
+        "Tomatoes grow best in full sun and well-drained soil. Seedlings are planted out once the nights are warm, "
+        "tied to stakes as they grow and watered at the roots. The fruit ripens from green to red over several weeks "
+        "and is picked when it gives a little to the touch."
+    ),
+    (
+        "The museum's east wing holds a collection of old clocks, from pocket watches to a tower mechanism taken from "
+        "a church in 1902. Guided tours start every hour, and a workshop on the ground floor shows how the springs "
+        "and gears are repaired."
+    ),
+    (
+        "A train leaves the central station for the coast every half hour. The journey takes about ninety minutes, "
+        "with stops at four market towns, and bicycles may be carried in the last carriage outside the morning rush."
+    ),
+    (
+        "Bees collect nectar from flowers and store it in wax cells, where it thickens into honey. A strong hive holds "
+        "tens of thousands of workers and a single queen, and in a good summer a keeper may take twenty kilograms."
+    ),
 )
 NEUTRAL_LEAD_IN = BLOCK_SEPARATOR.join(NEUTRAL_PASSAGES)
-"""A neutral lead-in (four short passages on unrelated subjects, ~260 tokens): what a canonical anchor reads
-before a span when no document of the corpus is known yet (`SpanGenerator`'s "auto" lead-in) or asked for."""
+"""A neutral lead-in (eight short passages on unrelated subjects, ~460 tokens; the first four until 2026-12-05,
+docs/benchmarks.md "The lead-in's length"): what a canonical anchor reads before a span when no document of the
+corpus is known yet (`SpanGenerator`'s "auto" lead-in) or asked for."""
 
 DEFAULT_LEAD_IN = NEUTRAL_LEAD_IN
 """What a span reads before itself in its canonical anchor ("template", "system"), after the chat template's

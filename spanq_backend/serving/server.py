@@ -80,7 +80,7 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--span-lead-in", dest="spanq_span_lead_in", default=LEAD_IN_NEUTRAL, metavar="neutral|auto|none|TEXT",
         help="what a template or system anchor reads before each document, as if other documents came first: "
-        "neutral (the default: four short passages of plain prose, the same on every server), auto (the start of "
+        "neutral (the default: eight short passages of plain prose, the same on every server), auto (the start of "
         "the first document the server reads, kept: closer to full attention, but answers then depend on which "
         "document came first, so replicas differ), none, or a text",
     )
