@@ -319,6 +319,10 @@ class SpanGenerator:
         self.span_in_tier: Callable[[list[int]], bool] | None = (
             span_probe.in_tier if getattr(span_probe, "tier", None) is not None else None  # type: ignore[attr-defined]
         )
+        # Whether such a prompt has a block neither cached nor in the tier any more (a file refused or evicted)
+        self.span_tier_lost: Callable[[list[int]], bool] | None = (
+            span_probe.tier_lost if getattr(span_probe, "tier", None) is not None else None  # type: ignore[attr-defined]
+        )
         metrics.register()  # spanq's counters in vLLM's Prometheus registry (once per process)
         # Nested generation: the output ids of the aligned generations this generator ran itself (by prompt
         # and text), unless the host supplies its own lookup.
@@ -943,6 +947,12 @@ class SpanGenerator:
             except Exception as e:  # noqa: BLE001 - the answer was stock's: only the prepares for later are lost
                 log.info("spans of %s not prepared for later: %s", path, e)
                 deferred, also = [], []
+        if mode == "tier" and self.span_tier_lost is not None:
+            # A span whose file the answer's request was refused (corrupt, truncated) was computed in context from
+            # that block on and is in neither the cache nor the tier now: prepared alone when the engine is idle,
+            # which writes it to the tier again.
+            deferred = [*deferred, *(p for i in range(len(lowered.table.spans))
+                                     if self.span_tier_lost(p := lowered.prepare_prompt(i)))]
         if mode == "isolate":
             in_context_later = self.in_context_later(call, lowered)
             if in_context_later:

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["BlockPoolProbe", "KVEventsMirror", "block_hash_chain", "in_tier", "tier_holds_all"]
+__all__ = ["BlockPoolProbe", "KVEventsMirror", "block_hash_chain", "in_tier", "tier_holds_all", "tier_lost"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,18 @@ def in_tier(tier: Any, hashes: tuple[Any, ...] | None, cached: Callable[[Any], b
     return not local
 
 
+def tier_lost(tier: Any, hashes: tuple[Any, ...] | None, cached: Callable[[Any], bool]) -> bool:
+    """Whether a block of a prompt of whole blocks (`hashes`) is neither in the engine's cache (`cached`) nor on the
+    span tier's disk any more: a span a call loaded from the tier whose file was refused (corrupt, truncated) or
+    evicted since. Nothing will load it again: it must be prepared."""
+    if tier is None or not hashes:
+        return False
+    try:
+        return any(not cached(h) and tier.gone(h) for h in hashes)
+    except Exception:  # noqa: BLE001  (the cache changed under us: nothing said lost)
+        return False
+
+
 def tier_holds_all(tier: Any, hashes: tuple[Any, ...] | None) -> bool:
     """Whether the engine's span tier holds every whole block of a prompt (`hashes`)."""
     return tier is not None and bool(hashes) and all(tier.holds(h) for h in hashes)
@@ -128,6 +140,9 @@ class BlockPoolProbe:
 
     def in_tier(self, token_ids: list[int]) -> bool:
         return in_tier(self.tier, self.block_hashes(token_ids), lambda h: self.pool.get_cached_block(h, [0]) is not None)
+
+    def tier_lost(self, token_ids: list[int]) -> bool:
+        return tier_lost(self.tier, self.block_hashes(token_ids), lambda h: self.pool.get_cached_block(h, [0]) is not None)
 
     def cached_blocks(self, token_ids: list[int]) -> int:
         """How many leading whole blocks of a plain prompt the pool holds (what stock prefix caching would hit)."""
@@ -225,6 +240,11 @@ class KVEventsMirror:
 
     def tier_holds_all(self, token_ids: list[int]) -> bool:
         return tier_holds_all(self.tier, self._chain(token_ids))
+
+    def tier_lost(self, token_ids: list[int]) -> bool:
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        return tier_lost(self.tier, self._chain(token_ids), lambda h: maybe_convert_block_hash(h) in self._hashes)
 
     def cached_blocks(self, token_ids: list[int]) -> int:
         """How many leading whole blocks of a plain prompt the engine's cache holds."""

@@ -360,6 +360,16 @@ class DiskTier:
             return True
         return False
 
+    def gone(self, block_hash: Any) -> bool:
+        """Whether the block's file is not on the disk now, whatever the index says (an engine refused it and moved
+        it aside, or it was evicted, maybe by another process); the index forgets it then."""
+        key = _key(block_hash)
+        if key in self._writing or self.path_of(key).exists():
+            return False
+        with self._lock:
+            self._held.discard(key)
+        return True
+
     def __len__(self) -> int:
         return len(self._held)
 
