@@ -15,8 +15,8 @@ Engines, in order:
   corrupt_direct  the same flip, the query's own request loading its spans: the block is refused and the request
              starts over, computing it and all that follows in context (never cached under a span's key); a query
              that then prepares its spans computes that span alone again
-  unkeyed    the same, with missed span blocks not re-keyed (a broken engine: in-context KV kept under the span's
-             key, which the query asked again reads as the span: must answer wrong)
+  unkeyed    the same, with missed span blocks not re-keyed (a broken engine: in-context KV kept under the spans'
+             keys, where the next query would read it as the spans: the engine's cache must be seen holding it)
   unchecked  the same flip, with the checksum not checked (a broken tier: must answer wrong)
 """
 
