@@ -906,8 +906,21 @@ class SpanGenerator:
         lowered, flattened, mode, deferred = layout.lowered, layout.flattened, layout.mode, layout.deferred
         t_lowered = time.perf_counter()
         prepared, prepare_tokens, read_prepared = 0, 0, 0
-        if layout.isolate:  # round 1: each cold span alone after its anchor
-            computed = await self.compute_all(layout.isolate)
+        prefix = lowered.prefix_prompt() if lowered.has_spans and lowered.reads_after_another_prefix else []
+        if prefix and self.span_cached is not None and self.span_cached(prefix):
+            prefix = []
+        # A prefix the span tier holds and the engine's cache does not is loaded a step after its request is
+        # scheduled; what the recompute runs and the answer look up in the step they run would stop before it
+        # (vLLM's lookup is contiguous from the first block, and the tier's connector finds only what the tier
+        # holds: not the spans in memory, nor a block recomputed in that step), and everything after it would be
+        # computed in context. So it is loaded first, with the isolate round where there is one. Not where the
+        # answer's own request loads prefix and spans from the tier together ("tier").
+        load_first = [prefix] if prefix and mode != "tier" and self.span_in_tier is not None and self.span_in_tier(prefix) else []
+        if load_first:
+            prefix = []
+        if layout.isolate or load_first:  # round 1: each cold span alone after its anchor (and a tier prefix)
+            computed = await self.compute_all([*layout.isolate, *load_first])
+            computed = computed[: len(layout.isolate)]
             prepared, prepare_tokens = sum(1 for c in computed if c > 0), sum(computed)
             read_prepared = sum(read_by_answer(lowered, i, c) for i, c in zip(layout.isolated, computed))
         t_prepared = time.perf_counter()
@@ -917,9 +930,6 @@ class SpanGenerator:
         # at the same positions, in the same step (`open_recompute`). Not the cold spans' prepares: the answer
         # reads them at other positions, and keys are moved there before the step computes them.
         params = [self.sampling_params(call, seed=None if call.seed is None else call.seed + k) for k in range(call.n)]
-        prefix = lowered.prefix_prompt() if lowered.has_spans and lowered.reads_after_another_prefix else []
-        if prefix and self.span_cached is not None and self.span_cached(prefix):
-            prefix = []
         beside = [prefix] if prefix else []
         if mode == "tier":
             # What the answer does not load itself, so that the next call finds its spans' prepares cached whole:

@@ -10,6 +10,8 @@ Engines, in order:
              into once held keys at other positions), then answers the query, its spans prepared first
   direct     the same, the query's own request loading its spans (at other positions than they were stored at)
   stale      the same, with the tracker not told where loaded keys sit (a broken tier: must answer wrong)
+  recompute_after_restart  documents of its own compiled, then a query over them that recomputes blocks: its
+             prefix is in the tier, not in the engine's cache
   corrupt    after values of one stored block (the first of the query's second span) are flipped: the block
              must be refused and its span computed alone by its prepare
   corrupt_direct  the same flip, the query's own request loading its spans: the block is refused and the request
@@ -115,6 +117,26 @@ def run_engine(tier_dir: str, docs: list[str], prepare: bool = True, again: bool
         return out
 
 
+def run_recompute_after_restart(tier_dir: str, docs: list[str]) -> dict:
+    """A restarted engine compiles documents of its own (their spans in its memory) and answers over them with
+    recompute: the query's prefix is in the tier (saved by the engines before) but not in this engine's cache."""
+    # room for the four prepares of `compile`, which each load the anchor from the tier into blocks of their own
+    config = EngineConfig(model="tiny", tier_dir=tier_dir, num_blocks=256, max_model_len=2048, recompute="first")
+    with SpanEngine(config) as engine:
+
+        async def scenario() -> dict:
+            own = [d.replace("Document", "Note") for d in docs]
+            await engine.compile(own)
+            prefix = engine.lower(query(own)).prefix_prompt()
+            held = {"prefix_in_tier": bool(engine._probe.tier_holds_all(prefix)), "prefix_cached": engine._probe.cached(prefix)}
+            done = await engine.generate(query(own))
+            m = done.metrics
+            return {**held, "prompt_tokens": m.prompt_tokens, "cached_tokens": m.cached_tokens,
+                    "recomputed_tokens": m.extra["recomputed_tokens"], "mode": m.extra["cold_spans"]}
+
+        return asyncio.run(scenario())
+
+
 def flip_one_block(target: str) -> str:
     """Flip the high byte of many values in the payload of one stored block (its file `target`); its path."""
     data = bytearray(Path(target).read_bytes())
@@ -147,6 +169,8 @@ def main() -> None:
         result["stale"] = run_engine(tier_dir, order)
     finally:
         relocation.BlockPositionTracker.loaded = told
+
+    result["recompute_after_restart"] = run_recompute_after_restart(tier_dir, order)
 
     # the first block of the query's second span: a span block the query's request loads after a whole span
     result["flipped"] = flip_one_block(result["restart"]["span_blocks"][1][0])
