@@ -915,7 +915,8 @@ class SpanGenerator:
         # holds: not the spans in memory, nor a block recomputed in that step), and everything after it would be
         # computed in context. So it is loaded first, with the isolate round where there is one. Not where the
         # answer's own request loads prefix and spans from the tier together ("tier").
-        load_first = [prefix] if prefix and mode != "tier" and self.span_in_tier is not None and self.span_in_tier(prefix) else []
+        in_tier_only = prefix and mode != "tier" and self.span_in_tier is not None and self.span_in_tier(prefix)
+        load_first = [prefix] if in_tier_only else []
         if load_first:
             prefix = []
         if layout.isolate or load_first:  # round 1: each cold span alone after its anchor (and a tier prefix)

@@ -30,13 +30,14 @@ def mean_kls(smol, lead_ins: dict[str, str | None], items: int, filler: int) -> 
     """Per lead-in (None: the default), the mean over the items of the KL (nats/token) from full attention on the
     span layout's tokens to span attention with anchors read after it, nothing recomputed."""
     tokenizer, model = smol
+    pad = newline(tokenizer)
     kls: dict[str, list[float]] = {name: [] for name in lead_ins}
     for item in make_items(items, 5, seed=0, filler=filler):
         query = qa_query(item, 16).input
         gold = tokenizer.encode(item.gold, add_special_tokens=False)
         full = None
         for name, lead_in in lead_ins.items():
-            low = lower(query, tokenizer, 32, newline(tokenizer), **({} if lead_in is None else {"lead_in": lead_in}))
+            low = lower(query, tokenizer, 32, pad, **({} if lead_in is None else {"lead_in": lead_in}))
             if full is None:  # the lead-in lives in the anchors only: every setting reads the same tokens
                 full = hf_span.full_attention_next_token_logprobs(model, low.token_ids, gold)
             span = hf_span.span_attention_next_token_logprobs(model, low.token_ids, low.table, gold)

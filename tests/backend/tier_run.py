@@ -30,11 +30,12 @@ import io
 import json
 import sys
 from pathlib import Path
+from unittest.mock import patch
 
 from spanq_backend.kv import relocation
 from spanq_backend.serving.engine import EngineConfig, SpanEngine
 from spanq_backend.serving.prepare import prepare_main, read_corpus
-from spanq_backend.vllm_integration import tier
+from spanq_backend.vllm_integration import engine_core, tier
 from spanq_integrations import cross, fragment, generate, plus, system, user
 from tests.backend.logprobs import run_with_logprobs
 
@@ -63,15 +64,15 @@ async def answer(engine: SpanEngine, call, prepare: bool = True) -> dict:
     lowered = engine.lower(call)
     prepared = await engine.prepare(lowered) if prepare else 0
     _, tokens, logprobs = await run_with_logprobs(engine, lowered, call.max_tokens)
+    keys = [span_hashes(engine, lowered, i) for i in range(len(lowered.table.spans))]
     return {
         "token_ids": lowered.token_ids,
         "spans": [list(s) for s in lowered.table.spans],
         "anchors": [a if isinstance(a, int) else list(a) for a in lowered.table.anchors] if lowered.table.anchors else None,
         "prepared": prepared,
         # each span block's file in the tier, and whether the engine's cache holds a block under its key now
-        "span_blocks": [[str(engine.tier.path_of(h)) for h in span_hashes(engine, lowered, i)] for i in range(len(lowered.table.spans))],
-        "span_blocks_cached": [[engine._probe.holds((h,)) for h in span_hashes(engine, lowered, i)]
-                               for i in range(len(lowered.table.spans))],
+        "span_blocks": [[str(engine.tier.path_of(h)) for h in hashes] for hashes in keys],
+        "span_blocks_cached": [[engine._probe.holds((h,)) for h in hashes] for hashes in keys],
         "tokens": tokens,
         "logprobs": logprobs.tolist(),
     }
@@ -163,12 +164,9 @@ def main() -> None:
     result["restart"] = run_engine(tier_dir, order)
     result["direct"] = run_engine(tier_dir, order, prepare=False)
 
-    told = relocation.BlockPositionTracker.loaded
-    relocation.BlockPositionTracker.loaded = lambda self, block_id, position: None  # a tier that says nothing
-    try:
+    # a tier that says nothing of where loaded keys sit
+    with patch.object(relocation.BlockPositionTracker, "loaded", lambda self, block_id, position: None):
         result["stale"] = run_engine(tier_dir, order)
-    finally:
-        relocation.BlockPositionTracker.loaded = told
 
     result["recompute_after_restart"] = run_recompute_after_restart(tier_dir, order)
 
@@ -180,22 +178,12 @@ def main() -> None:
     result["corrupt_direct"] = run_engine(tier_dir, order, prepare=False, again=True)
 
     Path(result["flipped"]).write_bytes(unchecked)  # and again, with nothing re-keyed (a broken engine)
-    from spanq_backend.vllm_integration import engine_core
-
-    rekey = engine_core.rekey_missed_spans
-    engine_core.rekey_missed_spans = lambda request, num_computed_tokens, keep_span_keys=False: 0
-    try:
+    with patch.object(engine_core, "rekey_missed_spans", lambda request, num_computed_tokens, keep_span_keys=False: 0):
         result["unkeyed"] = run_engine(tier_dir, order, prepare=False, again=True)
-    finally:
-        engine_core.rekey_missed_spans = rekey
 
     Path(result["flipped"]).write_bytes(unchecked)  # the same flip back in place, read without the checksum
-    checked = tier.DiskTier._verified
-    tier.DiskTier._verified = staticmethod(lambda body, checksum: True)
-    try:
+    with patch.object(tier.DiskTier, "_verified", staticmethod(lambda body, checksum: True)):
         result["unchecked"] = run_engine(tier_dir, order)
-    finally:
-        tier.DiskTier._verified = checked
     print(json.dumps(result))
 
 
