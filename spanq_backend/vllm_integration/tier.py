@@ -680,6 +680,11 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._lookups: dict[str, tuple[int, list[bytes]]] = {}
         self._loads: dict[str, list[tuple[bytes, int, tuple[int, ...]]]] = {}
         self._marked: dict[str, Any] = {}
+        # blocks being loaded, by the request loading them (until its load is reported done): a request that
+        # would load one of them too waits for it and finds it in the engine's cache instead (`in_flight_by`)
+        self._in_flight: dict[bytes, str] = {}
+        self._loading: dict[str, list[bytes]] = {}
+        self.deferred_lookups = 0  # lookups answered "not yet" for that reason
         # worker side
         self._arrays = EngineLayers([], [])  # the engine's KV caches, as byte rows (`layer_arrays`)
         self._received: set[str] = set()
@@ -719,12 +724,38 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 if not self.tier.holds(hashes[j]):
                     break
                 found.append(bytes(hashes[j]))
+        if self.in_flight_by(found, request.request_id):
+            self.deferred_lookups += 1
+            return None, False  # vLLM asks again at a later step, when the other load is cached
         if table is not None:
             rekey_missed_spans(request, (start + len(found)) * bs, keep_span_keys=True)
         if not found:
             return 0, False
         self._lookups[request.request_id] = (start, found)
         return len(found) * bs, True
+
+    def in_flight_by(self, found: list[bytes], rid: str) -> str | None:
+        """Another request that is loading one of these blocks now. Requests scheduled together that share a
+        prefix held by the tier (prepares after one anchor, a compile's batch) would each load it into blocks of
+        their own — vLLM caches loaded blocks only once their load is done — so all but the first wait a step and
+        read the first's copy from the engine's cache."""
+        for h in found:
+            other = self._in_flight.get(h)
+            if other is not None and other != rid:
+                return other
+        return None
+
+    def _load_done(self, rid: str) -> None:
+        for h in self._loading.pop(rid, ()):
+            if self._in_flight.get(h) == rid:
+                del self._in_flight[h]
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        for rid in (connector_output.finished_recving or ()):
+            self._load_done(rid)  # vLLM caches its blocks when it schedules the request next, before others
+        for rid in (getattr(connector_output, "failed_recving", None) or ()):
+            self._load_done(rid)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -743,6 +774,9 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         ids, bs, tokens = blocks.get_block_ids()[0], self.block_size, request.all_token_ids
         self._loads[rid] = [(h, int(ids[j]), tuple(tokens[j * bs : (j + 1) * bs]))
                             for j, h in enumerate(found, start)]
+        self._loading[rid] = found
+        for h in found:
+            self._in_flight.setdefault(h, rid)
         self.tier.prefetch(found)  # read while this step runs; the worker copies them in after its forward pass
 
     def build_connector_meta(self, scheduler_output: Any) -> TierMetadata:
@@ -769,6 +803,7 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._marked.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
+        self._load_done(request.request_id)
         return False, None
 
     # ------------------------------------------------------------------------------------------- worker side

@@ -135,6 +135,23 @@ def test_a_query_that_recomputes_blocks_reads_its_spans_from_memory_when_its_pre
 
 @pytest.mark.vllm
 @pytest.mark.slow  # `run`: one process, ten engine starts (~65 s): in make test, not make test-fast
+def test_prepares_that_share_an_anchor_held_by_the_tier_load_it_once(run):
+    """A compile's prepares go to the engine together, each `[anchor][document]`, the anchor in the tier. vLLM
+    caches a loaded block only once its load is done, so each prepare used to load the anchor into blocks of its
+    own: four copies of it in the KV cache, four times the reads (on a small cache, evictions). The first loads
+    it; the others wait a step and read its copy."""
+    out, broken = run[0]["recompute_after_restart"]["compile"], run[0]["loads_twice"]["compile"]
+    assert out["prepares"] == 4 and out["shared_blocks"] >= 2
+    assert out["shared_in_tier"] == out["shared_blocks"], "the situation the test is about: the anchor is in the tier"
+    assert out["loaded_blocks"] == out["shared_blocks"], out
+    # the check can fail: the connector that lets every prepare load it (the behaviour before) loads it four times
+    assert broken["shared_in_tier"] == broken["shared_blocks"] == out["shared_blocks"]
+    assert broken["loaded_blocks"] == broken["prepares"] * broken["shared_blocks"], broken
+    assert run[0]["loads_twice"]["mode"] == "warm", "and answers all the same"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # `run`: one process, ten engine starts (~65 s): in make test, not make test-fast
 def test_keys_loaded_without_their_position_would_answer_wrong(run, hf_model):
     """The check above can fail: a tier that fills blocks and does not tell spanq where their keys sit (into
     blocks that held keys at other positions) moves them by the wrong distance."""

@@ -120,20 +120,29 @@ def run_engine(tier_dir: str, docs: list[str], prepare: bool = True, again: bool
 
 def run_recompute_after_restart(tier_dir: str, docs: list[str]) -> dict:
     """A restarted engine compiles documents of its own (their spans in its memory) and answers over them with
-    recompute: the query's prefix is in the tier (saved by the engines before) but not in this engine's cache."""
-    # room for the four prepares of `compile`, which each load the anchor from the tier into blocks of their own
+    recompute: the query's prefix is in the tier (saved by the engines before) but not in this engine's cache.
+    The compile's prepares, one batch, share their anchor, which the tier holds: counted, how many blocks they
+    loaded from it, against the anchor's whole blocks."""
     config = EngineConfig(model="tiny", tier_dir=tier_dir, num_blocks=256, max_model_len=2048, recompute="first")
     with SpanEngine(config) as engine:
 
         async def scenario() -> dict:
             own = [d.replace("Document", "Note") for d in docs]
+            prepares = [engine.lower(query([d])).prepare_prompt(0) for d in own]
+            hashes = [engine._probe.block_hashes(p[: len(p) // 32 * 32]) or () for p in prepares]
+            shared = [h for h in hashes[0] if all(h in other for other in hashes[1:])]  # the anchor's blocks
+            held = sum(engine.tier.holds(h) for h in shared)
+            before = engine.tier_stats()["loaded_blocks"]
             await engine.compile(own)
+            compiled = {"shared_blocks": len(shared), "shared_in_tier": held, "prepares": len(own),
+                        "loaded_blocks": engine.tier_stats()["loaded_blocks"] - before}
             prefix = engine.lower(query(own)).prefix_prompt()
             held = {"prefix_in_tier": bool(engine._probe.tier_holds_all(prefix)), "prefix_cached": engine._probe.cached(prefix)}
             done = await engine.generate(query(own))
             m = done.metrics
             return {**held, "prompt_tokens": m.prompt_tokens, "cached_tokens": m.cached_tokens,
-                    "recomputed_tokens": m.extra["recomputed_tokens"], "mode": m.extra["cold_spans"]}
+                    "recomputed_tokens": m.extra["recomputed_tokens"], "mode": m.extra["cold_spans"],
+                    "compile": compiled}
 
         return asyncio.run(scenario())
 
@@ -169,6 +178,9 @@ def main() -> None:
         result["stale"] = run_engine(tier_dir, order)
 
     result["recompute_after_restart"] = run_recompute_after_restart(tier_dir, order)
+    # a connector that lets every request load what another is loading (the tier's behaviour before)
+    with patch.object(tier.SpanTierConnector, "in_flight_by", lambda self, found, rid: None):
+        result["loads_twice"] = run_recompute_after_restart(tier_dir, [d.replace("Document", "Page") for d in order])
 
     # the first block of the query's second span: a span block the query's request loads after a whole span
     result["flipped"] = flip_one_block(result["restart"]["span_blocks"][1][0])
