@@ -13,7 +13,8 @@ How it is reached (`SpanTierConnector`, loaded by vLLM from `kv_connector_module
 - scheduler side: a request whose next blocks (after what the engine's own cache holds) are in the tier, by
   their block hashes (a span query's span blocks by their span keys, the prepares' own), is told they are
   external hits, loaded asynchronously (vLLM holds the request until the load is done, so no other request reads
-  the blocks before they hold data); its spans past them are re-keyed as context then. Prepare requests the
+  the blocks before they hold data); its spans past them are re-keyed as context then. A request that would load
+  a block another request is loading now waits a step and reads that one's copy from the cache. Prepare requests the
   generator marks (`TIER_PARAM` in `kv_transfer_params`) have their blocks saved once their prompt is computed;
 - worker side: loads read each file's payload straight into the engine's blocks (one `preadv`), check the block's
   tokens (another content under the same key is refused) and a checksum over what was read, and tell spanq's
