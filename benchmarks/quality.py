@@ -368,7 +368,7 @@ async def measure_item(item: QAItem, k: int, stock: Any, spans: Any, args: argpa
             call = qa_query(item, args.max_tokens, anchor, setting)
             lowered = gen.lower(call)
             await gen.prepare_detail(lowered)
-            plan = gen.recompute_plan(call, lowered)
+            plan, _ = await gen.plan(call, lowered)
             await gen.recompute(plan)
             key = (plan.lowered.table, tuple(map(str, plan.lowered.table.anchors or ())))
             if key not in seen:

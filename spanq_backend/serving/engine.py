@@ -267,6 +267,7 @@ class SpanEngine:
             default_max_tokens=self.config.default_max_tokens,
             spans=self.config.spans and self.span_support.enabled,
             span_probe=self._probe,
+            attention_scores=self._attention_scores,
             fallback=self.span_support.reason if self.config.spans and not self.span_support.enabled else None,
             default_anchor=self.config.span_anchor,
             default_recompute=self.config.recompute,
@@ -449,6 +450,13 @@ class SpanEngine:
                 done.cancel()
             return
         self._cmds.put(("idle", items))
+
+    @staticmethod
+    async def _attention_scores(probe_id: str) -> dict[str, Any] | None:
+        """An attention probe's result: this engine's worker runs in this process (`attention_probe.take`)."""
+        from spanq_backend.vllm_integration.attention_probe import take
+
+        return take(probe_id)
 
     def settle(self, timeout: float = 600.0) -> bool:
         """Wait until every deferred prepare handed to this engine so far is done (benchmarks and tests measure

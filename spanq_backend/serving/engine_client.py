@@ -73,6 +73,7 @@ class EngineClientBackend(Backend):
             isolate_min_tokens=isolate_min_tokens,
             read_in_context=read_in_context,
             keep_span_order=keep_span_order,
+            attention_scores=self._attention_scores,
         )
         self.capabilities = BackendCapabilities(
             name="spanq-serve",
@@ -107,6 +108,13 @@ class EngineClientBackend(Backend):
     ) -> Completion:
         self.check_model(call.model, path)
         return await self.generator.generate(call, path=path, on_token=on_token, span_output=span_output)
+
+    async def _attention_scores(self, probe_id: str) -> dict[str, Any] | None:
+        """An attention probe's result, taken from the engine's workers (`attention_probe.SCORES_METHOD`)."""
+        from spanq_backend.vllm_integration.attention_probe import SCORES_METHOD
+
+        answers = await self.engine_client.collective_rpc(SCORES_METHOD, args=(probe_id,))
+        return next((a for a in answers or () if a is not None), None)
 
     async def _stream(self, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
         """One token request on the engine client; aborted if the stream is closed early."""

@@ -15,8 +15,9 @@ import contextlib
 import inspect
 import logging
 import time
+import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractContextManager, aclosing, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,13 @@ from spanq_backend.serving.lowering import (
     span_digest,
     spans_first,
 )
-from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE, RecomputePlan, choose_blocks, plan_recompute
+from spanq_backend.serving.recompute import (
+    DEFAULT_RECOMPUTE,
+    RecomputePlan,
+    choose_blocks,
+    plan_recompute,
+    question_start,
+)
 from spanq_integrations.backends.protocol import CallMetrics, Completion, TokenCallback
 from spanq_integrations.query.errors import (
     BackendError,
@@ -280,8 +287,13 @@ class SpanGenerator:
         background: Callable[[list[tuple[list[int], concurrent.futures.Future[int]]]], None] | None = None,
         read_in_context: bool = True,
         keep_span_order: bool = False,
+        attention_scores: Callable[[str], Awaitable[dict[str, Any] | None]] | None = None,
     ):
         self.stream = stream
+        # A probe's result from the engine's worker (`vllm_integration/attention_probe.take`, in process or through
+        # collective_rpc); None: this backend cannot read attention, and recompute="attention" falls back.
+        self.attention_scores = attention_scores
+        self._probed: OrderedDict[tuple[Any, ...], list[float]] = OrderedDict()  # prompt -> the probe's block mass
         self.keep_span_order = keep_span_order  # False: one order per set (`lowering.span_order`)
         # Requests opened inside `with batch():` reach the engine together, in order, before its next step (the
         # embedded engine holds its thread; elsewhere they are submitted back to back and usually share a step).
@@ -703,12 +715,52 @@ class SpanGenerator:
         run = await self.consume(opened)
         return max(0, length - run.cached_tokens)
 
-    def recompute_plan(self, call: Generate, lowered: LoweredPrompt) -> RecomputePlan:
-        """Which of the prompt's span blocks the call recomputes in context, and the layout that does it."""
+    def recompute_plan(self, call: Generate, lowered: LoweredPrompt, block_mass: list[float] | None = None) -> RecomputePlan:
+        """Which of the prompt's span blocks the call recomputes in context, and the layout that does it
+        (`"attention"` ranks by `block_mass`, what `probe_attention` read; without it, by the question's words)."""
         setting = call.recompute if call.recompute is not None else self.default_recompute
         if not lowered.has_spans or not setting:  # 0 (or 0.0): nothing recomputed
             return RecomputePlan(lowered, (), ())
-        return plan_recompute(lowered, choose_blocks(lowered, setting, self.pad_token_id))
+        return plan_recompute(lowered, choose_blocks(lowered, setting, self.pad_token_id, block_mass))
+
+    async def plan(self, call: Generate, lowered: LoweredPrompt) -> tuple[RecomputePlan, dict[str, Any]]:
+        """`recompute_plan`, with the attention probe's pass first where the call's setting is `"attention"`;
+        what the probe did (its tokens and rows, or why it fell back to the question's words)."""
+        setting = call.recompute if call.recompute is not None else self.default_recompute
+        if setting != "attention" or not lowered.has_spans:
+            return self.recompute_plan(call, lowered), {}
+        mass, probe = await self.probe_attention(lowered)
+        return self.recompute_plan(call, lowered, mass), probe
+
+    async def probe_attention(self, lowered: LoweredPrompt) -> tuple[list[float] | None, dict[str, Any]]:
+        """The attention the question gives each block of the prompt at the model's middle layer, its spans read
+        from the cache as they are (nothing recomputed): one request over the prompt, `max_tokens=1`, read by the
+        engine's worker (`vllm_integration/attention_probe.py`). The same prompt again reuses its answer (the
+        question's rows would be cached then, and not read again). None, and why, where it cannot be read."""
+        from vllm import SamplingParams
+
+        from spanq_backend.vllm_integration.attention_probe import probe_params
+
+        if self.attention_scores is None:
+            return None, {"fallback": "this backend cannot read attention (recompute=\"attention\" chose by the question's words)"}
+        key = (tuple(lowered.token_ids), lowered.table)
+        if key in self._probed:
+            self._probed.move_to_end(key)
+            return self._probed[key], {"reused": True}
+        probe_id = uuid.uuid4().hex
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        params.extra_args = probe_params(probe_id, question_start(lowered, self.pad_token_id))
+        run = await self.run(lowered.token_ids, params, lowered.table)
+        result = await self.attention_scores(probe_id) or {"error": "the engine kept no probe result"}
+        info: dict[str, Any] = {"tokens": max(0, len(lowered.token_ids) - run.cached_tokens)}
+        if "error" in result:
+            log.info("attention probe: %s; recompute chose by the question's words", result["error"])
+            return None, {**info, "fallback": f"{result['error']} (recompute=\"attention\" chose by the question's words)"}
+        mass = [float(x) for x in result["blocks"]]
+        self._probed[key] = mass
+        while len(self._probed) > 64:
+            self._probed.popitem(last=False)
+        return mass, {**info, "rows": int(result["rows"]), "layer": result.get("layer")}
 
     def open_recompute(self, plan: RecomputePlan) -> list[tuple[int, AsyncIterator[Any]]]:
         """Submit the requests that compute the plan's recomputed runs in context, all at once, in prompt order
@@ -925,7 +977,8 @@ class SpanGenerator:
             prepared, prepare_tokens = sum(1 for c in computed if c > 0), sum(computed)
             read_prepared = sum(read_by_answer(lowered, i, c) for i, c in zip(layout.isolated, computed))
         t_prepared = time.perf_counter()
-        redo = self.recompute_plan(call, lowered)
+        redo, probe = await self.plan(call, lowered)
+        t_planned = time.perf_counter()
         # One round: the prompt's prefix (where no span is anchored on it and it is not cached), the recompute
         # runs and the call's own requests go to the engine together. Each reads what the ones before it compute
         # at the same positions, in the same step (`open_recompute`). Not the cold spans' prepares: the answer
@@ -999,7 +1052,7 @@ class SpanGenerator:
             prepared_spans=prepared + sealed_new,
             prepared_tokens=prepare_tokens + seal_tokens,
             deferred_spans=len(deferred),
-            fallback=self.fallback if flattened else None,
+            fallback=(self.fallback if flattened else None) or probe.get("fallback"),
             extra={
                 # the call's spans: read from the cache, prepared by it, or (cold, "context") read in context
                 "spans": layout.spans,
@@ -1012,13 +1065,18 @@ class SpanGenerator:
                 "generated_as_text": lowered.generated_as_text,
                 "sealed_outputs": sealed,
                 "recomputed_tokens": redo.tokens,
+                # recompute="attention": the probe's pass (its computed tokens, the question's rows it read, or the
+                # fallback to the question's words and why; reused: the same prompt was probed before)
+                **({"attention_probe": probe} if probe else {}),
                 # Where the time to first token went: lowering (templates, tokenizing, probing the cache for
-                # cold spans), the prepare round (cold spans computed alone), planning and submitting the
-                # answer's round, and that round until the first token (recompute runs, the answer's prefill).
+                # cold spans), the prepare round (cold spans computed alone), the attention probe's pass
+                # (recompute="attention"), planning and submitting the answer's round, and that round until the
+                # first token (recompute runs, the answer's prefill).
                 "phases_s": {
                     "lower": t_lowered - t0,
                     "prepare": t_prepared - t_lowered,
-                    "submit": t_submitted - t_prepared,
+                    "probe": t_planned - t_prepared,
+                    "submit": t_submitted - t_planned,
                     "answer": (first - t_submitted) if first is not None else None,
                 },
             },

@@ -17,7 +17,9 @@ that cached span blocks follow is computed by a request of its own over the prom
 Which blocks (`choose_blocks`): `"first"` (each span's first block: the tokens that, computed alone, saw the
 least), `"last"` (each span's last block: what the text after the spans reads first), `"question"` (as many blocks
 as spans, those that share the most with the question by the score below, wherever they sit; none that shares
-nothing), or a share in (0, 1] of all
+nothing), `"attention"` (as many blocks as spans, those the question attends to most in the middle of the model,
+read by a pass of the prompt before the recompute round: `vllm_integration/attention_probe.py`; the blocks'
+attention mass comes in as `block_mass`), or a share in (0, 1] of all
 span blocks, picked by a cheap criterion that needs no model pass: first the spans' first blocks, then the other
 blocks; within each, those that share the most with the text after the spans (the question, not the last span's
 tail left as context), each shared token weighted by its rarity among the span blocks (an inverse document
@@ -36,7 +38,15 @@ from spanq_backend.kv.span_table import MAX_ANCHOR_TOKENS, Anchor, SpanTable
 from spanq_backend.serving.lowering import LoweredPrompt
 from spanq_integrations.query.ir import RECOMPUTE_POLICIES, Recompute
 
-__all__ = ["DEFAULT_RECOMPUTE", "RecomputePlan", "choose_blocks", "plan_recompute", "recompute_arg", "recompute_setting"]
+__all__ = [
+    "DEFAULT_RECOMPUTE",
+    "RecomputePlan",
+    "choose_blocks",
+    "plan_recompute",
+    "question_start",
+    "recompute_arg",
+    "recompute_setting",
+]
 
 # What a call that says nothing recomputes: as many blocks as spans, those the question shares most with
 # (docs/design.md, "Recompute", says how it was chosen: docs/benchmarks.md `quality` measures it beside `0`).
@@ -45,7 +55,7 @@ DEFAULT_RECOMPUTE: Recompute = "question"
 
 
 def recompute_setting(value: Recompute | str | float | None) -> Recompute:
-    """A recompute setting read from a flag or a config: "first", "last", "question", or a share in [0, 1] ("none"
+    """A recompute setting read from a flag or a config: "first", "last", "question", "attention", or a share in [0, 1] ("none"
     is 0)."""
     if value is None or value == "none":
         return 0.0
@@ -91,9 +101,12 @@ def _eligible(lowered: LoweredPrompt, i: int) -> bool:
     return lowered.table.anchor_size(i) + (e - s) <= MAX_ANCHOR_TOKENS
 
 
-def choose_blocks(lowered: LoweredPrompt, setting: Recompute, pad_token_id: int | None = None) -> list[tuple[int, int]]:
+def choose_blocks(
+    lowered: LoweredPrompt, setting: Recompute, pad_token_id: int | None = None, block_mass: list[float] | None = None
+) -> list[tuple[int, int]]:
     """The (span, block) pairs `setting` recomputes in this prompt (see the module docstring); `pad_token_id`
-    (the layout's padding) does not count as a shared token."""
+    (the layout's padding) does not count as a shared token. `"attention"` ranks by `block_mass` (per prompt block,
+    the attention the question gives it); without it, it chooses as `"question"` does (the caller says so)."""
     table = lowered.table
     bs = table.block_size
     sizes = [(e - s) // bs for s, e in table.spans]
@@ -102,7 +115,19 @@ def choose_blocks(lowered: LoweredPrompt, setting: Recompute, pad_token_id: int 
         return [(i, 0) for i in spans]
     if setting == "last":
         return [(i, sizes[i] - 1) for i in spans]
-    if setting == "question":  # as many blocks as "first", the ones the question shares most with, wherever
+    if setting == "attention" and block_mass is not None:  # as many as "first", the most attended, wherever
+        if not spans:
+            return []
+        ranked = []
+        for i in spans:
+            s = table.spans[i][0]
+            for b in range(sizes[i]):
+                j = s // bs + b
+                if j < len(block_mass) and block_mass[j] > 0:
+                    ranked.append((-block_mass[j], s + b * bs, (i, b)))
+        ranked.sort()
+        return sorted(pair for *_, pair in ranked[: len(spans)])
+    if setting in ("question", "attention"):  # as many blocks as "first", the ones the question shares most with
         if not spans:
             return []
         ranked = sorted((-score, start, pair) for pair, start, score in _question_scores(lowered, spans, pad_token_id)
@@ -128,13 +153,7 @@ def _question_scores(
     table = lowered.table
     bs = table.block_size
     sizes = [(e - s) // bs for s, e in table.spans]
-    # What the question reads: the tokens after the last span, less that span's own tail where the prompt keeps
-    # it as context (its prepare tail without the padding: the last document's words are not the question's).
-    tail = lowered.prepare_tails.get(len(table.spans) - 1, ())
-    kept = len(tail)
-    while kept and tail[kept - 1] == pad_token_id:
-        kept -= 1
-    after = set(lowered.token_ids[table.spans[-1][1] + kept :])
+    after = set(lowered.token_ids[question_start(lowered, pad_token_id) :])
     after.discard(pad_token_id)
     blocks = []
     for i in spans:
@@ -145,6 +164,17 @@ def _question_scores(
     held = Counter(t for _, _, toks in blocks for t in toks & after)
     weight = {t: math.log((1 + len(blocks)) / (1 + n)) for t, n in held.items()}
     return [(pair, start, sum(weight[t] for t in toks & after)) for pair, start, toks in blocks]
+
+
+def question_start(lowered: LoweredPrompt, pad_token_id: int | None) -> int:
+    """Where the question starts: the first token after the last span, less that span's own tail where the prompt
+    keeps it as context (its prepare tail without the padding: the last document's words are not the question's)."""
+    table = lowered.table
+    tail = lowered.prepare_tails.get(len(table.spans) - 1, ())
+    kept = len(tail)
+    while kept and tail[kept - 1] == pad_token_id:
+        kept -= 1
+    return table.spans[-1][1] + kept
 
 
 def plan_recompute(lowered: LoweredPrompt, blocks: Iterable[tuple[int, int]]) -> RecomputePlan:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 
-from spanq_backend.vllm_integration import engine_core, worker
+from spanq_backend.vllm_integration import attention_probe, engine_core, worker
 from spanq_backend.vllm_integration.counters import stats, worker_span_stats
 from spanq_backend.vllm_integration.frontend import FRONTEND_PATCHES
 from spanq_backend.vllm_integration.patching import Patch
@@ -80,6 +80,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch("worker", "vllm.v1.worker.worker_base", f"WorkerBase.{WORKER_STATS_METHOD}",
           "`spanq serve` reads the span counters of the engine's processes (moves, relocation time, CIDRA "
           "duplicates) through collective_rpc, for its /metrics", add=worker_span_stats),
+    Patch("worker", "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.forward",
+          "recompute=\"attention\": after the middle layer's attention, the probed requests' attention mass per "
+          "key block is read (every other call is the stock one)", wrap=worker.wrap_cpu_attention_forward),
+    Patch("worker", "vllm.v1.worker.worker_base", f"WorkerBase.{attention_probe.SCORES_METHOD}",
+          "`spanq serve` takes an attention probe's result from the engine's process through collective_rpc",
+          add=attention_probe.worker_attention_scores),
     *FRONTEND_PATCHES,  # scoped: applied where they are needed (frontend.py), not at registration
 )
 

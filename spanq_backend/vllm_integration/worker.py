@@ -30,6 +30,7 @@ __all__ = [
     "stepping_runtime",
     "worker_span_status",
     "wrap_copy_blocks",
+    "wrap_cpu_attention_forward",
     "wrap_execute_model",
 ]
 
@@ -63,6 +64,9 @@ class SpanRuntime:
         relocators = [kv_layout.checked_relocator(runner, caches, spec, self.block_size)
                       for spec, caches in groups.values()]
         self.relocator: Any = relocators[0] if len(relocators) == 1 else RelocatorGroup(relocators)
+        from spanq_backend.vllm_integration.attention_probe import probes_for
+
+        self.probes = probes_for(runner, kv_caches, names, self.relocator, self.block_size)  # recompute="attention"
         # Build or load the compiled op now, at start-up, not in the middle of the first step that moves keys.
         log.debug("keys move with %s", "a compiled op" if self.relocator.uses_compiled_kernel else "torch")
         self.pending: list[Any] = []
@@ -70,9 +74,10 @@ class SpanRuntime:
 
     def before_step(self, scheduler_output: Any) -> None:
         """Plan this step's moves; apply them now, or right after the step's block copies if it has any."""
-        tracker = self.tracker
+        tracker, probes = self.tracker, self.probes
         for req_id in scheduler_output.finished_req_ids:
             tracker.finish(req_id)
+            probes.finish(req_id)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             tracker.finish(req_id)  # its blocks were freed; it comes back as a resumed request
         copies = getattr(scheduler_output, "kv_cache_block_copies", None) or ()
@@ -81,6 +86,9 @@ class SpanRuntime:
         moves = []
         for req in scheduler_output.scheduled_new_reqs:
             moves += tracker.new_request(req.req_id, req.block_ids[0], req.num_computed_tokens)
+            params = req.sampling_params
+            if params is not None and params.extra_args:
+                probes.start(req.req_id, params.extra_args)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
@@ -246,3 +254,20 @@ def wrap_copy_blocks(orig: Any) -> Any:
         return result
 
     return copy_kv_cache_blocks_inplace
+
+
+def wrap_cpu_attention_forward(orig: Any) -> Any:
+    """After vLLM's CPU attention of the probe layer, the probed requests' attention mass is read
+    (`attention_probe.Probes.read`, recompute="attention"); every other call is the stock one."""
+
+    def forward(self: Any, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any, attn_metadata: Any,
+                output: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        rt = getattr(_stepping, "runtime", None)
+        if rt is not None and attn_metadata is not None:
+            probes = rt.probes
+            if probes.active and getattr(layer, "layer_name", None) == probes.layer_name:
+                probes.read(self, query, kv_cache, attn_metadata)
+        return out
+
+    return forward

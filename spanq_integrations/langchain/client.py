@@ -196,7 +196,7 @@ class SpanQueryClient(BaseModel):
     """What each document's KV is computed after (see `spanq_integrations.plus`): None is the backend's default
     ("template": reused after any question or conversation); "prefix" is exact but reused only after the same
     prompt prefix."""
-    recompute: float | Literal["first", "last", "question"] | None = None
+    recompute: float | Literal["first", "last", "question", "attention"] | None = None
     """How much of each document a span backend computes again in context, for quality: 0 none, "first" / "last"
     each document's first / last KV block, "question" as many blocks, those the question shares most with, a share
     in (0, 1] of the document blocks; None is the backend's default. Other backends ignore it."""

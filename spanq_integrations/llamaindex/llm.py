@@ -174,7 +174,7 @@ class SpanQueryLLM(FunctionCallingLLM):
     timeout: float = Field(default=DEFAULT_TIMEOUT_S, gt=0, description="Seconds an HTTP backend waits for an answer.")
     max_retries: int = Field(default=DEFAULT_MAX_RETRIES, ge=0, description="Retries of an HTTP connection that failed.")
     seed: int | None = Field(default=None, description="Sampling seed, for temperature > 0.")
-    recompute: float | Literal["first", "last", "question"] | None = Field(
+    recompute: float | Literal["first", "last", "question", "attention"] | None = Field(
         default=None,
         description="How much of each node a span backend computes again in context, for quality: 0 none, 'first' "
         "/ 'last' each node's first / last KV block, 'question' as many blocks, those the question shares most with, a "

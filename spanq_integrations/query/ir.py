@@ -132,13 +132,14 @@ class Fragment(_Node):
         return f"fragment{ident}: {_clip(self.text)!r}"
 
 
-RECOMPUTE_POLICIES: tuple[str, ...] = ("first", "last", "question")
+RECOMPUTE_POLICIES: tuple[str, ...] = ("first", "last", "question", "attention")
 COLD_SPAN_POLICIES: tuple[str, ...] = ("auto", "context", "isolate")
 ColdSpans = Literal["auto", "context", "isolate"]
 """How a span engine computes a call's documents it has not cached (docs/design.md, "Cold spans")."""
-Recompute = float | Literal["first", "last", "question"]
+Recompute = float | Literal["first", "last", "question", "attention"]
 """A recompute setting: a share of span blocks in [0, 1], a block of each span by name ("first", "last"), or as
-many blocks as spans, those the question shares most with ("question")."""
+many blocks as spans, those the question shares most with ("question") or attends to most in the middle of the
+model, read by a pass before the recompute round ("attention")."""
 
 
 class Generate(_Node):
@@ -159,7 +160,7 @@ class Generate(_Node):
     recompute: Recompute | None = None
     """How much of each span a span engine computes again in context, for quality (docs/design.md, "Recompute"):
     0 none, "first" / "last" each span's first / last KV block, "question" as many blocks as spans, those the text
-    after the spans shares most with, a share in (0, 1] of the span blocks (first blocks first, then those the text
+    after the spans shares most with, "attention" as many, those it attends to most (a pass of its own first), a share in (0, 1] of the span blocks (first blocks first, then those the text
     after the spans mentions most); None: the backend's default. Servers without spans ignore it."""
     cold_spans: ColdSpans | None = None
     """How a span engine computes the spans it has not cached (docs/design.md, "Cold spans"): "isolate" (each

@@ -415,6 +415,25 @@ def test_recompute_travels_with_the_query_and_a_bad_setting_is_a_400(server: Spa
     _assert_healthy(server)
 
 
+def test_recompute_by_attention_reads_the_engine_process_s_probe(server: SpanqServe):
+    """`"recompute": "attention"`: the probe's pass runs in the engine's process; the server takes its result
+    through vLLM's collective_rpc and recomputes as many blocks as spans, without falling back to the words."""
+    httpx.post(f"{server.url}{EXECUTE}", json=to_json(rag_query("BDCA")), timeout=120).raise_for_status()
+    query = rag_query("CABD", instruction="Answer by attention.").model_copy(update={"recompute": "attention"})
+    runs = []
+    for _ in range(2):
+        answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(query), timeout=120)
+        assert answer.status_code == 200, answer.text
+        runs.append(answer.json()["calls"][0])
+    first, again = runs
+    probe = first["extra"]["attention_probe"]
+    assert first["fallback"] is None and "fallback" not in probe, probe
+    assert probe["rows"] > 0 and probe["layer"].endswith("self_attn.attn")
+    assert first["extra"]["recomputed_tokens"] == 4 * 32
+    assert again["extra"]["attention_probe"] == {"reused": True}, "the same prompt: the same blocks, no second pass"
+    _assert_healthy(server)
+
+
 def _as_spnls_client(server: SpanqServe, doc: dict, stream: bool) -> httpx.Response:
     """A request as spnl 0.22's client sends it: the query as text/plain, `?stream=true|false`, no format."""
     return httpx.post(

@@ -1,0 +1,143 @@
+"""`recompute="attention"` (docs/design.md, "Recompute"): the blocks recomputed are those the question attends to
+most at the model's middle layer, read by the engine itself in a pass of the prompt before the recompute round
+(`spanq_backend/vllm_integration/attention_probe.py`).
+
+What the engine reads is checked against the HF reference's attention weights under span attention
+(`benchmarks.hf_span.span_attention_weights`, itself checked in test_hf_attention_weights.py), block by block; a
+probe that lets a row attend to the question's later tokens (no causal mask) must fail the same check. The call
+then recomputes exactly the blocks the reference ranks first, and answers as the HF reference of that plan does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from unittest.mock import patch
+
+import pytest
+import torch
+
+from benchmarks.hf_span import span_attention_weights, span_reference_logprobs
+from spanq_backend.serving.recompute import plan_recompute, question_start
+from spanq_backend.vllm_integration import attention_probe
+from spanq_integrations import cross, fragment, generate, plus, system, user
+from tests.backend.logprobs import run_with_logprobs
+
+TOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    from spanq_backend.serving.engine import SpanEngine
+
+    eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=8, cold_spans="isolate",
+                     recompute="attention")
+    yield eng
+    eng.close()
+
+
+DOCS = {
+    c: f"Logbook {c}. " + " ".join(f"Crate {c}-{i} went to pier {i * 7 % 11} with {i * 3 % 5} sacks of salt." for i in range(12))
+    for c in "ABC"
+}
+
+
+def query(order: str, question: str, recompute=None):
+    return generate(cross(system("Answer from the logbooks."), plus(*[fragment(DOCS[c]) for c in order]), user(question)),
+                    max_tokens=4, temperature=0.0, recompute=recompute)
+
+
+def reference_mass(hf_model, lowered, pad) -> torch.Tensor:
+    """Per prompt block, the attention the question's rows give its keys at the middle layer (HF, span attention)."""
+    table = lowered.table
+    weights = span_attention_weights(hf_model, lowered.token_ids, table)
+    layer = weights[len(weights) // 2]
+    rows = question_start(lowered, pad) - table.spans[-1][1]
+    per_token = layer[:, rows:, :].sum(dim=(0, 1)).double()
+    bs = table.block_size
+    padded = torch.zeros((per_token.numel() + bs - 1) // bs * bs, dtype=torch.float64)
+    padded[: per_token.numel()] = per_token
+    return padded.view(-1, bs).sum(dim=1)
+
+
+def warm(engine, call):
+    """The spans prepared alone (nothing recomputed), as the probe reads them; the call lowered."""
+    asyncio.run(engine.generate(call.model_copy(update={"recompute": 0})))
+    return engine.lower(call)
+
+
+def probe(engine, lowered):
+    gen = engine.generator
+    gen._probed.clear()
+    return asyncio.run(gen.probe_attention(lowered))
+
+
+@pytest.mark.vllm
+def test_the_engine_reads_the_question_s_attention_per_block_as_the_reference_and_without_the_mask_it_does_not(engine, hf_model):
+    call = query("ABC", "Which crate went to pier 3 with salt?")
+    lowered = warm(engine, call)
+    pad = engine.generator.pad_token_id
+    want = reference_mass(hf_model, lowered, pad)
+    mass, info = probe(engine, lowered)
+    assert mass is not None and "fallback" not in info, info
+    got = torch.tensor(mass, dtype=torch.float64)
+    assert got.shape == want.shape
+    rows = len(lowered.token_ids) - question_start(lowered, pad)
+    assert info["rows"] == rows and info["layer"].endswith(f".{len(hf_model.model.layers) // 2}.self_attn.attn")
+    heads = hf_model.config.num_attention_heads
+    assert abs(float(got.sum()) - rows * heads) < 1e-3, "every row's probabilities, summed over heads"
+    assert float((got - want).abs().max()) < TOL * rows * heads, (got, want)
+    assert got[[s // 32 for s, _ in lowered.table.spans]].sum() > 0, "the spans' blocks are read"
+
+    # the check can fail: a probe whose rows also attend to the question's later tokens
+    def unmasked(q, keys, scale, start):
+        k = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+        return torch.softmax(torch.einsum("rhd,lhd->hrl", q, k) * scale, dim=-1).sum(dim=(0, 1)).double()
+
+    with patch.object(attention_probe, "attention_mass", unmasked):
+        broken, _ = probe(engine, lowered)
+    assert float((torch.tensor(broken, dtype=torch.float64) - want).abs().max()) > 10 * TOL * rows * heads
+
+
+@pytest.mark.vllm
+def test_a_call_recomputes_the_blocks_the_question_attends_to_most_and_answers_as_the_reference(engine, hf_model):
+    call = query("BCA", "Where did crate B-4 go?")
+    lowered = warm(engine, call)
+    pad = engine.generator.pad_token_id
+    want = reference_mass(hf_model, lowered, pad)
+    table, bs = lowered.table, lowered.table.block_size
+    ranked = sorted((-float(want[s // bs + b]), (i, b)) for i, (s, e) in enumerate(table.spans) for b in range((e - s) // bs))
+    expected = tuple(sorted(pair for _, pair in ranked[: len(table.spans)]))
+    engine.generator._probed.clear()
+
+    async def scenario():
+        done = await engine.generate(call)
+        plan, info = await engine.generator.plan(call, lowered)  # the same prompt: the probe's answer reused
+        return done, plan, info, await run_with_logprobs(engine, plan.lowered, 4)
+
+    done, plan, info, (_cached, toks, lps) = asyncio.run(scenario())
+    m = done.metrics
+    assert m.fallback is None and m.extra["attention_probe"]["rows"] > 0 and m.extra["phases_s"]["probe"] > 0, m.extra
+    assert info == {"reused": True} and plan.blocks == expected, (plan.blocks, expected)
+    assert m.extra["recomputed_tokens"] == len(table.spans) * bs
+    ref = span_reference_logprobs(hf_model, lowered.token_ids, plan_recompute(lowered, expected).lowered.table, toks).double()
+    assert (lps - ref).abs().max().item() < TOL
+    # and not the choice by the question's words on this prompt (else the test would not tell them apart)
+    words = engine.generator.recompute_plan(call.model_copy(update={"recompute": "question"}), lowered)
+    assert words.blocks != expected
+
+
+@pytest.mark.vllm
+def test_a_backend_that_cannot_read_attention_chooses_by_the_question_s_words_and_says_so(engine):
+    call = query("CAB", "Which crate had 4 sacks?")
+    warm(engine, call)
+    gen = engine.generator
+    kept = gen.attention_scores
+    gen.attention_scores = None
+    try:
+        done = asyncio.run(engine.generate(call))
+    finally:
+        gen.attention_scores = kept
+    words = asyncio.run(engine.generate(call.model_copy(update={"recompute": "question"})))
+    assert "cannot read attention" in (done.metrics.fallback or "")
+    assert done.metrics.extra["recomputed_tokens"] == words.metrics.extra["recomputed_tokens"] > 0
+    assert done.texts == words.texts
