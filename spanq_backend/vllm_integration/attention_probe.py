@@ -98,6 +98,12 @@ class Probes:
     def finish(self, req_id: str) -> None:
         self.active.pop(req_id, None)
 
+    def restart(self, req_id: str) -> None:
+        """A preempted request computes its rows again when it resumes: what was read of them is dropped."""
+        probe = self.active.get(req_id)
+        if probe is not None:
+            probe.mass, probe.rows = None, 0
+
     def _store(self, probe: _Active) -> None:
         """The result so far (a prompt chunked over steps adds to it): kept as soon as a step has read it, since
         the request's output can reach the caller before the engine's next step says it finished."""

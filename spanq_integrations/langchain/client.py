@@ -198,8 +198,9 @@ class SpanQueryClient(BaseModel):
     prompt prefix."""
     recompute: float | Literal["first", "last", "question", "attention"] | None = None
     """How much of each document a span backend computes again in context, for quality: 0 none, "first" / "last"
-    each document's first / last KV block, "question" as many blocks, those the question shares most with, a share
-    in (0, 1] of the document blocks; None is the backend's default. Other backends ignore it."""
+    each document's first / last KV block, "question" as many blocks, those the question shares most with,
+    "attention" as many, those it attends to most (a pass of its own first), a share in (0, 1] of the document
+    blocks; None is the backend's default. Other backends ignore it."""
 
     _backend_instance: Backend | None = PrivateAttr(default=None)
     _owns_backend: bool = PrivateAttr(default=False)

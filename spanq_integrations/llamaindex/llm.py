@@ -177,8 +177,9 @@ class SpanQueryLLM(FunctionCallingLLM):
     recompute: float | Literal["first", "last", "question", "attention"] | None = Field(
         default=None,
         description="How much of each node a span backend computes again in context, for quality: 0 none, 'first' "
-        "/ 'last' each node's first / last KV block, 'question' as many blocks, those the question shares most with, a "
-        "share in (0, 1] of the node blocks; None: the backend's default.",
+        "/ 'last' each node's first / last KV block, 'question' as many blocks, those the question shares most with, "
+        "'attention' as many, those it attends to most (a pass of its own first), a share in (0, 1] of the node "
+        "blocks; None: the backend's default.",
     )
     span_anchor: AnchorPolicy | None = Field(
         default=None,
