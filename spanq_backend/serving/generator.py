@@ -756,6 +756,10 @@ class SpanGenerator:
         if "error" in result:
             log.info("attention probe: %s; recompute chose by the question's words", result["error"])
             return None, {**info, "fallback": f"{result['error']} (recompute=\"attention\" chose by the question's words)"}
+        asked = len(lowered.token_ids) - question_start(lowered, self.pad_token_id)
+        if int(result["rows"]) < asked:  # never expected: the probe's question blocks are its own (salted)
+            return None, {**info, "fallback": f"the probe read {result['rows']} of the question's {asked} rows "
+                                              "(recompute=\"attention\" chose by the question's words)"}
         mass = [float(x) for x in result["blocks"]]
         self._probed[key] = mass
         while len(self._probed) > 64:

@@ -40,6 +40,7 @@ SCORES_METHOD = "spanq_attention_scores"  # on vLLM's WorkerBase: (probe id) -> 
 _lock = threading.Lock()
 _results: dict[str, dict[str, Any]] = {}  # probe id -> {"blocks": [...], "rows": n, "layer": name} or {"error": why}
 MAX_KEPT = 256  # results nobody took (a cancelled call) are dropped oldest first
+CHUNK_ELEMENTS = 1 << 24  # logits computed at once by `attention_mass` (64 MiB of fp32)
 
 
 def probe_params(probe_id: str, rows_from: int) -> dict[str, Any]:
@@ -49,6 +50,7 @@ def probe_params(probe_id: str, rows_from: int) -> dict[str, Any]:
 
 def _keep(probe_id: str, result: dict[str, Any]) -> None:
     with _lock:
+        _results.pop(probe_id, None)  # the newest last: a result still growing is not the first dropped
         _results[probe_id] = result
         while len(_results) > MAX_KEPT:
             del _results[next(iter(_results))]
@@ -71,6 +73,7 @@ class _Active:
     rows_from: int
     mass: torch.Tensor | None = None  # per prompt token, summed over the rows read so far
     rows: int = 0
+    read_to: int = 0  # rows before this position are read (a request preempted and resumed computes them again)
     error: str = ""
 
 
@@ -83,6 +86,7 @@ class Probes:
     layer_name: str  # the attention layer read: the middle one of the model's
     block_size: int
     unsupported: str = ""  # why no probe can be read on this runner
+    max_model_len: int = 0
     active: dict[str, _Active] = field(default_factory=dict)
 
     def start(self, req_id: str, extra_args: dict[str, Any] | None) -> None:
@@ -98,11 +102,6 @@ class Probes:
     def finish(self, req_id: str) -> None:
         self.active.pop(req_id, None)
 
-    def restart(self, req_id: str) -> None:
-        """A preempted request computes its rows again when it resumes: what was read of them is dropped."""
-        probe = self.active.get(req_id)
-        if probe is not None:
-            probe.mass, probe.rows = None, 0
 
     def _store(self, probe: _Active) -> None:
         """The result so far (a prompt chunked over steps adds to it): kept as soon as a step has read it, since
@@ -128,10 +127,10 @@ class Probes:
             i = req_ids.index(req_id)
             lo, hi, length = starts[i], starts[i + 1], seq_lens[i]
             first = length - (hi - lo)  # the prompt position of this step's first row
-            start = max(probe.rows_from, first)
+            start = max(probe.rows_from, first, probe.read_to)  # rows read before a preemption are not read twice
             if start >= length:
                 continue
-            why = _unsupported_attention(impl)
+            why = _unsupported_attention(impl, self.max_model_len)
             if why:
                 probe.error = why
                 self._store(probe)
@@ -143,19 +142,28 @@ class Probes:
             mass = attention_mass(q, keys, float(impl.scale), start)
             probe.mass = mass if probe.mass is None else _add(probe.mass, mass)
             probe.rows += length - start
+            probe.read_to = length
             self._store(probe)
 
 
 def attention_mass(q: torch.Tensor, keys: torch.Tensor, scale: float, start: int) -> torch.Tensor:
     """Per key, the attention probability it receives, summed over heads and rows: `q` `[rows, heads, d]` the
     queries of prompt positions `start, start + 1, ...`, `keys` `[positions, kv_heads, d]` every key of the prompt
-    up to the last row (grouped-query heads share theirs); each row attends to the keys at or before its position."""
-    length = keys.shape[0]
-    k = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
-    logits = torch.einsum("rhd,lhd->hrl", q, k) * scale
-    rows = torch.arange(start, start + q.shape[0]).view(1, -1, 1)
-    logits.masked_fill_(torch.arange(length).view(1, 1, -1) > rows, float("-inf"))
-    return torch.softmax(logits, dim=-1).sum(dim=(0, 1)).double()
+    up to the last row (grouped-query heads share theirs); each row attends to the keys at or before its position.
+    Rows go a chunk at a time, so that the logits stay near `CHUNK_ELEMENTS` values however long the prompt."""
+    length, kv_heads = keys.shape[0], keys.shape[1]
+    rows, heads, d = q.shape
+    grouped = q.view(rows, kv_heads, heads // kv_heads, d)
+    chunk = max(1, CHUNK_ELEMENTS // max(1, heads * length))
+    keys_at = torch.arange(length).view(1, 1, 1, -1)
+    total = torch.zeros(length, dtype=torch.float64)
+    for lo in range(0, rows, chunk):
+        part = grouped[lo : lo + chunk]
+        logits = torch.einsum("rkgd,lkd->kgrl", part, keys) * scale  # [kv_heads, group, rows, keys]
+        at = torch.arange(start + lo, start + lo + part.shape[0]).view(1, 1, -1, 1)
+        logits.masked_fill_(keys_at > at, float("-inf"))
+        total += torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2)).double()
+    return total
 
 
 def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -167,7 +175,7 @@ def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _unsupported_attention(impl: Any) -> str:
+def _unsupported_attention(impl: Any, max_model_len: int = 0) -> str:
     if getattr(impl, "is_fp8_kv_cache", False):
         return "the probe layer's KV cache is quantized"
     if getattr(impl, "alibi_slopes", None) is not None:
@@ -177,8 +185,8 @@ def _unsupported_attention(impl: Any) -> str:
     if getattr(impl, "sinks", None) is not None:
         return "the probe layer has attention sinks"
     window = getattr(impl, "sliding_window", None)
-    if isinstance(window, int) and window > 0:
-        return "the probe layer has a sliding window"
+    if isinstance(window, int) and 0 < window < max_model_len:  # a window over the whole context is full attention
+        return "the probe layer has a sliding window shorter than the context"
     return ""
 
 
@@ -196,4 +204,5 @@ def probes_for(runner: Any, kv_caches: list[torch.Tensor], layer_names: list[str
         return Probes(runner, None, middle, block_size, unsupported="no attention layer name found for the probe")
     from spanq_backend.vllm_integration.kv_layout import read_keys
 
-    return Probes(runner, lambda kv, b: read_keys(kv, layout, b), middle, block_size)
+    limit = int(getattr(getattr(runner, "model_config", None), "max_model_len", 0) or 0)
+    return Probes(runner, lambda kv, b: read_keys(kv, layout, b), middle, block_size, max_model_len=limit)

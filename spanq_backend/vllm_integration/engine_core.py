@@ -136,10 +136,26 @@ class SpanBlockHasher:
 
         started = time.perf_counter()
         try:
-            return span_block_hashes(request.all_token_ids, table, self._hash_block, request.block_hashes, extra_keys)
+            new = span_block_hashes(request.all_token_ids, table, self._hash_block, request.block_hashes, extra_keys)
+            return self._probe_salted(request, table, new)
         finally:
             HASHING["seconds"] += time.perf_counter() - started
             HASHING["requests"] += 1
+
+    def _probe_salted(self, request: Any, table: SpanTable, new: list[Any]) -> list[Any]:
+        """An attention probe's blocks from its question's on (`attention_probe.PROBE_PARAM`), each hashed again
+        with the probe's id: the probe computes the question's rows (what it reads) even where the same prompt's
+        blocks are cached, and its blocks are found by no other request."""
+        from spanq_backend.vllm_integration.attention_probe import PROBE_PARAM
+
+        params = getattr(request, "sampling_params", None)
+        probe = (getattr(params, "extra_args", None) or {}).get(PROBE_PARAM)
+        if not isinstance(probe, dict) or not new:
+            return new
+        first = len(request.block_hashes)  # the index of new[0]
+        salt_from = int(probe.get("rows_from", 0)) // table.block_size
+        tag = ("spanq-attention-probe", str(probe.get("id", "")))
+        return [h if first + k < salt_from else self._hash_block(h, (), tag) for k, h in enumerate(new)]
 
     def _refusal(self, table: SpanTable, num_prompt_tokens: int) -> str | None:
         if not self.support.enabled:

@@ -80,7 +80,6 @@ class SpanRuntime:
             probes.finish(req_id)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             tracker.finish(req_id)  # its blocks were freed; it comes back as a resumed request
-            probes.restart(req_id)
         copies = getattr(scheduler_output, "kv_cache_block_copies", None) or ()
         for c in copies:  # a copy's keys encode what its source's encode
             tracker.copied(c.src_block_id, c.dst_block_id)

@@ -99,6 +99,25 @@ def test_the_engine_reads_the_question_s_attention_per_block_as_the_reference_an
 
 
 @pytest.mark.vllm
+def test_the_probe_reads_every_row_of_the_question_even_where_the_same_prompt_was_answered_before(engine):
+    """The same prompt answered with nothing recomputed caches the question's whole blocks under the span layout; a
+    probe would then compute (and read) only the rows after them. Its blocks from the question on are its own
+    (hashed with the probe's id), so it reads every row; hashed as the prompt's, it would not, and says so."""
+    from spanq_backend.vllm_integration.engine_core import SpanBlockHasher
+
+    long_question = "Which crate went to pier 5, and which pier did crate C-7 go to, with how many sacks of salt? " * 2
+    call = query("CBA", long_question)
+    lowered = warm(engine, call)  # answered at 0: the question's whole blocks are cached now
+    asked = len(lowered.token_ids) - question_start(lowered, engine.generator.pad_token_id)
+    assert asked > 2 * lowered.table.block_size, "the question spans whole blocks"
+    mass, info = probe(engine, lowered)
+    assert mass is not None and info["rows"] == asked, info
+    with patch.object(SpanBlockHasher, "_probe_salted", lambda self, request, table, new: new):
+        broken, info = probe(engine, lowered)
+    assert broken is None and "rows" in info["fallback"], info
+
+
+@pytest.mark.vllm
 def test_a_call_recomputes_the_blocks_the_question_attends_to_most_and_answers_as_the_reference(engine, hf_model):
     call = query("BCA", "Where did crate B-4 go?")
     lowered = warm(engine, call)
