@@ -1,6 +1,7 @@
 """Two `spanq bench quality` runs over the same items, paired item by item: what a change moved.
 
     python scripts/quality_pair.py BEFORE.json AFTER.json
+    python scripts/quality_pair.py RUN.json --settings question,attention   # two settings of one run
 
 For each setting both runs measured (task, anchor, recompute), the mean of AFTER − BEFORE over the items both
 scored, with a bootstrap 95% interval (resampling items): the spans' agreement, KL and gold-answer log-probability
@@ -34,11 +35,22 @@ def rows_of(path: Path) -> dict[tuple, dict]:
     return {(r["task"], r["anchor"], r["recompute"], r["item"]): r for r in rows}
 
 
+def settings_of(path: Path, first: str, second: str) -> tuple[dict[tuple, dict], dict[tuple, dict]]:
+    """One run's rows of two recompute settings, keyed alike (the setting named `first/second`)."""
+    rows = rows_of(path)
+    label = f"{first}->{second}"
+    pick = {name: {(t, a, label, i): r for (t, a, rc, i), r in rows.items() if rc == name} for name in (first, second)}
+    return pick[first], pick[second]
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+    if len(argv) == 3 and argv[1] == "--settings" and argv[2].count(",") == 1:
+        before, after = settings_of(Path(argv[0]), *argv[2].split(","))
+    elif len(argv) == 2:
+        before, after = (rows_of(Path(a)) for a in argv)
+    else:
+        print("\n".join(line.strip() for line in __doc__.strip().splitlines()[2:4]), file=sys.stderr)
         return 2
-    before, after = (rows_of(Path(a)) for a in argv)
     common = sorted(set(before) & set(after))
     if not common:
         print("the two runs share no (task, anchor, recompute, item)", file=sys.stderr)

@@ -306,6 +306,16 @@ def wrap_get_computed_blocks(orig: Any) -> Any:
     return get_computed_blocks
 
 
+def forget_cow_plan(kv_cache_manager: Any, request_id: str) -> None:
+    """Drop the copy plan of a lookup whose request is not admitted now (a span tier's "not yet"): the next lookup
+    plans again, and a request aborted while it waits leaves nothing behind."""
+    coordinator = getattr(kv_cache_manager, "coordinator", None)
+    for mgr in getattr(coordinator, "single_type_managers", ()) or ():
+        state = manager_spans.get(mgr)
+        if state is not None:
+            state.cow_plans.pop(request_id, None)
+
+
 def wrap_get_num_blocks_to_allocate(orig: Any) -> Any:
     def get_num_blocks_to_allocate(self: Any, request_id: str, *args: Any, **kwargs: Any) -> int:
         n = orig(self, request_id, *args, **kwargs)

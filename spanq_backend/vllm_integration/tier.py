@@ -708,6 +708,7 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         query's prefix and span blocks (their span keys are the prepares' own: invariant 3). A span query's spans
         past what is found are then re-keyed as context (invariant 1), as the engine's lookup does without a tier."""
         from spanq_backend.vllm_integration.engine_core import (
+            forget_cow_plan,
             rekey_missed_spans,
             restore_span_keys,
             span_table_of,
@@ -727,6 +728,8 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 found.append(bytes(hashes[j]))
         if self.in_flight_by(found, request.request_id):
             self.deferred_lookups += 1
+            if self._kv_cache_manager is not None:
+                forget_cow_plan(self._kv_cache_manager, request.request_id)
             return None, False  # vLLM asks again at a later step, when the other load is cached
         if table is not None:
             rekey_missed_spans(request, (start + len(found)) * bs, keep_span_keys=True)
