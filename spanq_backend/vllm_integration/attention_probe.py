@@ -19,6 +19,7 @@ result says why it is missing (`error`), and the generator falls back to the que
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,10 @@ SCORES_METHOD = "spanq_attention_scores"  # on vLLM's WorkerBase: (probe id) -> 
 _lock = threading.Lock()
 _results: dict[str, dict[str, Any]] = {}  # probe id -> {"blocks": [...], "rows": n, "layer": name} or {"error": why}
 MAX_KEPT = 256  # results nobody took (a cancelled call) are dropped oldest first
+# How the probes refer to their runner: weakly. `worker.runner_spans` keeps a runner's span state in a weak-key
+# dictionary; a strong reference from that state back to the runner would keep every runner (and its KV cache)
+# of the process alive after its engine closed.
+_hold = weakref.ref
 CHUNK_ELEMENTS = 1 << 24  # logits computed at once by `attention_mass` (64 MiB of fp32)
 
 
@@ -81,7 +86,7 @@ class _Active:
 class Probes:
     """Per span runtime (one model runner): the probes of the requests it runs, and the layer they read."""
 
-    runner: Any
+    runner: Any  # a weak reference (`weakref.ref`): the runner's own state must not keep it, and its KV cache, alive
     read_keys: Any  # (layer's cache, block id) -> keys [block_size, kv_heads, head_dim]; None: not readable here
     layer_name: str  # the attention layer read: the middle one of the model's
     block_size: int
@@ -118,7 +123,10 @@ class Probes:
 
     def read(self, impl: Any, query: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> None:
         """After the probe layer's attention: the attention mass each key of each probed request receives."""
-        req_ids = list(self.runner.input_batch.req_ids)
+        runner = self.runner()
+        if runner is None:
+            return
+        req_ids = list(runner.input_batch.req_ids)
         starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
         for req_id, probe in self.active.items():
@@ -198,11 +206,12 @@ def probes_for(runner: Any, kv_caches: list[torch.Tensor], layer_names: list[str
     layout = getattr(relocator, "layout", None)
     if layout is None and hasattr(relocator, "relocators"):
         layout = getattr(relocator.relocators[0], "layout", None)
+    limit = int(getattr(getattr(runner, "model_config", None), "max_model_len", 0) or 0)
+    ref = _hold(runner)
     if layout is None or not kv_caches or kv_caches[0].device.type != "cpu":
-        return Probes(runner, None, middle, block_size, unsupported="the attention probe reads vLLM's CPU KV cache only")
+        return Probes(ref, None, middle, block_size, unsupported="the attention probe reads vLLM's CPU KV cache only")
     if not middle:
-        return Probes(runner, None, middle, block_size, unsupported="no attention layer name found for the probe")
+        return Probes(ref, None, middle, block_size, unsupported="no attention layer name found for the probe")
     from spanq_backend.vllm_integration.kv_layout import read_keys
 
-    limit = int(getattr(getattr(runner, "model_config", None), "max_model_len", 0) or 0)
-    return Probes(runner, lambda kv, b: read_keys(kv, layout, b), middle, block_size, max_model_len=limit)
+    return Probes(ref, lambda kv, b: read_keys(kv, layout, b), middle, block_size, max_model_len=limit)

@@ -11,6 +11,7 @@ then recomputes exactly the blocks the reference ranks first, and answers as the
 from __future__ import annotations
 
 import asyncio
+import weakref
 from unittest.mock import patch
 
 import pytest
@@ -160,3 +161,37 @@ def test_a_backend_that_cannot_read_attention_chooses_by_the_question_s_words_an
     assert "cannot read attention" in (done.metrics.fallback or "")
     assert done.metrics.extra["recomputed_tokens"] == words.metrics.extra["recomputed_tokens"] > 0
     assert done.texts == words.texts
+
+
+@pytest.mark.vllm
+def test_a_closed_engine_leaves_its_model_runner_to_be_freed(tiny_model):
+    """The span state of a model runner (`worker.runner_spans`, weak keys) must not hold the runner: an engine
+    closed would otherwise keep its KV cache for the life of the process (a test session ran out of memory so).
+    The probes hold it weakly; held strongly, the runner outlives its engine."""
+    import gc
+
+    from spanq_backend.serving.engine import SpanEngine
+    from spanq_backend.vllm_integration import worker
+
+    def live_after_one_engine() -> int:
+        gc.collect()
+        before = len(list(worker.runner_spans.values()))
+        eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=1024, max_num_seqs=2, num_blocks=64)
+        assert len(list(worker.runner_spans.values())) == before + 1
+        eng.close()
+        del eng
+        gc.collect()
+        return len(list(worker.runner_spans.values())) - before
+
+    gc.collect()
+    start = len(list(worker.runner_spans.values()))
+    assert live_after_one_engine() == 0
+    with patch.object(attention_probe, "_hold", lambda obj: (lambda: obj)):
+        assert live_after_one_engine() == 1, "the check can fail: a strong reference keeps the runner"
+    # and the runner it kept is let go again, not carried through the rest of the session
+    for state in worker.runner_spans.values():
+        if state.runtime is not None and not isinstance(state.runtime.probes.runner, weakref.ReferenceType):
+            state.runtime.probes.runner = lambda: None
+    gc.collect()
+    assert len(list(worker.runner_spans.values())) == start
+
