@@ -107,7 +107,6 @@ class Probes:
     def finish(self, req_id: str) -> None:
         self.active.pop(req_id, None)
 
-
     def _store(self, probe: _Active) -> None:
         """The result so far (a prompt chunked over steps adds to it): kept as soon as a step has read it, since
         the request's output can reach the caller before the engine's next step says it finished."""
