@@ -749,14 +749,15 @@ class SpanGenerator:
             return self._probed[key], {"reused": True}
         probe_id = uuid.uuid4().hex
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        params.extra_args = probe_params(probe_id, question_start(lowered, self.pad_token_id))
+        rows_from = question_start(lowered, self.pad_token_id)
+        params.extra_args = probe_params(probe_id, rows_from)
         run = await self.run(lowered.token_ids, params, lowered.table)
         result = await self.attention_scores(probe_id) or {"error": "the engine kept no probe result"}
         info: dict[str, Any] = {"tokens": max(0, len(lowered.token_ids) - run.cached_tokens)}
         if "error" in result:
             log.info("attention probe: %s; recompute chose by the question's words", result["error"])
             return None, {**info, "fallback": f"{result['error']} (recompute=\"attention\" chose by the question's words)"}
-        asked = len(lowered.token_ids) - question_start(lowered, self.pad_token_id)
+        asked = len(lowered.token_ids) - rows_from
         if int(result["rows"]) < asked:  # never expected: the probe's question blocks are its own (salted)
             return None, {**info, "fallback": f"the probe read {result['rows']} of the question's {asked} rows "
                                               "(recompute=\"attention\" chose by the question's words)"}

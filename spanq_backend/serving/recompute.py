@@ -115,23 +115,12 @@ def choose_blocks(
         return [(i, 0) for i in spans]
     if setting == "last":
         return [(i, sizes[i] - 1) for i in spans]
-    if setting == "attention" and block_mass is not None:  # as many as "first", the most attended, wherever
+    if setting in ("question", "attention"):  # as many blocks as "first", the best scored, wherever they sit
         if not spans:
             return []
-        ranked = []
-        for i in spans:
-            s = table.spans[i][0]
-            for b in range(sizes[i]):
-                j = s // bs + b
-                if j < len(block_mass) and block_mass[j] > 0:
-                    ranked.append((-block_mass[j], s + b * bs, (i, b)))
-        ranked.sort()
-        return sorted(pair for *_, pair in ranked[: len(spans)])
-    if setting in ("question", "attention"):  # as many blocks as "first", the ones the question shares most with
-        if not spans:
-            return []
-        ranked = sorted((-score, start, pair) for pair, start, score in _question_scores(lowered, spans, pad_token_id)
-                        if score > 0)  # fmt: skip
+        scores = (_attention_scores(lowered, spans, block_mass) if setting == "attention" and block_mass is not None
+                  else _question_scores(lowered, spans, pad_token_id))
+        ranked = sorted((-score, start, pair) for pair, start, score in scores if score > 0)
         return sorted(pair for *_, pair in ranked[: len(spans)])
     share = float(setting)
     if share <= 0.0 or not spans:
@@ -143,6 +132,22 @@ def choose_blocks(
     scored = [(pair[1] != 0, -score, start, pair) for pair, start, score in _question_scores(lowered, spans, pad_token_id)]
     scored.sort()
     return sorted(pair for *_, pair in scored[:budget])
+
+
+def _attention_scores(
+    lowered: LoweredPrompt, spans: list[int], block_mass: list[float]
+) -> list[tuple[tuple[int, int], int, float]]:
+    """Each block of `spans` — (span, block), its first token's position — and the attention the question gives it
+    (`block_mass`, per prompt block; a block past its end scores nothing)."""
+    table = lowered.table
+    bs = table.block_size
+    out = []
+    for i in spans:
+        s, e = table.spans[i]
+        for b in range((e - s) // bs):
+            j = s // bs + b
+            out.append(((i, b), s + b * bs, block_mass[j] if j < len(block_mass) else 0.0))
+    return out
 
 
 def _question_scores(

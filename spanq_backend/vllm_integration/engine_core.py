@@ -26,6 +26,7 @@ from typing import Any
 from spanq_backend.kv.cidra import CidraPlanner
 from spanq_backend.kv.span_hashing import span_block_hashes
 from spanq_backend.kv.span_table import SpanTable, SpanTableError
+from spanq_backend.vllm_integration.attention_probe import PROBE_PARAM
 from spanq_backend.vllm_integration.state import Extension
 from spanq_backend.vllm_integration.support import (
     STOCK,
@@ -146,8 +147,6 @@ class SpanBlockHasher:
         """An attention probe's blocks from its question's on (`attention_probe.PROBE_PARAM`), each hashed again
         with the probe's id: the probe computes the question's rows (what it reads) even where the same prompt's
         blocks are cached, and its blocks are found by no other request."""
-        from spanq_backend.vllm_integration.attention_probe import PROBE_PARAM
-
         params = getattr(request, "sampling_params", None)
         probe = (getattr(params, "extra_args", None) or {}).get(PROBE_PARAM)
         if not isinstance(probe, dict) or not new:

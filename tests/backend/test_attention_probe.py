@@ -66,6 +66,14 @@ def warm(engine, call):
     return engine.lower(call)
 
 
+def warm_with_reference(engine, hf_model, order: str, question: str):
+    """The call, warm (`warm`), its lowering, the pad token and the reference's attention mass per block."""
+    call = query(order, question)
+    lowered = warm(engine, call)
+    pad = engine.generator.pad_token_id
+    return call, lowered, pad, reference_mass(hf_model, lowered, pad)
+
+
 def probe(engine, lowered):
     gen = engine.generator
     gen._probed.clear()
@@ -74,10 +82,7 @@ def probe(engine, lowered):
 
 @pytest.mark.vllm
 def test_the_engine_reads_the_question_s_attention_per_block_as_the_reference_and_without_the_mask_it_does_not(engine, hf_model):
-    call = query("ABC", "Which crate went to pier 3 with salt?")
-    lowered = warm(engine, call)
-    pad = engine.generator.pad_token_id
-    want = reference_mass(hf_model, lowered, pad)
+    _call, lowered, pad, want = warm_with_reference(engine, hf_model, "ABC", "Which crate went to pier 3 with salt?")
     mass, info = probe(engine, lowered)
     assert mass is not None and "fallback" not in info, info
     got = torch.tensor(mass, dtype=torch.float64)
@@ -120,10 +125,7 @@ def test_the_probe_reads_every_row_of_the_question_even_where_the_same_prompt_wa
 
 @pytest.mark.vllm
 def test_a_call_recomputes_the_blocks_the_question_attends_to_most_and_answers_as_the_reference(engine, hf_model):
-    call = query("BCA", "Where did crate B-4 go?")
-    lowered = warm(engine, call)
-    pad = engine.generator.pad_token_id
-    want = reference_mass(hf_model, lowered, pad)
+    call, lowered, _pad, want = warm_with_reference(engine, hf_model, "BCA", "Where did crate B-4 go?")
     table, bs = lowered.table, lowered.table.block_size
     ranked = sorted((-float(want[s // bs + b]), (i, b)) for i, (s, e) in enumerate(table.spans) for b in range((e - s) // bs))
     expected = tuple(sorted(pair for _, pair in ranked[: len(table.spans)]))

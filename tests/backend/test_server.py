@@ -389,18 +389,20 @@ def test_an_answer_a_remote_combine_cannot_read_is_named_in_the_result(server: S
     assert result.answer == ""  # nothing was counted
 
 
+def _first_call(server: SpanqServe, query) -> dict:
+    """The first generate call's report of `query` executed on the server (a 200 asserted)."""
+    answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(query), timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["calls"][0]
+
+
 def test_recompute_travels_with_the_query_and_a_bad_setting_is_a_400(server: SpanqServe):
     """`"recompute"` on a `g`: the server recomputes the chosen blocks in context (after the spans were prepared by
     another order), counts them, and the same query again finds them cached; a bad value is a 400 naming it."""
     httpx.post(f"{server.url}{EXECUTE}", json=to_json(rag_query("CDAB")), timeout=120).raise_for_status()
     # (another instruction than the one the documents may be cached in context after: they are read as spans)
     query = rag_query("ADBC", instruction=OTHER_INSTRUCTION).model_copy(update={"recompute": "first"})
-    runs = []
-    for _ in range(2):
-        answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(query), timeout=120)
-        assert answer.status_code == 200, answer.text
-        runs.append(answer.json()["calls"][0])
-    first, again = runs
+    first, again = (_first_call(server, query) for _ in range(2))
     assert first["extra"]["recomputed_tokens"] == 4 * 32  # each document's first block
     assert first["prepared_spans"] == 0 and first["prepared_tokens"] >= 3 * 32  # runs before later spans
     assert again["prepared_tokens"] <= 4, "the recomputed blocks were cached by the first run"
@@ -420,12 +422,7 @@ def test_recompute_by_attention_reads_the_engine_process_s_probe(server: SpanqSe
     through vLLM's collective_rpc and recomputes as many blocks as spans, without falling back to the words."""
     httpx.post(f"{server.url}{EXECUTE}", json=to_json(rag_query("BDCA")), timeout=120).raise_for_status()
     query = rag_query("CABD", instruction="Answer by attention.").model_copy(update={"recompute": "attention"})
-    runs = []
-    for _ in range(2):
-        answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(query), timeout=120)
-        assert answer.status_code == 200, answer.text
-        runs.append(answer.json()["calls"][0])
-    first, again = runs
+    first, again = (_first_call(server, query) for _ in range(2))
     probe = first["extra"]["attention_probe"]
     assert first["fallback"] is None and "fallback" not in probe, probe
     assert probe["rows"] > 0 and probe["layer"].endswith("self_attn.attn")
