@@ -326,6 +326,18 @@ class DiskTier:
         with contextlib.suppress(OSError):
             os.utime(self.path_of(block_hash))
 
+    def used_later(self, hashes: list[bytes]) -> None:
+        """`used` for these blocks, on the tier's reader threads: bookkeeping for eviction, kept out of the engine's
+        step (a system call a block)."""
+        if hashes:
+            self._pool().submit(lambda: [self.used(h) for h in hashes])
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._readers is None:
+                self._readers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="spanq-tier-read")
+            return self._readers
+
     def _evict(self) -> None:
         """Past the capacity: remove the least recently used unpinned blocks (written or last loaded longest ago)
         until the folder holds at most 90% of it. Counted on the folder itself (other processes write to it)."""
@@ -445,12 +457,11 @@ class DiskTier:
 
     def prefetch(self, hashes: list[bytes]) -> None:
         """Start reading these blocks on the tier's reader threads; `take` gets them."""
+        readers = self._pool()
         with self._lock:
-            if self._readers is None:
-                self._readers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="spanq-tier-read")
             for h in hashes:
                 if h not in self._ahead:
-                    self._ahead[h] = self._readers.submit(self._warm, h)
+                    self._ahead[h] = readers.submit(self._warm, h)
             while len(self._ahead) > self.PREFETCH_LIMIT:
                 self._ahead.pop(next(iter(self._ahead))).cancel()
 
@@ -831,6 +842,7 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tracker = self._tracker()
         started = time.perf_counter()
         refused: set[bytes] = set()  # files refused this step: another request of the step that reads one fails too
+        loaded: list[bytes] = []
         for rid, items in meta.loads.items():
             self._received.add(rid)
             if not items:
@@ -851,11 +863,12 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     break
                 if tracker is not None:
                     tracker.loaded(block_id, stored.position)
-                self.tier.used(h)
+                loaded.append(h)
             else:
                 self.tier.stats.loads += 1
                 self.tier.stats.loaded_blocks += len(items)
         self.tier.stats.load_seconds += time.perf_counter() - started
+        self.tier.used_later(loaded)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
