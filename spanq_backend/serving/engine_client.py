@@ -111,13 +111,9 @@ class EngineClientBackend(Backend):
 
     async def _attention_scores(self, probe_id: str) -> dict[str, Any] | None:
         """An attention probe's result, taken from the engine's workers (`attention_probe.SCORES_METHOD`)."""
-        from spanq_backend.vllm_integration.attention_probe import SCORES_METHOD
+        from spanq_backend.vllm_integration.attention_probe import SCORES_METHOD, combine_workers
 
-        answers = [a for a in await self.engine_client.collective_rpc(SCORES_METHOD, args=(probe_id,)) or () if a]
-        if not answers or any("error" in a for a in answers):
-            return next((a for a in answers if "error" in a), None)
-        # tensor-parallel workers each read their own heads: the mass per block is the sum of theirs
-        return {**answers[0], "blocks": [sum(col) for col in zip(*(a["blocks"] for a in answers))]}
+        return combine_workers(list(await self.engine_client.collective_rpc(SCORES_METHOD, args=(probe_id,)) or ()))
 
     async def _stream(self, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
         """One token request on the engine client; aborted if the stream is closed early."""

@@ -735,8 +735,8 @@ class SpanGenerator:
     async def probe_attention(self, lowered: LoweredPrompt) -> tuple[list[float] | None, dict[str, Any]]:
         """The attention the question gives each block of the prompt at the model's middle layer, its spans read
         from the cache as they are (nothing recomputed): one request over the prompt, `max_tokens=1`, read by the
-        engine's worker (`vllm_integration/attention_probe.py`). The same prompt again reuses its answer (the
-        question's rows would be cached then, and not read again). None, and why, where it cannot be read."""
+        engine's worker (`vllm_integration/attention_probe.py`). The same prompt again reuses its ranking (one
+        probe a prompt, not one a call). None, and why, where it cannot be read."""
         from vllm import SamplingParams
 
         from spanq_backend.vllm_integration.attention_probe import probe_params

@@ -11,9 +11,10 @@ result (per prompt block, in prompt order; `rows`: how many rows were read) is k
 taken: in process by `take`, from `spanq serve`'s engine process through vLLM's `collective_rpc`
 (`SCORES_METHOD`, installed on `WorkerBase`).
 
-Only where spanq reads the cache's keys itself and the attention is plain softmax attention: vLLM's CPU backend,
-no sliding window shorter than the request, no ALiBi, no logit soft-capping, no attention sinks. Anywhere else the
-result says why it is missing (`error`), and the generator falls back to the question's words, saying so.
+Only where spanq reads the cache's keys itself and the attention is plain causal softmax attention: vLLM's CPU
+backend, no sliding window shorter than the context, no ALiBi, no logit soft-capping, no attention sinks, a step's
+metadata one causal row range per request. Anywhere else the result says why it is missing (`error`), and the
+generator falls back to the question's words, saying so.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "SCORES_METHOD",
     "Probes",
     "attention_mass",
+    "combine_workers",
     "probe_params",
     "take",
     "worker_attention_scores",
@@ -70,6 +72,32 @@ def take(probe_id: str) -> dict[str, Any] | None:
 def worker_attention_scores(_worker_base: Any, probe_id: str) -> dict[str, Any] | None:
     """Installed on vLLM's `WorkerBase` as `SCORES_METHOD`: `take` in the worker's process."""
     return take(probe_id)
+
+
+def combine_workers(answers: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One probe's result from every worker of an engine (`collective_rpc`, one answer per worker): tensor-parallel
+    workers each read their own heads, so the mass per block is the sum of all of theirs. None where no worker kept
+    one; an error where any says why, or where only some kept one (a sum over some heads is not the layer's)."""
+    kept = [a for a in answers if a]
+    if not kept:
+        return None
+    error = next((a for a in kept if "error" in a), None)
+    if error is not None:
+        return error
+    if len(kept) < len(answers):
+        return {"error": f"only {len(kept)} of the engine's {len(answers)} workers kept the probe's result"}
+    if len({int(a["rows"]) for a in kept}) > 1 or len({len(a["blocks"]) for a in kept}) > 1:
+        return {"error": "the engine's workers read different rows or blocks for the probe"}
+    return {**kept[0], "blocks": [sum(col) for col in zip(*(a["blocks"] for a in kept))]}
+
+
+def _unsupported_metadata(meta: Any, requests: int) -> str:
+    """Why a step's attention metadata is not one causal row range per request, as `Probes.read` reads it."""
+    if getattr(meta, "causal", True) is not True or getattr(meta, "dynamic_causal", None) is not None:
+        return "the probe layer's attention is not causal in this step"
+    if len(meta.query_start_loc) != requests + 1 or len(meta.seq_lens) < requests:
+        return "the probe layer's attention metadata is not one row range per request (local or virtual batches)"
+    return ""
 
 
 @dataclass
@@ -126,10 +154,17 @@ class Probes:
         if runner is None:
             return
         req_ids = list(runner.input_batch.req_ids)
-        starts = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens.tolist()
+        if not any(r in self.active for r in req_ids):
+            return
+        unreadable = _unsupported_metadata(meta, len(req_ids))
+        starts = [] if unreadable else meta.query_start_loc.tolist()
+        seq_lens = [] if unreadable else meta.seq_lens.tolist()
         for req_id, probe in self.active.items():
             if probe.error or req_id not in req_ids:
+                continue
+            if unreadable:
+                probe.error = unreadable
+                self._store(probe)
                 continue
             i = req_ids.index(req_id)
             lo, hi, length = starts[i], starts[i + 1], seq_lens[i]

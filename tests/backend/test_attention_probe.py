@@ -105,6 +105,69 @@ def test_the_engine_reads_the_question_s_attention_per_block_as_the_reference_an
 
 
 @pytest.mark.vllm
+def test_a_probe_batched_beside_another_request_reads_its_own_rows(engine, hf_model):
+    """A step that computes another request too (here one decoding a long answer, scheduled first) puts the probe's
+    rows after the other's in the layer's query: the probe reads its own, and the same mass as the reference."""
+    _call, lowered, pad, want = warm_with_reference(engine, hf_model, "ACB", "Which crate went to pier 6?")
+    rows = len(lowered.token_ids) - question_start(lowered, pad)
+    heads = hf_model.config.num_attention_heads
+    seen: list[tuple[int, int]] = []  # (requests in the step, the probe's first row in the layer's query)
+    read = attention_probe.Probes.read
+
+    def recording(self, impl, query, kv_cache, meta, shift=0):
+        req_ids = list(self.runner().input_batch.req_ids)
+        for i, r in enumerate(req_ids):
+            if r in self.active:
+                seen.append((len(req_ids), int(meta.query_start_loc[i])))
+        return read(self, impl, query.roll(shift, 0) if shift else query, kv_cache, meta)
+
+    other = generate(user("Count from one to one hundred, one number a line."), max_tokens=96, temperature=0.0)
+
+    async def beside(reader):
+        gen = engine.generator
+        gen._probed.clear()
+        seen.clear()
+        with patch.object(attention_probe.Probes, "read", reader):
+            answer = asyncio.ensure_future(engine.generate(other))
+            await asyncio.sleep(0.2)  # the other request is decoding by now
+            mass, info = await gen.probe_attention(lowered)
+            await answer
+        return mass, info
+
+    mass, info = asyncio.run(beside(recording))
+    assert any(n > 1 and first > 0 for n, first in seen), f"the probe shared no step with the other request: {seen}"
+    assert mass is not None and info["rows"] == rows, info
+    got = torch.tensor(mass, dtype=torch.float64)
+    assert float((got - want).abs().max()) < TOL * rows * heads, (got, want)
+
+    # the check can fail: a read whose query rows are not the probe's (shifted by the other request's row) is
+    # outside the bound the probe's own rows meet (the tiny model's attention is near uniform: the margin is small)
+    mass, _ = asyncio.run(beside(lambda *a: recording(*a, shift=1)))
+    assert mass is None or float((torch.tensor(mass, dtype=torch.float64) - want).abs().max()) > TOL * rows * heads
+
+
+def test_workers_results_are_summed_only_when_every_worker_kept_one_and_a_step_not_causal_is_refused():
+    from types import SimpleNamespace
+
+    a = {"blocks": [1.0, 2.0], "rows": 3, "layer": "l"}
+    b = {"blocks": [0.5, 0.5], "rows": 3, "layer": "l"}
+    assert attention_probe.combine_workers([a, b]) == {"blocks": [1.5, 2.5], "rows": 3, "layer": "l"}
+    assert attention_probe.combine_workers([None, None]) is None
+    assert "1 of the engine's 2 workers" in attention_probe.combine_workers([a, None])["error"], \
+        "a sum over one rank's heads is not the layer's mass"
+    assert attention_probe.combine_workers([a, {"error": "why"}]) == {"error": "why"}
+    assert "different rows" in attention_probe.combine_workers([a, {**b, "rows": 2}])["error"]
+    starts = torch.tensor([0, 4, 9])
+    plain = SimpleNamespace(causal=True, dynamic_causal=None, query_start_loc=starts, seq_lens=torch.tensor([4, 9]))
+    assert attention_probe._unsupported_metadata(plain, 2) == ""
+    assert "not causal" in attention_probe._unsupported_metadata(SimpleNamespace(**{**vars(plain), "causal": False}), 2)
+    assert "not causal" in attention_probe._unsupported_metadata(
+        SimpleNamespace(**{**vars(plain), "dynamic_causal": torch.ones(9, dtype=torch.bool)}), 2)
+    virtual = SimpleNamespace(**{**vars(plain), "query_start_loc": torch.tensor([0, 2, 4, 9]), "seq_lens": torch.tensor([2, 4, 9])})
+    assert "one row range per request" in attention_probe._unsupported_metadata(virtual, 2)
+
+
+@pytest.mark.vllm
 def test_the_probe_reads_every_row_of_the_question_even_where_the_same_prompt_was_answered_before(engine):
     """The same prompt answered with nothing recomputed caches the question's whole blocks under the span layout; a
     probe would then compute (and read) only the rows after them. Its blocks from the question on are its own
