@@ -32,6 +32,7 @@ from spanq_backend.serving.generator import (
     SpanGenerator,
     engine_error,
     load_chat_tokenizer,
+    settle_deferred,
 )
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR, LoweredPrompt
 from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE, recompute_setting
@@ -393,7 +394,7 @@ class SpanEngine:
                 self._send(req, BackendUnavailableError(f"the embedded engine failed: {e}"))
         finally:
             for _, done in [*self._idle, *self._idle_running.values()]:
-                done.cancel()
+                settle_deferred(done, "the engine closed")
             self._idle.clear()
             self._idle_running.clear()
             for waiter in self._settle_waiters:
@@ -415,6 +416,8 @@ class SpanEngine:
         budget = self.IDLE_BATCH_TOKENS
         while self._idle and budget > 0:
             ids, done = self._idle.popleft()
+            if not done.set_running_or_notify_cancel():  # cancelled while queued; under way from here
+                continue
             if self._probe is not None and self._probe.cached(ids[:-1]):
                 done.set_result(0)
                 continue
@@ -426,7 +429,7 @@ class SpanEngine:
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
             except Exception as e:  # noqa: BLE001  (a deferred prepare is an optimisation, never an error)
                 log.warning("a deferred span prepare was refused: %s", e)
-                done.cancel()
+                settle_deferred(done, e)
                 continue
             self._idle_running[rid] = (len(ids) - 1, done)
             budget -= len(ids)
@@ -447,7 +450,7 @@ class SpanEngine:
             return
         if self._closed:
             for _, done in items:
-                done.cancel()
+                settle_deferred(done, "the engine is closed")
             return
         self._cmds.put(("idle", items))
 

@@ -262,6 +262,15 @@ def in_order(node: Any, order_of: Callable[[frozenset[str]], tuple[str, ...] | N
     return transform(node, reorder)
 
 
+def settle_deferred(done: concurrent.futures.Future[int], why: object) -> None:
+    """End a deferred prepare that will not run or finish: cancelled while queued; failed once under way (a future
+    under way cannot be cancelled, and one left pending would keep the calls that wait for it waiting)."""
+    if done.done() or done.cancel():
+        return
+    with contextlib.suppress(concurrent.futures.InvalidStateError):  # finished meanwhile
+        done.set_exception(RuntimeError(f"the deferred prepare did not finish: {why}"))
+
+
 class SpanGenerator:
     """Lowers closed `Generate`s, prepares their spans and runs them on the engine behind `stream`."""
 
@@ -322,6 +331,7 @@ class SpanGenerator:
         self._background_tasks: set[asyncio.Task[None]] = set()
         # Deferred prepares handed to the engine and not done yet: prompt -> done (tokens computed)
         self._pending: dict[tuple[int, ...], concurrent.futures.Future[int]] = {}
+        self._deferred_full = False  # `MAX_DEFERRED` reached (said once in the log until the queue moves)
         # Whether a `[anchor][span]` prompt is wholly in the prefix cache (the engine's probe tells): its
         # prepare request would compute nothing, so it is skipped.
         self.span_probe = span_probe
@@ -649,6 +659,13 @@ class SpanGenerator:
             key = tuple(prompt)
             if key in self._pending:
                 continue
+            if len(self._pending) >= self.MAX_DEFERRED:  # an engine never idle: the spans stay computed when read
+                if not self._deferred_full:
+                    log.warning("%d span prepares wait for the engine to be idle: no more are deferred until they "
+                                "run", len(self._pending))
+                self._deferred_full = True
+                break
+            self._deferred_full = False
             done: concurrent.futures.Future[int] = concurrent.futures.Future()
             self._pending[key] = done
             done.add_done_callback(lambda f, key=key, is_span=is_span: self._deferred_done(key, f, is_span))
@@ -674,29 +691,35 @@ class SpanGenerator:
                 waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
                 self._deferred_waiters.append(waiter)
                 await waiter
-            computed = await self.compute_all([p for p, _ in items])
-            for (_, done), c in zip(items, computed):
+            started = [(p, done) for p, done in items if done.set_running_or_notify_cancel()]  # under way from here
+            computed = await self.compute_all([p for p, _ in started])
+            for (_, done), c in zip(started, computed):
                 done.set_result(c)
         except BaseException as e:  # a deferred prepare is an optimisation: never an error of a call
             if not isinstance(e, asyncio.CancelledError):
                 log.warning("a deferred span prepare failed: %s", e)
             for _, done in items:
-                if not done.done():
-                    done.cancel()
+                settle_deferred(done, e)
             if isinstance(e, asyncio.CancelledError):
                 raise
 
+    MAX_DEFERRED = 1024  # prompts waiting for the engine to be idle, at most (`defer`)
     PENDING_WAIT_S = 60.0  # the most a call waits for deferred prepares of its spans that are under way
 
     async def _await_pending(self, prompts: list[list[int]]) -> None:
-        """Wait (at most `PENDING_WAIT_S`) for the deferred prepares of these prompts that are still to finish."""
-        futures = [f for p in prompts if (f := self._pending.get(tuple(p))) is not None]
+        """Wait (at most `PENDING_WAIT_S`) for the deferred prepares of these prompts that are under way, or queued
+        at a host that runs them once its engine has no request (`background`: this call has none yet). One queued
+        here, on this generator's loop, waits for no call to be running — this one too — so it is not waited for:
+        the call prepares the span itself and the queued one then finds it cached. Waiting never cancels a prepare
+        (other calls may wait for it too); the caller's own cancellation goes through."""
+        futures = [f for p in prompts
+                   if (f := self._pending.get(tuple(p))) is not None and (f.running() or self.background is not None)]
         if not futures:
             return
-        with contextlib.suppress(asyncio.TimeoutError, concurrent.futures.CancelledError, asyncio.CancelledError):
-            await asyncio.wait_for(
-                asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True), self.PENDING_WAIT_S
-            )
+        waits = [asyncio.wrap_future(f) for f in futures]
+        for w in waits:  # a failed prepare is the queue's to log, not this call's
+            w.add_done_callback(lambda w: w.cancelled() or w.exception())
+        await asyncio.wait(waits, timeout=self.PENDING_WAIT_S)  # on a timeout or a cancel, none of them is cancelled
 
     def open_compute(self, prompt: list[int], table: SpanTable | None = None) -> AsyncIterator[Any]:
         """Submit the request that puts `prompt` (whole blocks, laid out by `table`) in the cache."""

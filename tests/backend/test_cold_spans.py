@@ -384,3 +384,91 @@ def test_the_same_documents_in_another_order_are_read_where_they_sit(engine):
     with temporarily(engine.generator, keep_span_order=True):
         first, *again = moved_by(docs("sit-given"), ["ABCD", "DCBA", "BADC", "CADB"])
     assert all(m > 0 for m in again), again  # the broken variant moves them on every query
+
+
+def test_a_call_waiting_for_deferred_prepares_never_cancels_them_and_never_waits_on_itself(engine, monkeypatch):
+    """`_await_pending` waits for a prepare under way without cancelling it (other calls wait for it too, and the
+    engine sets its result later); the caller's own cancellation goes through; and where prepares wait on this
+    generator's loop for no call to be running (`spanq serve`: no `background` host), a queued one is not waited
+    for — the waiting call would keep it from starting."""
+    import concurrent.futures
+    import time
+
+    from spanq_backend.serving.generator import SpanGenerator
+
+    gen = engine.generator
+    monkeypatch.setattr(SpanGenerator, "PENDING_WAIT_S", 0.3)
+
+    def pending(prompt: list[int], running: bool) -> concurrent.futures.Future:
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        if running:
+            assert f.set_running_or_notify_cancel()
+        gen._pending[tuple(prompt)] = f
+        return f
+
+    def check(await_pending) -> None:
+        under_way = pending([901, 902], running=True)
+        asyncio.run(await_pending(gen, [[901, 902]]))  # times out
+        assert not under_way.cancelled(), "a call that stops waiting cancelled the prepare"
+        under_way.set_result(3)  # what the engine does when it finishes
+
+        under_way = pending([903], running=True)
+
+        async def cancelled_while_waiting():
+            task = asyncio.ensure_future(await_pending(gen, [[903]]))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                return
+            raise AssertionError("the caller's cancellation was swallowed")
+
+        asyncio.run(cancelled_while_waiting())
+        assert not under_way.cancelled(), "the caller's cancellation cancelled the prepare"
+        under_way.set_result(1)
+
+        queued = pending([904], running=False)
+        kept, gen.background = gen.background, None  # prepares queued on this loop, as under `spanq serve`
+        monkeypatch.setattr(SpanGenerator, "PENDING_WAIT_S", 5.0)
+        try:
+            started = time.perf_counter()
+            asyncio.run(await_pending(gen, [[904]]))
+            assert time.perf_counter() - started < 1.0, "a call waited for a prepare its own running holds back"
+        finally:
+            gen.background = kept
+            monkeypatch.setattr(SpanGenerator, "PENDING_WAIT_S", 0.3)
+            queued.cancel()
+
+    try:
+        check(SpanGenerator._await_pending)
+
+        # the check can fail: the wait as it was (wait_for over the wrapped futures, every cancellation suppressed)
+        async def as_it_was(self, prompts):
+            import contextlib
+
+            futures = [f for p in prompts if (f := self._pending.get(tuple(p))) is not None]
+            with contextlib.suppress(asyncio.TimeoutError, concurrent.futures.CancelledError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in futures),
+                                                      return_exceptions=True), self.PENDING_WAIT_S)
+
+        with pytest.raises(AssertionError, match="cancellation was swallowed"):
+            check(as_it_was)
+    finally:
+        for key in [(901, 902), (903,), (904,)]:
+            gen._pending.pop(key, None)
+
+
+def test_a_deferred_prepare_cancelled_before_it_starts_leaves_the_engine_serving(engine):
+    """A deferred prepare whose future was cancelled while it waited in the engine's queue is skipped: set later,
+    that future would raise in the engine's thread and take every request down with it."""
+    import concurrent.futures
+
+    d = docs("skip")
+    prompt = engine.lower(query(d, "AB")).prepare_prompt(0) + [engine.generator.pad_token_id]
+    gone: concurrent.futures.Future = concurrent.futures.Future()
+    gone.cancel()
+    engine.run_when_idle([(prompt, gone)])
+    assert engine.settle(60)
+    done = asyncio.run(engine.generate(query(d, "BA")))
+    assert done.texts and done.texts[0] is not None
