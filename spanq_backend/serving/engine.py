@@ -280,6 +280,7 @@ class SpanEngine:
             read_in_context=self.config.read_in_context,
             keep_span_order=self.config.keep_span_order,
         )
+        self.generator.on_quiet = self._nudge
         self.pad_token_id = self.generator.pad_token_id
         log.info("%s ready in %.1f s", self.model_name, time.perf_counter() - started)
 
@@ -353,7 +354,7 @@ class SpanEngine:
         stepped = True  # a step (or the build) ran since this thread last handed its OpenMP workers back
         try:
             while True:
-                busy = engine.has_unfinished_requests() or bool(self._idle)
+                busy = engine.has_unfinished_requests() or (bool(self._idle) and not self._calls_running())
                 if not busy and stepped:
                     # Idle: end this thread's OpenMP team, whose sleeping workers would otherwise throttle the
                     # spinning of every other busy team in the process (vllm_integration/openmp.py).
@@ -376,7 +377,7 @@ class SpanEngine:
                         cmd = self._cmds.get(timeout=BATCH_WAIT_S) if held > 0 else self._cmds.get_nowait()
                     except queue.Empty:
                         cmd = None
-                if not engine.has_unfinished_requests() and self._idle:
+                if not engine.has_unfinished_requests() and self._idle and not self._calls_running():
                     self._start_idle(engine)
                 self._answer_settled()
                 if engine.has_unfinished_requests():
@@ -405,6 +406,16 @@ class SpanEngine:
                 del engine
             except UnboundLocalError:
                 pass
+
+    def _calls_running(self) -> int:
+        """Calls of this engine's generator under way (`SpanGenerator.calls_running`): deferred prepares wait for
+        none, so that none shares a step with a call, between a call's rounds included."""
+        gen = getattr(self, "generator", None)
+        return gen.calls_running() if gen is not None else 0
+
+    def _nudge(self) -> None:
+        """Wake the engine's thread (no call runs now: its deferred prepares may start)."""
+        self._cmds.put(("wake", None))
 
     IDLE_BATCH_TOKENS = 2048  # deferred prepares added at once (a call arriving meanwhile waits at most for them)
 

@@ -327,6 +327,8 @@ class SpanGenerator:
         self.isolate_min_tokens = isolate_min_tokens
         self.background = background
         self.active_calls = 0
+        self._waiting_calls = 0  # calls waiting in `_await_pending` (nothing of theirs in the engine meanwhile)
+        self.on_quiet: Callable[[], None] | None = None  # told when no call runs (`calls_running`): a host's queue
         self._deferred_waiters: list[asyncio.Future[None]] = []
         self._background_tasks: set[asyncio.Task[None]] = set()
         # Deferred prepares handed to the engine and not done yet: prompt -> done (tokens computed)
@@ -687,7 +689,7 @@ class SpanGenerator:
 
     async def _when_idle(self, items: list[tuple[list[int], concurrent.futures.Future[int]]]) -> None:
         try:
-            while self.active_calls:
+            while self.calls_running():
                 waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
                 self._deferred_waiters.append(waiter)
                 await waiter
@@ -707,19 +709,23 @@ class SpanGenerator:
     PENDING_WAIT_S = 60.0  # the most a call waits for deferred prepares of its spans that are under way
 
     async def _await_pending(self, prompts: list[list[int]]) -> None:
-        """Wait (at most `PENDING_WAIT_S`) for the deferred prepares of these prompts that are under way, or queued
-        at a host that runs them once its engine has no request (`background`: this call has none yet). One queued
-        here, on this generator's loop, waits for no call to be running — this one too — so it is not waited for:
-        the call prepares the span itself and the queued one then finds it cached. Waiting never cancels a prepare
-        (other calls may wait for it too); the caller's own cancellation goes through."""
-        futures = [f for p in prompts
-                   if (f := self._pending.get(tuple(p))) is not None and (f.running() or self.background is not None)]
+        """Wait (at most `PENDING_WAIT_S`) for the deferred prepares of these prompts still to finish. While it
+        waits the call is not counted as running (`calls_running`), so prepares queued for a quiet engine can
+        start. Waiting never cancels a prepare (other calls may wait for it too); the caller's own cancellation
+        goes through."""
+        futures = [f for p in prompts if (f := self._pending.get(tuple(p))) is not None]
         if not futures:
             return
         waits = [asyncio.wrap_future(f) for f in futures]
         for w in waits:  # a failed prepare is the queue's to log, not this call's
             w.add_done_callback(lambda w: w.cancelled() or w.exception())
-        await asyncio.wait(waits, timeout=self.PENDING_WAIT_S)  # on a timeout or a cancel, none of them is cancelled
+        self._waiting_calls += 1
+        try:
+            if not self.calls_running():
+                self._quiet()
+            await asyncio.wait(waits, timeout=self.PENDING_WAIT_S)  # on a timeout or a cancel none is cancelled
+        finally:
+            self._waiting_calls -= 1
 
     def open_compute(self, prompt: list[int], table: SpanTable | None = None) -> AsyncIterator[Any]:
         """Submit the request that puts `prompt` (whole blocks, laid out by `table`) in the cache."""
@@ -844,11 +850,22 @@ class SpanGenerator:
             return await self._generate(call, path, on_token, span_output, t0)
         finally:
             self.active_calls -= 1
-            if not self.active_calls and self._deferred_waiters:
-                for waiter in self._deferred_waiters:
-                    if not waiter.done():
-                        waiter.set_result(None)
-                self._deferred_waiters.clear()
+            if not self.calls_running():
+                self._quiet()
+
+    def calls_running(self) -> int:
+        """Calls under way that may have work in the engine now or soon (a call waiting for deferred prepares has
+        none): deferred prepares start only when there are none, so that none shares a call's steps, between its
+        rounds included."""
+        return self.active_calls - self._waiting_calls
+
+    def _quiet(self) -> None:
+        for waiter in self._deferred_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._deferred_waiters.clear()
+        if self.on_quiet is not None:
+            self.on_quiet()
 
     def cold_policy(self, lowered: LoweredPrompt, cold: list[int], setting: str | None = None) -> str:
         """How this call computes its spans that are not cached: "isolate" (a prepare round: each alone after its

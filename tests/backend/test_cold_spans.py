@@ -388,9 +388,8 @@ def test_the_same_documents_in_another_order_are_read_where_they_sit(engine):
 
 def test_a_call_waiting_for_deferred_prepares_never_cancels_them_and_never_waits_on_itself(engine, monkeypatch):
     """`_await_pending` waits for a prepare under way without cancelling it (other calls wait for it too, and the
-    engine sets its result later); the caller's own cancellation goes through; and where prepares wait on this
-    generator's loop for no call to be running (`spanq serve`: no `background` host), a queued one is not waited
-    for — the waiting call would keep it from starting."""
+    engine sets its result later); the caller's own cancellation goes through; and while it waits the call is not
+    counted as running, so prepares queued for a quiet engine can start."""
     import concurrent.futures
     import time
 
@@ -428,17 +427,33 @@ def test_a_call_waiting_for_deferred_prepares_never_cancels_them_and_never_waits
         assert not under_way.cancelled(), "the caller's cancellation cancelled the prepare"
         under_way.set_result(1)
 
+        # a call that waits is not counted as running: prepares queued for a quiet engine start meanwhile (on
+        # `spanq serve` they wait on this loop for no call to run: counted, the call would hold them back)
         queued = pending([904], running=False)
-        kept, gen.background = gen.background, None  # prepares queued on this loop, as under `spanq serve`
+        told: list[int] = []
+        kept, gen.on_quiet = gen.on_quiet, (lambda: told.append(gen.calls_running()))
         monkeypatch.setattr(SpanGenerator, "PENDING_WAIT_S", 5.0)
+
+        async def a_call_waiting():
+            gen.active_calls += 1  # as `generate` counts its call
+            try:
+                task = asyncio.ensure_future(await_pending(gen, [[904]]))
+                await asyncio.sleep(0.05)
+                running, queued_then = gen.calls_running(), list(told)
+                queued.set_result(2)  # what the queue does once it may run
+                await task
+                return running, queued_then
+            finally:
+                gen.active_calls -= 1
+
         try:
             started = time.perf_counter()
-            asyncio.run(await_pending(gen, [[904]]))
-            assert time.perf_counter() - started < 1.0, "a call waited for a prepare its own running holds back"
+            running, queued_then = asyncio.run(a_call_waiting())
+            assert running == 0 and queued_then == [0], "a waiting call held back the prepares it waits for"
+            assert time.perf_counter() - started < 1.0
         finally:
-            gen.background = kept
+            gen.on_quiet = kept
             monkeypatch.setattr(SpanGenerator, "PENDING_WAIT_S", 0.3)
-            queued.cancel()
 
     try:
         check(SpanGenerator._await_pending)
@@ -472,3 +487,33 @@ def test_a_deferred_prepare_cancelled_before_it_starts_leaves_the_engine_serving
     assert engine.settle(60)
     done = asyncio.run(engine.generate(query(d, "BA")))
     assert done.texts and done.texts[0] is not None
+
+
+def test_deferred_prepares_wait_for_the_calls_under_way_between_their_rounds_too(engine):
+    """Deferred prepares start when no call runs, not whenever the engine has no request: a call between its
+    prepare round and its answer would otherwise find them in its answer's steps."""
+    d = docs("rounds")
+    backlog = [engine.lower(query(docs(f"backlog{i}"), "A")).prepare_prompt(0) + [engine.generator.pad_token_id]
+               for i in range(3)]
+    started_with: list[int] = []
+    start_idle = type(engine)._start_idle
+
+    def recording(self, eng):
+        if self._idle:
+            started_with.append(self._calls_running())
+        return start_idle(self, eng)
+
+    async def scenario():
+        call = asyncio.ensure_future(engine.generate(query(d, "CDAB").model_copy(update={"cold_spans": "isolate"})))
+        await asyncio.sleep(0)  # the call is under way
+        engine.run_when_idle([(p, concurrent.futures.Future()) for p in backlog])
+        return await call
+
+    import concurrent.futures
+    from unittest.mock import patch
+
+    with patch.object(type(engine), "_start_idle", recording):
+        done = asyncio.run(scenario())
+        assert engine.settle(60)
+    assert done.metrics.prepared_spans == 4 and done.texts[0]
+    assert started_with and all(n == 0 for n in started_with), f"deferred prepares started beside a call: {started_with}"
