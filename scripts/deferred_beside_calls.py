@@ -5,7 +5,9 @@ steps (docs/benchmarks.md, "Deferred prepares beside a call").
 
 Per repetition: a query over `--docs` fresh documents of `--doc-tokens` tokens, its cold spans prepared alone first
 (`cold_spans="isolate"`), starts; right after, `--backlog` prepares of other fresh documents are handed to the
-engine to run when idle (what a query read in context leaves behind). Then the same query shape with no backlog.
+engine to run when idle (what a query read in context leaves behind). Then the same query arriving `--arrive-after`
+seconds after a long deferred prompt (`--long-tokens`: a stock prompt over a set, read in context again when idle)
+was handed over and started; then the same query shape with nothing deferred.
 """
 
 from __future__ import annotations
@@ -33,28 +35,40 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=256)
     parser.add_argument("--backlog", type=int, default=4, help="deferred prepares handed over beside the query")
     parser.add_argument("--backlog-tokens", type=int, default=512)
+    parser.add_argument("--long-tokens", type=int, default=3072)
+    parser.add_argument("--arrive-after", type=float, default=0.3)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     with SpanEngine(EngineConfig(model=args.model, max_model_len=8192)) as engine:
         tok = engine.tokenizer
         asyncio.run(engine.generate(query(make_documents(tok, 2, 64, seed=9))))  # first-call costs out
         engine.settle(600)
-        rows: dict[str, list[float]] = {"with a backlog": [], "alone": []}
+        rows: dict[str, list[float]] = {"with a backlog": [], "arriving while a long one runs": [], "alone": []}
 
-        async def scenario(docs: list[str], backlog: list[list[int]]):
+        async def scenario(docs: list[str], backlog: list[list[int]], before: float | None = None):
+            if before is not None:  # handed over first, started while no call runs
+                engine.run_when_idle([(p, concurrent.futures.Future()) for p in backlog])
+                await asyncio.sleep(before)
             call = asyncio.ensure_future(engine.generate(query(docs)))
             await asyncio.sleep(0)  # the call is under way
-            if backlog:
+            if backlog and before is None:
                 engine.run_when_idle([(p, concurrent.futures.Future()) for p in backlog])
             return await call
 
         for rep in range(args.reps):
             for n, (case, ttfts) in enumerate(rows.items()):
-                start = (rep * 2 + n) * (args.docs + args.backlog)
+                start = (rep * 3 + n) * (args.docs + args.backlog)
                 docs = make_documents(tok, args.docs, args.doc_tokens, seed=1, start=start)
-                backlog = [engine.lower(query([d])).prepare_prompt(0) + [engine.pad_token_id]
-                           for d in make_documents(tok, args.backlog, args.backlog_tokens, seed=2, start=start)]
-                done = asyncio.run(scenario(docs, backlog if case == "with a backlog" else []))
+                if case == "with a backlog":
+                    backlog = [engine.lower(query([d])).prepare_prompt(0) + [engine.pad_token_id]
+                               for d in make_documents(tok, args.backlog, args.backlog_tokens, seed=2, start=start)]
+                    done = asyncio.run(scenario(docs, backlog))
+                elif case == "alone":
+                    done = asyncio.run(scenario(docs, []))
+                else:
+                    long = tok.encode(" ".join(make_documents(tok, args.long_tokens // 256, 256, seed=3, start=start)),
+                                      add_special_tokens=False)
+                    done = asyncio.run(scenario(docs, [long], before=args.arrive_after))
                 ttfts.append(done.metrics.ttft_s)
                 engine.settle(600)
                 print(json.dumps({"rep": rep, "case": case, "ttft_s": round(done.metrics.ttft_s, 3)}), flush=True)

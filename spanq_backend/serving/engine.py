@@ -249,7 +249,8 @@ class SpanEngine:
         # Prompts to compute when the engine has nothing else to do (deferred span prepares), and those running.
         self._idle: collections.deque[tuple[list[int], concurrent.futures.Future[int]]] = collections.deque()
         # request id -> (prompt tokens less the pad token, the future its computed tokens go to)
-        self._idle_running: dict[str, tuple[int, concurrent.futures.Future[int]]] = {}
+        self._idle_running: dict[str, tuple[int, concurrent.futures.Future[int], bool]] = {}  # (length, future, last)
+        self._idle_parts: dict[concurrent.futures.Future[int], int] = {}  # tokens computed by a prompt's parts so far
         self._settle_waiters: list[concurrent.futures.Future[bool]] = []
         # The last requests added, with the steps they were added at and first answered in (what a test or a
         # profile reads to see how many rounds a call took).
@@ -394,10 +395,11 @@ class SpanEngine:
             for req in list(self._active.values()):
                 self._send(req, BackendUnavailableError(f"the embedded engine failed: {e}"))
         finally:
-            for _, done in [*self._idle, *self._idle_running.values()]:
+            for done in [*(d for _, d in self._idle), *(d for _, d, _ in self._idle_running.values())]:
                 settle_deferred(done, "the engine closed")
             self._idle.clear()
             self._idle_running.clear()
+            self._idle_parts.clear()
             for waiter in self._settle_waiters:
                 if not waiter.done():
                     waiter.set_result(False)
@@ -417,33 +419,44 @@ class SpanEngine:
         """Wake the engine's thread (no call runs now: its deferred prepares may start)."""
         self._cmds.put(("wake", None))
 
-    IDLE_BATCH_TOKENS = 2048  # deferred prepares added at once (a call arriving meanwhile waits at most for them)
+    # Tokens of deferred prepares computed at once: a call that arrives meanwhile waits for them (~1 s on SmolLM2
+    # here), never more. A longer prompt goes in parts of whole blocks, each on the blocks the last one cached.
+    IDLE_BATCH_TOKENS = 512
 
     def _start_idle(self, engine: Any) -> None:
-        """Add deferred prepares while nothing else runs: up to `IDLE_BATCH_TOKENS`, those not cached by now."""
+        """Add deferred prepares while nothing else runs: up to `IDLE_BATCH_TOKENS` tokens to compute, those not
+        cached by now; a prompt with more goes in parts (its future set when its last part is done)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        bs = self.config.block_size
         budget = self.IDLE_BATCH_TOKENS
         while self._idle and budget > 0:
             ids, done = self._idle.popleft()
-            if not done.set_running_or_notify_cancel():  # cancelled while queued; under way from here
+            if not done.running() and not done.set_running_or_notify_cancel():  # cancelled while queued
                 continue
-            if self._probe is not None and self._probe.cached(ids[:-1]):
-                done.set_result(0)
+            have = self._probe.cached_blocks(ids[:-1]) * bs if self._probe is not None else 0
+            if self._probe is not None and have >= len(ids) - 1 - (len(ids) - 1) % bs:
+                done.set_result(self._idle_parts.pop(done, 0))
                 continue
+            cut = have + max(bs, budget // bs * bs)  # whole blocks past what is cached
+            part = self._probe is not None and cut < len(ids) - 1
+            prompt = ids[: cut + 1] if part else ids  # one token past the part: its last block is cached too
             rid = f"spanq-idle-{next(self._ids)}"
             try:
                 params = SamplingParams(max_tokens=1, temperature=0.0)
                 if self.tier is not None:
                     params.extra_args = tier.tier_params()  # a span prepare: saved to the tier
-                engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
             except Exception as e:  # noqa: BLE001  (a deferred prepare is an optimisation, never an error)
                 log.warning("a deferred span prepare was refused: %s", e)
+                self._idle_parts.pop(done, None)
                 settle_deferred(done, e)
                 continue
-            self._idle_running[rid] = (len(ids) - 1, done)
-            budget -= len(ids)
+            self._idle_running[rid] = (len(prompt) - 1, done, not part)
+            if part:
+                self._idle.appendleft((ids, done))  # the rest, first, once this part is done
+            budget -= len(prompt) - have
 
     def _answer_settled(self) -> None:
         """Tell `settle` callers once no deferred prepare is waiting or running."""
@@ -511,8 +524,12 @@ class SpanEngine:
     def _deliver(self, engine: Any, out: Any) -> None:
         if out.request_id in self._idle_running:
             if out.finished:
-                length, done = self._idle_running.pop(out.request_id)
-                done.set_result(max(0, length - (out.num_cached_tokens or 0)))  # counted by its generator
+                length, done, last = self._idle_running.pop(out.request_id)
+                computed = self._idle_parts.pop(done, 0) + max(0, length - (out.num_cached_tokens or 0))
+                if last:
+                    done.set_result(computed)  # counted by its generator
+                else:
+                    self._idle_parts[done] = computed
             return
         req = self._active.get(out.request_id)
         if req is None:

@@ -517,3 +517,31 @@ def test_deferred_prepares_wait_for_the_calls_under_way_between_their_rounds_too
         assert engine.settle(60)
     assert done.metrics.prepared_spans == 4 and done.texts[0]
     assert started_with and all(n == 0 for n in started_with), f"deferred prepares started beside a call: {started_with}"
+
+
+def test_a_long_deferred_prompt_is_computed_in_parts_a_call_arriving_meanwhile_waits_at_most_one_for(engine):
+    """A deferred prompt past `IDLE_BATCH_TOKENS` tokens (a stock prompt over a set read in context again when
+    idle) goes to the engine in parts of whole blocks, each on the blocks the last one cached: a call that arrives
+    meanwhile waits for one part, not for the whole prompt. Its future counts every part's tokens."""
+    import concurrent.futures
+    from unittest.mock import patch
+
+    text = " ".join([*docs("parts").values(), *docs("parts, again").values()])
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)  # a plain prompt of ~1.2k new tokens
+    limit = type(engine).IDLE_BATCH_TOKENS
+    assert len(ids) > 2 * limit
+    parts: list[int] = []
+    deliver = type(engine)._deliver
+
+    def recording(self, eng, out):
+        if out.request_id.startswith("spanq-idle-") and out.finished:
+            parts.append(len(out.prompt_token_ids) - 1 - (out.num_cached_tokens or 0))
+        return deliver(self, eng, out)
+
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    with patch.object(type(engine), "_deliver", recording):
+        engine.run_when_idle([(ids, done)])
+        assert engine.settle(120)
+    assert len(parts) >= 2 and all(0 < n <= limit for n in parts), parts
+    assert done.result() == sum(parts)
+    assert engine._probe.cached_blocks(ids[:-1]) == (len(ids) - 1) // 32, "every whole block is cached"
