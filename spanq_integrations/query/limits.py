@@ -12,7 +12,20 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from spanq_integrations.query.errors import QueryValidationError
-from spanq_integrations.query.ir import Chat, Fragment, Generate, Map, Node, Repeat, Retrieve, child_paths
+from spanq_integrations.query.ir import (
+    Assistant,
+    Chat,
+    Fragment,
+    Generate,
+    Map,
+    Node,
+    Plus,
+    Repeat,
+    Retrieve,
+    System,
+    User,
+    child_paths,
+)
 
 __all__ = ["DEFAULT_LIMITS", "QueryLimitError", "QueryLimits", "check_json_depth", "check_limits"]
 
@@ -30,7 +43,7 @@ class QueryLimits:
     max_n: int = 16  # choices of one generate call (`n`)
     max_bulk: int = 256  # copies of a `repeat`, inputs of a `map`
     max_calls: int = 1024  # generate calls in the whole query, choices and bulk copies included
-    max_fragments: int = 512  # corpus fragments (and retrieved ones, `k` each) in the whole query
+    max_fragments: int = 512  # spans in the whole query: fragments, retrieved ones (`k` each), a plus's messages
 
     def describe(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -90,6 +103,8 @@ def check_limits(query: Node, limits: QueryLimits = DEFAULT_LIMITS) -> None:
             fragments += 1
         elif isinstance(node, Retrieve):
             fragments += node.k
+        elif isinstance(node, Plus):  # its messages are spans too (spnl writes documents so)
+            fragments += sum(1 for c in node.children if isinstance(c, (User, System, Assistant)))
         if calls > limits.max_calls:
             raise _fail("max_calls", calls, limits.max_calls, path, "the number of generate calls")
         if fragments > limits.max_fragments:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -288,8 +289,12 @@ def _integer(value: Any, path: str, minimum: int | None) -> int:
 def _number(value: Any, path: str, minimum: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise QueryParseError(path, f"expected a number, got {_describe(value)}")
-    if not math.isfinite(value):
-        raise QueryParseError(path, f"must be a finite number, got {value}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer past a float's range
+        finite = False
+    if not finite:
+        raise QueryParseError(path, f"must be a finite number no larger than {sys.float_info.max:g}, got {_describe(value)}")
     if value < minimum:
         raise QueryParseError(path, f"must be >= {minimum:g}, got {value:g}")
     return float(value)
@@ -522,6 +527,22 @@ def _read_map(value: Any, path: str) -> Node:
     return _build(Map, path, inputs=texts, **settings)
 
 
+ZIP_MAX_NODES = 1 << 16  # query nodes a zip may expand to
+
+
+def _tree_size(node: Node) -> int:
+    """Nodes of the tree `node` is, a subtree shared by several parents counted once per parent (what a walk of
+    the expanded tree visits), in time linear in the distinct nodes."""
+    sizes: dict[int, int] = {}
+
+    def size(n: Node) -> int:
+        if id(n) not in sizes:
+            sizes[id(n)] = 1 + sum(size(c) for _, c in child_paths(n, ""))
+        return sizes[id(n)]
+
+    return size(node)
+
+
 def _read_zip(value: Any, path: str) -> Node:
     """`{"zip": {"first": A, "second": B}}` (spnl 0.22): A put before every item of B, read as the tree spnl's
     executor builds from it. B a join: each of its children gets A in front (`[A, b1, A, b2, ...]` in B's join;
@@ -540,6 +561,9 @@ def _read_zip(value: Any, path: str) -> Node:
             f"{path}.second",
             f'cannot zip into a "{second.kind}" (expected a join, a message or a "g": the items A goes before)',
         )
+    expanded = len(items) * (_tree_size(first) + 1)
+    if expanded > ZIP_MAX_NODES:  # checked before anything is expanded (or walked): nesting zips doubles each time
+        raise QueryParseError(path, f"the zip expands to {expanded} query nodes, over {ZIP_MAX_NODES}")
     if len(items) > 1 and any(isinstance(n, (Generate, Repeat, Map, Chat, Combine)) for _, n in walk(first)):
         raise QueryParseError(
             f"{path}.first",

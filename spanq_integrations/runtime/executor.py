@@ -71,6 +71,8 @@ def _answer_path(tree: Node, path: str = "$") -> str | None:
 async def _all_or_cancel(aws: Sequence[Awaitable[Node]]) -> list[Node]:
     """Await concurrently; on the first failure cancel the others, wait for them, and raise that failure."""
     tasks = [asyncio.ensure_future(a) for a in aws]
+    if not tasks:
+        return []
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]

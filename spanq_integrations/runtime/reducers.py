@@ -39,15 +39,19 @@ verdict. The optimizer plans a `Combine` node over the leaf judges (`judge(..., 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import regex
 from pydantic import BaseModel
 
 from spanq_integrations.query.errors import ReducerParseError
 from spanq_integrations.query.ir import Assistant, Cross, Fragment, Node, System, User
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "REDUCERS",
@@ -219,6 +223,23 @@ class ExtractReducer(Reducer):
     system_prompt: str = "You extract items from texts."
     item_pattern: str | None = None
 
+    # A pattern is the caller's: it runs on the model's answers under a time limit (one that backtracks without
+    # end is stopped, and the answer read as a list), and only if it compiles, which is checked when it is given.
+    PATTERN_MAX_CHARS: ClassVar[int] = 512
+    PATTERN_TIMEOUT_S: ClassVar[float] = 0.5
+
+    def __post_init__(self) -> None:
+        if self.item_pattern is None:
+            return
+        if not isinstance(self.item_pattern, str):
+            raise TypeError(f"item_pattern must be a string (a regular expression), got {type(self.item_pattern).__name__}")
+        if len(self.item_pattern) > self.PATTERN_MAX_CHARS:
+            raise ValueError(f"item_pattern is {len(self.item_pattern)} characters, over {self.PATTERN_MAX_CHARS}")
+        try:
+            regex.compile(self.item_pattern)
+        except regex.error as e:
+            raise ValueError(f"item_pattern is not a regular expression: {e}") from None
+
     def instruction(self, task: str) -> str:
         # Ending on an open list primes small models to list; "already lists" is what lets a judge above the
         # leaves keep the items its inputs carry.
@@ -235,7 +256,12 @@ class ExtractReducer(Reducer):
         4. an empty answer, or an item reading `NONE`, is no item.
         """
         if self.item_pattern is not None:
-            return _dedupe([m.group(0) for m in re.finditer(self.item_pattern, output)])
+            try:
+                return _dedupe([m.group(0) for m in regex.finditer(self.item_pattern, output,
+                                                                   timeout=self.PATTERN_TIMEOUT_S)])
+            except TimeoutError:
+                log.warning("%s: item_pattern ran past %.1f s on an answer of %d characters; the answer is read "
+                            "as a list", path, self.PATTERN_TIMEOUT_S, len(output))
         body = _strip_fences(output)
         from_json = _json_items(body)
         if from_json is not None:
@@ -574,5 +600,5 @@ def reducer_from_combine(
         return reducer
     try:
         return reducer(**options)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise QueryValidationError(f"{path}.combine.options", f"not options of the {name} reducer: {e}") from None

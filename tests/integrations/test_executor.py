@@ -283,3 +283,13 @@ def test_a_combine_the_executor_cannot_run_is_refused_before_any_call(reducer, o
         execute(query, backend)
     assert caught.value.path.startswith("$.combine")
     assert backend.inputs == []
+
+
+async def test_an_empty_map_runs_no_call_and_is_no_error():
+    """`{"map": {"inputs": []}}` is a valid query (its round trip is lossless); it ran into `asyncio.wait([])` and
+    a server answered 500."""
+    from spanq_integrations.query.spnl_json import from_json
+
+    backend = ScriptedBackend()
+    result = await aexecute(from_json({"map": {"inputs": []}}), backend, optimize=False)
+    assert backend.events == [] and result.calls == []

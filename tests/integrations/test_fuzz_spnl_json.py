@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -102,3 +103,44 @@ def test_limits_refuse_what_would_take_a_server_down():
             assert limit == "max_depth" and "nested too deeply" in str(e), str(e)
         else:
             raise AssertionError(f"{limit}: accepted")
+
+
+def test_small_documents_that_expand_or_overflow_are_refused_by_name():
+    """Found by a review: each of these took the server down or answered 500. A zip expanded while read: nested
+    zips double the tree each level (40 levels of 2.6 KB ran for months); a wide one allocated a tuple per item of
+    the other side's size. A whole number past a float's range overflowed
+    the finiteness check; a plus of messages held spans past `max_fragments` (only fragments were counted)."""
+    nested: dict = {"user": "a"}
+    for _ in range(40):
+        nested = {"zip": {"first": nested, "second": {"cross": [{"user": "a"}, {"user": "b"}]}}}
+    wide = {"zip": {"first": {"plus": [{"user": f"u{i}"} for i in range(2000)]},
+                    "second": {"cross": [{"user": f"v{i}"} for i in range(2000)]}}}
+    for doc in (nested, wide):
+        with pytest.raises(QueryParseError, match="the zip expands to .* query nodes, over"):
+            from_json(doc)
+    huge = json.loads('{"g": {"input": {"user": "hi"}, "temperature": 1' + "0" * 400 + "}}")
+    with pytest.raises(QueryParseError, match="finite number") as e:
+        from_json(huge)
+    assert e.value.path == "$.g.temperature"
+    many = {"g": {"input": {"plus": [{"user": f"document {i}"} for i in range(600)]}}}
+    with pytest.raises(QueryLimitError, match="max_fragments"):
+        check_limits(from_json(many))
+    check_limits(from_json({"g": {"input": {"plus": [{"user": f"document {i}"} for i in range(500)]}}}))
+
+
+def test_an_extract_pattern_that_does_not_compile_is_refused_and_one_that_backtracks_without_end_is_stopped():
+    import time
+
+    from spanq_integrations.query.errors import QueryValidationError
+    from spanq_integrations.runtime.reducers import ExtractReducer, reducer_from_combine
+
+    for options, what in (({"item_pattern": "("}, "not a regular expression"), ({"item_pattern": 5}, "must be a string"),
+                          ({"item_pattern": "a" * 600}, "over 512")):
+        with pytest.raises(QueryValidationError, match=what) as e:
+            reducer_from_combine("extract", options, "$")
+        assert e.value.path == "$.combine.options"
+    reducer = ExtractReducer(item_pattern=r"(a+)+$")
+    started = time.perf_counter()
+    items = reducer.parse("- " + "a" * 5000 + "b\n- c", path="$")  # Python's re would run for ages
+    assert time.perf_counter() - started < 10 and "c" in items, items
+    assert ExtractReducer(item_pattern=r"\d+").parse("1, 22 and 1", path="$") == ["1", "22"]
