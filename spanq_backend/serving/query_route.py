@@ -245,7 +245,7 @@ def build_query_router(
                 from spanq_backend.vllm_integration.tier import tier_for
 
                 mirror.tier = tier_for(transfer.kv_connector_extra_config["tier_dir"], config)
-            backend = state.spanq_backend = EngineClientBackend(
+            backend = EngineClientBackend(
                 state.engine_client,
                 tokenizer,
                 served_model_names=served_model_names,
@@ -262,6 +262,8 @@ def build_query_router(
                 read_in_context=read_in_context,
                 keep_span_order=keep_span_order,
             )
+            if not support.unanswered:  # kept; workers that could not be asked are asked again next query
+                state.spanq_backend = backend
         return backend
 
     async def refresh_engine_counters(backend: EngineClientBackend) -> None:

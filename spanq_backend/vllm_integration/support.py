@@ -26,6 +26,7 @@ class SpanSupport:
 
     enabled: bool
     reason: str = ""  # why not, when not
+    unanswered: bool = False  # the workers could not be asked: the answer may differ when asked again
 
     @classmethod
     def of_workers(cls, statuses: Sequence[Sequence[Any]]) -> SpanSupport:
@@ -54,6 +55,7 @@ def _unreachable(e: Exception) -> SpanSupport:
     return SpanSupport(
         False,
         f"the workers could not answer ({type(e).__name__}: {e}); is the spanq plugin loaded in every vLLM process?",
+        unanswered=True,
     )
 
 

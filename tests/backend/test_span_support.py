@@ -52,6 +52,26 @@ def test_one_worker_that_cannot_move_keys_turns_spans_off_for_the_engine():
     assert not SpanSupport.of_workers([]).enabled
 
 
+def test_workers_that_could_not_be_asked_are_an_answer_that_may_change():
+    """`spanq serve` keeps its backend (and so the engine's answer) for the life of the server, except where the
+    workers could not be asked at all: then the next query asks again, rather than serving stock for good."""
+    import asyncio
+
+    from spanq_backend.vllm_integration.support import aquery_span_support
+
+    async def failing(method):
+        raise TimeoutError("the engine is busy")
+
+    async def answering(method):
+        return [(True, "")]
+
+    asked = asyncio.run(aquery_span_support(failing))
+    assert not asked.enabled and asked.unanswered and "could not answer" in asked.reason
+    answered = asyncio.run(aquery_span_support(answering))
+    assert answered.enabled and not answered.unanswered
+    assert not SpanSupport.of_workers([(False, "no runtime")]).unanswered
+
+
 def test_a_runner_class_without_the_hook_is_reported():
     class GPUishModelRunner:
         def __init__(self):
