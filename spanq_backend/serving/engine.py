@@ -250,7 +250,8 @@ class SpanEngine:
         self._idle: collections.deque[tuple[list[int], concurrent.futures.Future[int]]] = collections.deque()
         # request id -> (prompt tokens less the pad token, the future its computed tokens go to)
         self._idle_running: dict[str, tuple[int, concurrent.futures.Future[int], bool]] = {}  # (length, future, last)
-        self._idle_parts: dict[concurrent.futures.Future[int], int] = {}  # tokens computed by a prompt's parts so far
+        # a prompt computed in parts: the tokens its parts computed so far, and where the last part ended
+        self._idle_parts: dict[concurrent.futures.Future[int], tuple[int, int]] = {}
         self._settle_waiters: list[concurrent.futures.Future[bool]] = []
         # The last requests added, with the steps they were added at and first answered in (what a test or a
         # profile reads to see how many rounds a call took).
@@ -436,10 +437,14 @@ class SpanEngine:
             if not done.running() and not done.set_running_or_notify_cancel():  # cancelled while queued
                 continue
             have = self._probe.cached_blocks(ids[:-1]) * bs if self._probe is not None else 0
+            computed, reached = self._idle_parts.get(done, (0, 0))
             if self._probe is not None and have >= len(ids) - 1 - (len(ids) - 1) % bs:
-                done.set_result(self._idle_parts.pop(done, 0))
+                self._idle_parts.pop(done, None)
+                done.set_result(computed)
                 continue
-            cut = have + max(bs, budget // bs * bs)  # whole blocks past what is cached
+            # whole blocks past what is cached, and past the last part (should its blocks have been evicted since,
+            # this part computes them again with its own: every part goes further)
+            cut = max(have, reached) + max(bs, budget // bs * bs)
             part = self._probe is not None and cut < len(ids) - 1
             prompt = ids[: cut + 1] if part else ids  # one token past the part: its last block is cached too
             rid = f"spanq-idle-{next(self._ids)}"
@@ -455,6 +460,7 @@ class SpanEngine:
                 continue
             self._idle_running[rid] = (len(prompt) - 1, done, not part)
             if part:
+                self._idle_parts[done] = (computed, cut)
                 self._idle.appendleft((ids, done))  # the rest, first, once this part is done
             budget -= len(prompt) - have
 
@@ -525,11 +531,12 @@ class SpanEngine:
         if out.request_id in self._idle_running:
             if out.finished:
                 length, done, last = self._idle_running.pop(out.request_id)
-                computed = self._idle_parts.pop(done, 0) + max(0, length - (out.num_cached_tokens or 0))
+                before, reached = self._idle_parts.pop(done, (0, 0))
+                computed = before + max(0, length - (out.num_cached_tokens or 0))
                 if last:
                     done.set_result(computed)  # counted by its generator
                 else:
-                    self._idle_parts[done] = computed
+                    self._idle_parts[done] = (computed, reached)
             return
         req = self._active.get(out.request_id)
         if req is None:
