@@ -41,6 +41,7 @@ from spanq_integrations.query.ir import (
     System,
     User,
     child_paths,
+    children_of,
     walk,
 )
 
@@ -537,7 +538,7 @@ def _tree_size(node: Node) -> int:
 
     def size(n: Node) -> int:
         if id(n) not in sizes:
-            sizes[id(n)] = 1 + sum(size(c) for _, c in child_paths(n, ""))
+            sizes[id(n)] = 1 + sum(size(c) for c in children_of(n))
         return sizes[id(n)]
 
     return size(node)
