@@ -14,7 +14,8 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from fastapi import Depends, Request  # module level: FastAPI resolves the route's annotations here
+# module level: FastAPI resolves the route's annotations here
+from fastapi import Depends, HTTPException, Request
 
 from spanq_backend.serving.engine_client import EngineClientBackend
 from spanq_backend.serving.generator import ISOLATE_MIN_TOKENS, LEAD_IN_NEUTRAL
@@ -52,6 +53,7 @@ __all__ = ["EXECUTE_PATH", "SPANS_PATH", "QueryRun", "build_query_router", "erro
 log = logging.getLogger("spanq.server")
 
 SPANS_PATH = "/v1/spans"  # GET: the digests of the spans whose KV the engine holds
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before its request was read: a 4xx, never a 500
 
 
 # HTTP status and error type for each spanq error a query can meet (subclasses before their bases).
@@ -279,16 +281,22 @@ def build_query_router(
     async def read_body(request: Request) -> bytes | None:
         """The body, read before the handler runs (`with_cancellation` then listens on the connection for a
         disconnect); None as soon as it is over `max_body_bytes` — declared or received — so an oversized body
-        is never held in memory."""
+        is never held in memory. A client that closes the connection before its body has arrived gets (were it
+        still listening) a 499, nginx's "client closed request": its hang-up is no server error and logs none."""
+        from starlette.requests import ClientDisconnect
+
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limits.max_body_bytes:
             return None
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limits.max_body_bytes:
-                return None
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limits.max_body_bytes:
+                    return None
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise HTTPException(CLIENT_CLOSED_REQUEST, "the client closed the connection before its body arrived") from None
         return b"".join(chunks)
 
     def error_response(error: BaseException) -> JSONResponse:
