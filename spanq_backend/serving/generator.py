@@ -213,6 +213,11 @@ spans": on tiny, isolating is 0.56-0.87x stock cold up to 1k cold tokens and 1.0
 a 2048-token grid cell hold just under 2048 span tokens, hence 1536)."""
 
 
+# A prompt with more characters than this is tokenized off the event loop before it is laid out, and refused there if
+# it cannot fit the context window (~0.1 s of tokenizing; at the 8 MiB body limit, seconds that held every other
+# request of the server up). Shorter ones are tokenized where they are laid out, as before.
+LONG_PROMPT_CHARS = 200_000
+
 LEAD_IN_AUTO = "auto"  # the lead-in setting that takes the start of the first document given (`lead_in_for`)
 LEAD_IN_NEUTRAL = "neutral"  # the default: `lowering.NEUTRAL_LEAD_IN`, the same on every engine
 LEAD_IN_MIN_TOKENS = 64
@@ -330,6 +335,8 @@ class SpanGenerator:
         self._waiting_calls = 0  # calls waiting in `_await_pending` (nothing of theirs in the engine meanwhile)
         self.on_quiet: Callable[[], None] | None = None  # told when no call runs (`calls_running`): a host's queue
         self._deferred_waiters: list[asyncio.Future[None]] = []
+        # Long stock prompts tokenized on a thread (`_refuse_over_long`), by text: their layout reuses the tokens.
+        self._long_prompts: OrderedDict[str, list[int]] = OrderedDict()
         self._background_tasks: set[asyncio.Task[None]] = set()
         # Deferred prepares handed to the engine and not done yet: prompt -> done (tokens computed)
         self._pending: dict[tuple[int, ...], concurrent.futures.Future[int]] = {}
@@ -536,7 +543,7 @@ class SpanGenerator:
         if (stock or not self.spans) and any(isinstance(n, Plus) for _, n in walk(call.input)):
             # A stock engine: the same messages, flattened, without span layout or padding (never laid out as
             # spans first: the padding would count against the context window).
-            ids = flattened_prompt_ids(self.tokenizer, call.input)
+            ids = self._flattened_ids(call.input)
             check_fits(ids, 0, self.max_model_len, call.max_tokens or 1)
             return LoweredPrompt(token_ids=ids, table=SpanTable(self.block_size, ())), not stock
         lowered = lower(
@@ -554,6 +561,16 @@ class SpanGenerator:
             keep_order=self.keep_span_order,
         )
         return lowered, False
+
+    def _flattened_ids(self, node: Any) -> list[int]:
+        """`flattened_prompt_ids`, taken from `_long_prompts` where this text was tokenized there."""
+        if not self._long_prompts:
+            return flattened_prompt_ids(self.tokenizer, node)
+        from spanq_integrations.query.flatten import to_chat_messages
+
+        text = render_chat(self.tokenizer, to_chat_messages(node), add_generation_prompt=True)
+        ids = self._long_prompts.get(text)
+        return list(ids) if ids is not None else list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def sampling_params(self, call: Generate, seed: int | None = None) -> Any:
         from vllm import SamplingParams
@@ -847,11 +864,31 @@ class SpanGenerator:
         t0 = time.perf_counter()
         self.active_calls += 1
         try:
+            await self._refuse_over_long(call)
             return await self._generate(call, path, on_token, span_output, t0)
         finally:
             self.active_calls -= 1
             if not self.calls_running():
                 self._quiet()
+
+    async def _refuse_over_long(self, call: Generate) -> None:
+        """`ContextLengthError` for a prompt of over `LONG_PROMPT_CHARS` characters that does not fit the context
+        window as a stock engine reads it (its own tokenizing, which lowering does first for such a call anyway),
+        tokenized on a thread: the event loop serves other requests meanwhile (the tokenizer lets go of the GIL).
+        A prompt that fits is laid out as any other."""
+        if self.max_model_len is None:
+            return
+        if sum(len(text) for _, n in walk(call.input) if isinstance(text := getattr(n, "text", None), str)) <= LONG_PROMPT_CHARS:
+            return
+        from spanq_integrations.query.flatten import to_chat_messages
+
+        chat = to_chat_messages(call.input)
+        text = render_chat(self.tokenizer, chat, add_generation_prompt=True)
+        ids = list(await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False))
+        check_fits(ids, 0, self.max_model_len, call.max_tokens or 1)
+        self._long_prompts[text] = ids
+        while len(self._long_prompts) > 4:
+            self._long_prompts.popitem(last=False)
 
     def calls_running(self) -> int:
         """Calls under way that may have work in the engine now or soon (a call waiting for deferred prepares has

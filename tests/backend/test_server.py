@@ -554,6 +554,32 @@ def test_an_over_long_prompt_is_a_400_context_length_error(server: SpanqServe):
         asyncio.run(through_client())
 
 
+def test_an_absurdly_long_prompt_is_refused_without_holding_up_other_requests(server: SpanqServe):
+    """A body near the size limit (8 MiB of text: seconds of tokenizing) is a 400 context-length error, and the
+    server answers other requests meanwhile: the tokenizing runs off the event loop. Before, every request —
+    /health included — waited for it."""
+    import threading
+
+    text = "The quick brown fox jumps over the lazy dog near the old town hall. " * 110_000  # 7.6 MB
+    refused: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: refused.append(
+        httpx.post(f"{server.url}{EXECUTE}", json=to_json(generate(user(text), max_tokens=2)), timeout=120)))
+    sender.start()
+    try:
+        time.sleep(1.5)  # the body is in and being tokenized (~1 s to upload and parse here)
+        waits = []
+        while sender.is_alive() and len(waits) < 20:
+            started = time.monotonic()
+            _assert_healthy(server)
+            waits.append(time.monotonic() - started)
+            time.sleep(0.1)
+    finally:
+        sender.join()
+    assert refused[0].status_code == 400 and refused[0].json()["error"]["type"] == "ContextLengthError", refused[0].text
+    assert waits, "the long prompt was refused before it could be seen running: make it longer"
+    assert max(waits) < 1.0, f"other requests waited {max(waits):.1f} s behind the long prompt's tokenizing"
+
+
 def test_concurrent_queries_needing_the_same_fragments_at_other_positions_all_finish(server: SpanqServe):
     orders = ("CABD", "DBCA", "BDAC", "ACDB")
 
