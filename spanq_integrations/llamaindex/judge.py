@@ -69,17 +69,21 @@ def copied_candidate(
     """Which candidate the judge's `output` copies, and each candidate's overlap with it.
 
     A candidate's overlap is the share of the output's words it contains in the same order (longest matching
-    blocks). The one with the largest overlap wins, if that is at least `min_overlap` and no other candidate
-    has the same; otherwise the index is None (a tie, or an output that copies nothing).
+    blocks). The one with the largest overlap wins, if that is at least `min_overlap`; between candidates of the
+    same overlap, the one more of whose own words the output copies (the output "Paris" copies all of "Paris"
+    and a sixth of "Paris is the capital of France."). Where that too is the same, or the output copies
+    nothing, the index is None (a tie).
     """
     out = _words(output)
-    overlaps = []
+    overlaps, scores = [], []
     for candidate in candidates:
-        matcher = SequenceMatcher(None, out, _words(candidate), autojunk=False)
+        words = _words(candidate)
+        matcher = SequenceMatcher(None, out, words, autojunk=False)
         matched = sum(block.size for block in matcher.get_matching_blocks())
         overlaps.append(matched / len(out) if out else 0.0)
-    best = max(range(len(overlaps)), key=overlaps.__getitem__, default=None)
-    if best is None or overlaps[best] < min_overlap or overlaps.count(overlaps[best]) > 1:
+        scores.append((overlaps[-1], matched / len(words) if words else 0.0))
+    best = max(range(len(scores)), key=scores.__getitem__, default=None)
+    if best is None or overlaps[best] < min_overlap or scores.count(scores[best]) > 1:
         return None, overlaps
     return best, overlaps
 

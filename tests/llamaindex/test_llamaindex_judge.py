@@ -20,6 +20,10 @@ def test_the_copy_is_matched_to_the_candidate_it_repeats():
     assert copied_candidate("the capital of france is", [PARIS, LYON])[0] is None  # both equally
     assert copied_candidate("Answer B", [PARIS, LYON]) == (None, [0.0, 0.0])
     assert copied_candidate("", [PARIS, LYON])[0] is None
+    # one candidate inside the other: the output copies all of the short one, a part of the long one
+    assert copied_candidate("Paris", ["Paris", "Paris is the capital of France."]) == (0, [1.0, 1.0])
+    assert copied_candidate("The answer is 4.", ["4", "The answer is 4."])[0] == 1
+    assert copied_candidate("4", ["The answer is 4.", "4"])[0] == 1
 
 
 def test_the_prompt_does_not_depend_on_the_order_of_the_candidates():
