@@ -83,8 +83,11 @@ class SpanQueryLLM(SpanQueryClient, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        calls = [self._begin(p, stop, run_manager, kwargs) for p in prompts]
-        outcomes = list(await asyncio.gather(*(self._arun(*c) for c in calls)))
+        if self.streaming:  # as the sync path: each piece to `on_llm_new_token`, prompts one after another
+            outcomes = [await self._acollect_stream(p, stop, run_manager, kwargs) for p in prompts]
+        else:
+            calls = [self._begin(p, stop, run_manager, kwargs) for p in prompts]
+            outcomes = list(await asyncio.gather(*(self._arun(*c) for c in calls)))
         return LLMResult(
             generations=[[Generation(text=o.text, generation_info=_generation_info(o))] for o in outcomes],
             llm_output=_llm_output(outcomes),
@@ -109,6 +112,18 @@ class SpanQueryLLM(SpanQueryClient, BaseLLM):
             if run_manager is not None:
                 run_manager.on_llm_new_token(item, chunk=GenerationChunk(text=item))
         raise RuntimeError("the stream ended without a result")  # _iter_tokens always ends with one
+
+    async def _acollect_stream(
+        self, prompt: str, stop: Any, run_manager: Any, kwargs: dict[str, Any]
+    ) -> CallOutcome:
+        """`_collect_stream` on the caller's event loop (`ainvoke`, `agenerate` with `streaming=True`)."""
+        prepared, settings = self._begin(prompt, stop, run_manager, kwargs)
+        async for item in self._aiter_tokens(prepared, settings):
+            if isinstance(item, CallOutcome):
+                return item
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(item, chunk=GenerationChunk(text=item))
+        raise RuntimeError("the stream ended without a result")  # _aiter_tokens always ends with one
 
     def _stream(
         self,

@@ -3,6 +3,7 @@ span cache, and the answer comes back through invoke, batch, stream and astream.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TypedDict
 
 import pytest
@@ -150,6 +151,26 @@ def test_streaming_true_invoke_reports_each_token(chat):
     llm = chat.model_copy(update={"streaming": True})
     message = llm.invoke("Say hello.", config={"callbacks": [Tokens()]})
     assert tokens and "".join(tokens) == message.content
+
+
+async def test_the_text_llm_with_streaming_true_reports_each_token_on_invoke_and_ainvoke(tiny_backend):
+    """As ChatOpenAI-style LLMs do: `streaming=True` hands each piece to `on_llm_new_token`, whichever way the
+    LLM is called (the async path once gave none)."""
+    from langchain_core.callbacks import AsyncCallbackHandler
+
+    class Tokens(AsyncCallbackHandler):
+        def __init__(self) -> None:
+            self.tokens: list[str] = []
+
+        async def on_llm_new_token(self, token: str, **kwargs) -> None:
+            self.tokens.append(token)
+
+    llm = SpanQueryLLM(backend=tiny_backend, max_tokens=6, temperature=0, streaming=True)
+    sync, in_async = Tokens(), Tokens()
+    text = await asyncio.to_thread(llm.invoke, "Say hello.", config={"callbacks": [sync]})
+    again = await llm.ainvoke("Say hello.", config={"callbacks": [in_async]})
+    assert sync.tokens and "".join(sync.tokens) == text
+    assert in_async.tokens and "".join(in_async.tokens) == again == text
 
 
 def test_one_line_changed_format_docs_as_spans_with_document_headers(tiny_backend, chat):
