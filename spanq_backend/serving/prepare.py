@@ -62,7 +62,7 @@ def read_corpus(path: Path) -> tuple[list[str], list[str]]:
             raise ValueError(f"{path} is a folder: reading a persisted LlamaIndex index needs the llamaindex "
                              "extra (pip install 'spanq[llamaindex]')") from None
         return corpus_texts(path), []
-    raw = path.read_text(encoding="utf-8")
+    raw = path.read_text(encoding="utf-8-sig")  # (a byte-order mark is not part of the first document)
     if (dumped := _vector_store_dump(raw)) is not None:
         return dumped, []
     entries: list[tuple[str, Any]] = []  # (where, the item or the error that stands for it)
@@ -73,7 +73,9 @@ def read_corpus(path: Path) -> tuple[list[str], list[str]]:
             raise ValueError(f"{path}: not a JSON array of documents: {e}") from None
         entries = [(f"{path}: item {i}", item) for i, item in enumerate(items)]
     else:
-        for n, line in enumerate(raw.splitlines(), start=1):
+        # JSON Lines end lines at "\n" only: a document may hold U+2028, U+0085 or a form feed unescaped, which
+        # `str.splitlines` would cut it at.
+        for n, line in enumerate(raw.split("\n"), start=1):
             if line.strip():
                 try:
                     entries.append((f"{path}:{n}", json.loads(line)))

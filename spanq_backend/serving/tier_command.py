@@ -48,6 +48,8 @@ def check(root: Path) -> dict[str, int]:
             try:
                 tier.read(bytes.fromhex(path.stem))
                 good += 1
+            except FileNotFoundError:
+                pass  # removed since the folder was listed (an engine's eviction): nothing to check
             except (OSError, ValueError) as e:
                 tier.forget(bytes.fromhex(path.stem), str(e))
                 bad += 1

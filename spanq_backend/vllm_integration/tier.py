@@ -273,6 +273,11 @@ class DiskTier:
         self._writing: set[bytes] = set()
         self._writer: threading.Thread | None = None
         self._write_error_said = False
+        self._said: set[str] = set()  # warnings given once (`_say_once`)
+        # Blocks refused on load (`forget`): never offered again, even where their file could not be moved aside
+        # (a read-only folder), until this process writes the block again.
+        self._refused: set[bytes] = set()
+        self._parts = parts
         self._bytes = 0  # of the blocks held, as last counted (`rescan`, `_evict`) plus what this process wrote
         self.rescan()
 
@@ -315,10 +320,18 @@ class DiskTier:
         n = 0
         for h in hashes:
             path = self.path_of(h)
-            if path.exists():
-                path.with_suffix(".pin").touch()
-                n += 1
+            try:
+                if path.exists():
+                    path.with_suffix(".pin").touch()
+                    n += 1
+            except OSError as e:  # a folder gone read-only, say: the block stays, unpinned; serving goes on
+                self._say_once("pin", f"span tier: blocks cannot be pinned in {self.dir} ({e}); they stay unpinned")
         return n
+
+    def _say_once(self, what: str, message: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            log.warning("%s", message)
 
     def used(self, block_hash: Any) -> None:
         """A block was just loaded: its file's modification time says so (what eviction orders by, least recently
@@ -349,12 +362,20 @@ class DiskTier:
             for key, st, size in sorted(files, key=lambda f: (f[1].st_mtime_ns, f[0])):
                 if total <= target:
                     break
-                path = self.path_of(key)
-                if path.with_suffix(".pin").exists():
+                if key in self._ahead:  # read ahead: a load of it is planned (its file must be there to read)
                     continue
-                with contextlib.suppress(FileNotFoundError):
+                path = self.path_of(key)
+                try:
+                    if path.with_suffix(".pin").exists():
+                        continue
                     path.unlink()
                     self.stats.evicted_blocks += 1
+                except FileNotFoundError:
+                    pass  # removed meanwhile (another process's eviction)
+                except OSError as e:  # this one cannot be removed: the next, so that the capacity still holds
+                    self._say_once("evict", f"span tier: blocks cannot be removed from {self.dir} ({e}); the "
+                                   "next least recently used go instead")
+                    continue
                 with self._lock:
                     self._held.discard(key)
                 total -= size
@@ -365,20 +386,26 @@ class DiskTier:
         """Whether the folder holds the block: the index, else the disk (another process, a replica or `spanq
         prepare`, may have written it since the folder was read)."""
         key = _key(block_hash)
+        if key in self._refused:
+            return False
         if key in self._held:
             return True
-        if self.path_of(key).exists():
+        try:
+            found = self.path_of(key).exists()
+        except OSError:  # a folder this process may not read: as if absent (the span is computed)
+            return False
+        if found:
             with self._lock:
                 self._held.add(key)
-            return True
-        return False
+        return found
 
     def gone(self, block_hash: Any) -> bool:
         """Whether the block's file is not on the disk now, whatever the index says (an engine refused it and moved
         it aside, or it was evicted, maybe by another process); the index forgets it then."""
         key = _key(block_hash)
-        if key in self._writing or self.path_of(key).exists():
-            return False
+        with contextlib.suppress(OSError):
+            if key in self._writing or self.path_of(key).exists():
+                return False
         with self._lock:
             self._held.discard(key)
         return True
@@ -416,14 +443,19 @@ class DiskTier:
             os.close(fd)
         try:
             header = json.loads(head[len(MAGIC) + 4 :])
-        except ValueError:
-            raise ValueError("its header does not read (a corrupt or truncated file)") from None
-        if header.get("namespace") != self.namespace or header.get("hash") != _key(block_hash).hex():
-            raise ValueError("it holds another block (its header names another hash or namespace)")
-        block = Block(int(header["position"]), tokens=tuple(header.get("tokens", ())), head=head, path=path,
-                      offset=offset)
-        for name, shape, dtype, nbytes in header["layers"]:
-            block.layers.append((name, tuple(shape), dtype, int(nbytes)))
+            if not isinstance(header, dict):
+                raise TypeError("not an object")
+            if header.get("namespace") != self.namespace or header.get("hash") != _key(block_hash).hex():
+                raise LookupError("it holds another block (its header names another hash or namespace)")
+            block = Block(int(header["position"]), tokens=tuple(int(t) for t in header.get("tokens", ())),
+                          head=head, path=path, offset=offset)
+            for name, shape, dtype, nbytes in header["layers"]:
+                block.layers.append((str(name), tuple(int(n) for n in shape), str(dtype), int(nbytes)))
+        except LookupError as e:  # (KeyError, IndexError: a field missing)
+            raise ValueError(str(e) if not isinstance(e, (KeyError, IndexError)) else
+                             f"its header lacks {e} (a corrupt file)") from None
+        except (ValueError, TypeError, AttributeError) as e:  # JSON that is not a block header
+            raise ValueError(f"its header does not read ({e}: a corrupt or truncated file)") from None
         if offset + sum(n for *_, n in block.layers) + CHECKSUM_BYTES != size:
             raise ValueError("its payload is not the size its header says (a truncated file)")
         self.stats.bytes_read += size
@@ -482,9 +514,13 @@ class DiskTier:
         key = _key(block_hash)
         with self._lock:
             self._held.discard(key)
+            self._refused.add(key)
         path = self.path_of(key)
         try:
             path.replace(path.with_suffix(".bad"))
+        except FileNotFoundError:
+            if not self.dir.is_dir():  # the tier was cleared (`spanq tier --clear`) under a running engine
+                self.rescan()
         except OSError:
             pass
         log.warning("span tier: block %s… not loaded (%s); it is computed instead", key.hex()[:12], why)
@@ -524,6 +560,7 @@ class DiskTier:
                     self.path_of(key).with_suffix(".pin").touch()
                 with self._lock:
                     self._held.add(key)
+                    self._refused.discard(key)  # a good copy again
                     self._bytes += size
                 self.stats.saved_blocks += 1
                 if self.max_bytes is not None and self._bytes > self.max_bytes:
@@ -550,7 +587,14 @@ class DiskTier:
         body = b"".join([MAGIC, struct.pack("<I", len(header)), header, *(data for *_, data in block.layers)])
         payload = body + xxhash.xxh3_64_intdigest(body).to_bytes(CHECKSUM_BYTES, "little")
         path = self.path_of(key)
-        path.parent.mkdir(exist_ok=True)
+        if not path.parent.is_dir():
+            if not self.dir.is_dir():  # cleared under a running engine (`spanq tier --clear`): made again
+                self.dir.mkdir(parents=True, exist_ok=True)
+                if self._parts is not None:
+                    _write_atomically(self.dir / "namespace.json",
+                                      json.dumps(self._parts, indent=1, sort_keys=True).encode())
+                self.rescan()
+            path.parent.mkdir(exist_ok=True)
         _write_atomically(path, payload)
         self.stats.bytes_written += len(payload)
         return len(payload)
@@ -855,7 +899,8 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 try:
                     stored = self.tier.take(h)
                     stored.copy_into(self._arrays, block_id, self.tier._verified, tokens)
-                except (OSError, ValueError, RuntimeError) as e:
+                except Exception as e:  # noqa: BLE001 - whatever a file makes a load raise: that request computes
+                    # the span instead; the engine's step goes on (an error escaping here would end the engine)
                     self.tier.stats.failed_loads += 1
                     self.tier.forget(h, str(e))
                     refused.add(bytes(h))

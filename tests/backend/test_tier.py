@@ -422,3 +422,103 @@ def test_spanq_tier_lists_checks_and_clears_what_a_tier_holds(tmp_path, capsys):
     assert tier_main([str(tmp_path), "--clear", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"removed": ["ns1"]} and not (tmp_path / "ns1").exists()
     assert tier_main([str(tmp_path / "missing")]) == 2
+
+
+def _stored(tmp_path, parts=None) -> tuple[tier.DiskTier, bytes]:
+    store = tier.DiskTier(tmp_path, "ns", parts)
+    h = bytes(range(32))
+    store.write_later(h, tier.Block(16, [("layer.0", (2, 4), "torch.float32", b"\1" * 32)], (5, 6)))
+    store.flush()
+    return store, h
+
+
+def _with_header(path: Path, header: bytes) -> None:
+    """The block file at `path` with another header (same length, padded with spaces: the checksum is left)."""
+    whole = path.read_bytes()
+    start = len(tier.MAGIC) + 4
+    length = int.from_bytes(whole[len(tier.MAGIC):start], "little")
+    assert len(header) <= length
+    path.write_bytes(whole[:start] + header.ljust(length) + whole[start + length:])
+
+
+@pytest.mark.parametrize("header", [b"null", b"[1, 2]", b"{}", b'{"namespace": "ns", "hash": "%s"}',
+                                    b'{"namespace": "ns", "hash": "%s", "position": "x", "layers": []}',
+                                    b'{"namespace": "ns", "hash": "%s", "position": 0, "layers": [[1, 2]]}',
+                                    b'{"namespace": "ns", "hash": "%s", "position": 0, "layers": 7}'])
+def test_a_header_that_reads_as_json_but_not_as_a_block_is_refused_as_a_corrupt_file(tmp_path, header):
+    """A flipped bit can leave a header that is JSON without being a block's (a field renamed, a value of
+    another type): refused as any corrupt file (`ValueError`, which a load turns into computing the span), not a
+    KeyError or TypeError that would escape the engine's step and end the engine."""
+    store, h = _stored(tmp_path)
+    _with_header(store.path_of(h), header.replace(b"%s", h.hex().encode()))
+    with pytest.raises(ValueError, match="header"):
+        store.open_block(h)
+    with pytest.raises(ValueError, match="header"):
+        store.read(h)
+
+
+def test_a_refused_block_is_not_offered_again_even_where_it_cannot_be_set_aside(tmp_path):
+    """A block refused on load is moved aside (`.bad`); where that fails (here: a folder in the way of the
+    move, as a read-only folder would), the tier must still not offer it again — else the request that loads
+    it fails, is looked up again, is offered it again, and never runs. Written again, it is offered again."""
+    store, h = _stored(tmp_path)
+    blocker = store.path_of(h).with_suffix(".bad")
+    blocker.mkdir()
+    (blocker / "x").write_text("in the way")
+    store.forget(h, "its checksum does not match")
+    assert store.path_of(h).exists(), "the move aside failed, as intended here"
+    assert not store.holds(h)
+    store.write_later(h, tier.Block(16, [("layer.0", (2, 4), "torch.float32", b"\2" * 32)], (5, 6)))
+    store.flush()
+    assert store.holds(h) and store.stats.failed_saves == 0
+
+
+def test_a_block_that_cannot_be_removed_does_not_stop_eviction(tmp_path):
+    """The least recently used entry cannot be removed (here a folder under a block's name; on a real disk a
+    file the process may not delete): eviction goes on to the next, keeps the capacity, and counts no save as
+    failed."""
+    store = tier.DiskTier(tmp_path, "ns")
+    hashes = [bytes([i]) * 32 for i in range(5)]
+
+    def write(h):
+        store.write_later(h, tier.Block(0, [("layer.0", (4000,), "torch.float32", b"\0" * 16000)]))
+        store.flush()
+
+    for h in hashes[1:4]:
+        write(h)
+    stuck = store.path_of(hashes[0])
+    stuck.mkdir(parents=True)
+    (stuck / "x").write_bytes(b"\0" * 100)
+    for i, h in enumerate(hashes[:4]):
+        os.utime(store.path_of(h), (1000 + i, 1000 + i))
+    size = store.path_of(hashes[1]).stat().st_size
+    assert stuck.stat().st_size < 0.5 * size
+    store.max_bytes = 4 * size - 1  # the fifth write goes past it; one block out brings it under 90% of it
+    write(hashes[4])
+    assert store.stats.failed_saves == 0 and store.stats.evicted_blocks == 1
+    assert not store.holds(hashes[1]) and store.holds(hashes[4]) and stuck.exists()
+
+
+def test_a_tier_cleared_under_a_running_engine_is_written_again(tmp_path):
+    """`spanq tier --clear` while an engine runs: its next saves make the folder again (its namespace.json
+    too), rather than failing every save until the engine restarts."""
+    import shutil
+
+    store, h = _stored(tmp_path, parts={"model": "m"})
+    shutil.rmtree(store.dir)
+    other = bytes([7]) * 32
+    store.write_later(other, tier.Block(0, [("layer.0", (2, 4), "torch.float32", b"\3" * 32)]))
+    store.flush()
+    assert store.stats.failed_saves == 0 and store.holds(other) and not store.holds(h)
+    assert json.loads((store.dir / "namespace.json").read_text()) == {"model": "m"}
+    assert store.read(other).position == 0
+
+
+def test_a_corpus_line_keeps_unicode_line_separators_and_a_byte_order_mark_is_not_a_document(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    docs = ["one\u2028two", "form\x0cfeed and next\x85line", "third"]
+    corpus.write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(d, ensure_ascii=False) for d in docs).encode()
+                       + b"\n[bad\n")
+    texts, problems = read_corpus(corpus)
+    assert texts == docs
+    assert [p.split(": ")[0] for p in problems] == [f"{corpus}:4"]
