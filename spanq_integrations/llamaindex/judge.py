@@ -214,7 +214,7 @@ class SpanQueryPairwiseEvaluator(BaseEvaluator):
                 task,
                 self._k,
                 SelectReducer(),
-                backend=self._llm.get_backend(),
+                backend=await self._llm.aget_backend(),
                 model=self._llm.model,
                 max_tokens=self._max_tokens,
                 temperature=0.0,

@@ -9,6 +9,7 @@ fire as for any LLM. `run_query` and friends execute a whole span query on the s
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import threading
@@ -220,6 +221,13 @@ class SpanQueryLLM(FunctionCallingLLM):
                 self._backend, self._owns_backend = self._open_backend()
             return self._backend
 
+    async def aget_backend(self) -> Backend:
+        """`get_backend` for async callers: a backend not resolved yet (the embedded engine starting, seconds) is
+        resolved on a thread, so that the event loop — other calls' streams included — goes on meanwhile."""
+        if self._backend is not None:
+            return self._backend
+        return await asyncio.to_thread(self.get_backend)
+
     def _open_backend(self) -> tuple[Backend, bool]:
         # The embedded default runs an engine on `model` ('' : the default model); a URL backend sends `model`
         # with calls that name none; `api_key` defaults to $SPANQ_API_KEY (the one resolver reads it).
@@ -372,7 +380,7 @@ class SpanQueryLLM(FunctionCallingLLM):
     ) -> ExecutionResult:
         from spanq_integrations.optimizer import optimize
 
-        backend = self.get_backend()
+        backend = await self.aget_backend()
         # Optimized as `execute` optimizes (sugar such as `chat` and `retrieve` lowered, spans laid out for this
         # backend), with tree reduction only when asked for.
         plan = optimize(query, backend.capabilities, tree_reduction=tree_reduction)
@@ -461,6 +469,7 @@ class SpanQueryLLM(FunctionCallingLLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        await self.aget_backend()  # (building the query asks the backend what it can do)
         result = await self.arun_query(self.chat_query(messages, **kwargs))
         return self._chat_response(result, kwargs.get("tools") or ())
 
@@ -468,7 +477,12 @@ class SpanQueryLLM(FunctionCallingLLM):
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         if kwargs.get("tools"):  # a tool call's JSON comes whole: one response
             response = self._chat_response(self.run_query(self.chat_query(messages, **kwargs)), kwargs["tools"])
-            return iter([response])
+            response.delta = response.message.content or ""  # the whole text is this one response's delta
+
+            def one() -> ChatResponseGen:  # a generator: LlamaIndex's callback wrapper takes any other as a response
+                yield response
+
+            return one()
         stream = self.stream_query(self.chat_query(messages, **kwargs))
 
         def gen() -> ChatResponseGen:
@@ -484,8 +498,10 @@ class SpanQueryLLM(FunctionCallingLLM):
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        await self.aget_backend()
         if kwargs.get("tools"):  # a tool call's JSON comes whole: one response
             whole = self._chat_response(await self.arun_query(self.chat_query(messages, **kwargs)), kwargs["tools"])
+            whole.delta = whole.message.content or ""
 
             async def one() -> ChatResponseAsyncGen:
                 yield whole
@@ -512,6 +528,7 @@ class SpanQueryLLM(FunctionCallingLLM):
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        await self.aget_backend()
         return self._completion_response(await self.arun_query(self.completion_query(prompt, **kwargs)))
 
     @llm_completion_callback()
@@ -533,6 +550,7 @@ class SpanQueryLLM(FunctionCallingLLM):
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
+        await self.aget_backend()
         stream = self.astream_query(self.completion_query(prompt, **kwargs))
 
         async def gen() -> CompletionResponseAsyncGen:

@@ -83,9 +83,34 @@ def test_smollm2_calls_the_tool_with_the_right_arguments_and_an_agent_runs():
     (call,) = llm.get_tool_calls_from_response(response)
     assert (call.tool_name, call.tool_kwargs) == ("add", {"a": 3, "b": 4})
     assert str(llm.predict_and_call([ADD], user_msg="What is 3 plus 4?", tool_required=True)) == "7"
+    # a text answer with tools bound, streamed: one response whose delta is its text (an agent prints deltas)
+    rule = ChatMessage(role="system", content="Use the add tool only to add two numbers; else answer in words.")
+    texts = []
+    for question in ("What is the capital of France?", "Say hello to Ann.", "Name a colour."):
+        (text,) = list(llm.stream_chat_with_tools([ADD], user_msg=question, chat_history=[rule], tool_required=False))
+        assert (text.delta or "") == text.message.content
+        texts += [text.message.content] if text.message.content else []
+    assert texts, "SmolLM2 answered every question with a call"
     agent = FunctionAgent(tools=[ADD], llm=llm, system_prompt="Use the add tool for sums.")
 
     async def ask():
         return await agent.run("What is 3 plus 4?")
 
     assert str(asyncio.run(ask())).strip()
+
+
+def test_a_streamed_answer_with_tools_bound_is_one_response_sync_or_async(compact_tiny):
+    """With tools bound the answer comes whole, in one response: streamed, sync or async, that response is
+    yielded (the sync stream handed LlamaIndex's callback a list iterator, which it refused), its delta its text
+    (a text answer's: `test_smollm2_...`)."""
+    llm = SpanQueryLLM(backend=compact_tiny, max_tokens=40, temperature=0.0)
+    (response,) = list(llm.stream_chat_with_tools([ADD], user_msg="3 plus 4?", tool_required=False))
+    assert llm.get_tool_calls_from_response(response) and (response.delta or "") == response.message.content
+
+    async def in_async():
+        stream = await llm.astream_chat_with_tools([ADD], user_msg="3 plus 4?", tool_required=False)
+        return [r async for r in stream]
+
+    (again,) = asyncio.run(in_async())
+    assert again.message.additional_kwargs["tool_calls"][0]["function"] == \
+        response.message.additional_kwargs["tool_calls"][0]["function"]

@@ -194,6 +194,33 @@ async def test_async_chat_completion_and_streams(span_llm):
 
 
 @pytest.mark.vllm
+async def test_an_llm_whose_backend_starts_slowly_holds_no_other_llms_stream_up(tiny_backend):
+    """The first call of an LLM starts its backend (the embedded engine: seconds). Other LLMs' streams run on
+    the same background loop meanwhile: the start must not run on it (nor on the caller's loop). The slow
+    start is stood in for by a delay before this LLM's backend is handed over."""
+    import asyncio
+    import itertools
+    import time
+
+    class SlowStart(SpanQueryLLM):
+        def _open_backend(self):
+            time.sleep(1.5)
+            return tiny_backend, False
+
+    streaming = SpanQueryLLM(backend=tiny_backend, max_tokens=120, temperature=0.0)
+    arrivals: list[float] = []
+    stream = await streaming.astream_complete("Count from one to a hundred.")
+    first = await anext(stream)
+    arrivals.append(time.monotonic())
+    starting = asyncio.create_task(SlowStart(backend=tiny_backend, max_tokens=2).acomplete("Hi."))
+    async for _ in stream:
+        arrivals.append(time.monotonic())
+    assert (await starting).text is not None and first.delta
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    assert len(gaps) > 20 and max(gaps) < 0.75, f"a gap of {max(gaps):.2f} s between pieces of another LLM's stream"
+
+
+@pytest.mark.vllm
 def test_predict_uses_the_chat_path(span_llm):
     from llama_index.core.prompts import PromptTemplate
 
