@@ -273,7 +273,8 @@ class SpanQueryClient(BaseModel):
         if tools and choice != "none":
             schema = json.dumps(reply_schema(tools, choice, parallel=bool(kwargs.get("parallel_tool_calls"))))
         elif kwargs.get("response_format") is not None:
-            schema = json.dumps(kwargs["response_format"])
+            constraint = _response_schema(kwargs["response_format"])
+            schema = "" if constraint is None else json.dumps(constraint)
         return CallSettings(
             model=kwargs.get("model") or self.model or "",
             temperature=DEFAULT_TEMPERATURE if temperature is None else float(temperature),
@@ -411,3 +412,27 @@ class SpanQueryClient(BaseModel):
         if stop or self.stop:
             params["ls_stop"] = list(stop or self.stop or ())
         return params
+
+
+def _response_schema(response_format: Any) -> dict[str, Any] | None:
+    """The JSON schema a `response_format` constrains the answer to ({}: any JSON object; None: none), read as
+    OpenAI's chat models read it — `{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"schema":
+    ...}}`, `{"type": "text"}`, a pydantic model — or as a JSON schema itself (`with_structured_output`'s)."""
+    if isinstance(response_format, type) and hasattr(response_format, "model_json_schema"):
+        return response_format.model_json_schema()
+    if not isinstance(response_format, dict):
+        raise TypeError(f"response_format must be a dict or a pydantic model, got {type(response_format).__name__}: "
+                         '{"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": ...}}, or a '
+                         "JSON schema")
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return {}
+    if kind == "text":
+        return None
+    if kind == "json_schema":
+        inner = response_format.get("json_schema")
+        if not isinstance(inner, dict) or not isinstance(inner.get("schema"), dict):
+            raise ValueError('response_format {"type": "json_schema"} needs "json_schema": {"schema": {...}}')
+        return inner["schema"]
+    return response_format  # a JSON schema (its "type", if any, is a JSON type: "object", "array", ...)
+

@@ -129,6 +129,24 @@ def test_structured_output_parses_into_the_schema_every_method(compact_tiny):
 
 
 @pytest.mark.vllm
+def test_openai_style_response_formats_constrain_the_answer_as_chatopenai_reads_them(compact_tiny):
+    """Code ported from ChatOpenAI passes OpenAI's forms: each constrains the answer as it says (they were
+    sent on as if each were the schema itself: `{"type": "json_object"}` a schema no answer can meet)."""
+    llm = ChatSpanQuery(backend=compact_tiny, max_tokens=40, temperature=0)
+    wrapped = {"type": "json_schema", "json_schema": {"name": "count", "schema": Count.model_json_schema()}}
+    for form in (wrapped, Count):
+        assert set(json.loads(llm.invoke("Count them.", response_format=form).content)) == {"apples", "pears"}
+    # any JSON object (the random model writes one key on until max_tokens: the start says it is an object)
+    assert llm.invoke("Count them.", response_format={"type": "json_object"}).content.startswith('{"')
+    plain = llm.invoke("Count them.", response_format={"type": "text"}).content
+    assert plain == llm.invoke("Count them.").content
+    with pytest.raises(ValueError, match="json_schema"):
+        llm.invoke("Count them.", response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    with pytest.raises(TypeError, match="response_format"):
+        llm.invoke("Count them.", response_format="json")
+
+
+@pytest.mark.vllm
 def test_an_answer_cut_off_by_max_tokens_is_reported_not_guessed(compact_tiny):
     """LangChain's documented behaviour: an unreadable call is an invalid tool call; an unparsable structured
     answer is an OutputParserException (or `parsing_error` with include_raw)."""
