@@ -44,6 +44,7 @@ class QueryRecord:
     candidates: list[SpanCandidate] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)
     keep_calls: int | None = None  # a retrieval outside a query: only its last calls (nothing reads them all)
+    span_id: str | None = None  # a query's: the dispatcher span of its `query` call (a query that fails ends there)
 
     def note_call(self, call: dict[str, Any]) -> None:
         self.calls.append(call)
@@ -103,6 +104,7 @@ class _SpanTree(BaseSpanHandler):
     def span_drop(self, id_: str, bound_args: Any, instance: Any = None, err: Any = None, **kwargs: Any) -> None:
         with self._tree_lock:
             self._close(id_)
+        _end_query(id_)  # a query that raised: LlamaIndex sends no QueryEndEvent
 
     def _close(self, id_: str) -> None:
         self._parents.pop(id_, None)
@@ -148,6 +150,15 @@ class _SpanTree(BaseSpanHandler):
 _tree = _SpanTree()
 
 
+def _end_query(span_id: str | None) -> None:
+    """Close the record of the query whose span this is, in this context, and any opened inside it since."""
+    records = _records.get()
+    for depth in range(len(records) - 1, -1, -1):
+        if span_id is not None and records[depth].span_id == span_id:
+            _records.set(records[:depth])
+            return
+
+
 def current_record() -> QueryRecord | None:
     """The innermost query being run in this context; outside a query engine, the retrievals made outside one in
     the outermost instrumented call around this one (a chat turn, an agent's run), else the latest retrieval made
@@ -168,7 +179,7 @@ class _NodeTracker(BaseEventHandler):
 
     def handle(self, event: Any, **kwargs: Any) -> None:
         if isinstance(event, QueryStartEvent):
-            _records.set((*_records.get(), QueryRecord()))
+            _records.set((*_records.get(), QueryRecord(span_id=event.span_id)))
         elif isinstance(event, RetrievalEndEvent):
             records = _records.get()
             if records:

@@ -58,6 +58,25 @@ def test_compact_reuses_the_nodes_in_a_new_order(tiny_backend, town_index):
     assert second.metadata["spanq"]["prepared_spans"] == 0, "every node came from the span cache"
 
 
+def test_a_query_that_fails_leaves_nothing_behind_for_the_calls_after_it(tiny_backend, town_index):
+    """LlamaIndex sends no QueryEndEvent for a query that raises: its record (its nodes, its calls) must still
+    end with it — else every later call in this thread is matched against that query's nodes and its calls
+    pile up there, without bound."""
+    from spanq_integrations import BackendUnavailableError
+    from spanq_integrations.llamaindex.run_nodes import current_record
+    from tests.servers import free_port
+
+    down = SpanQueryLLM(backend=f"spanq+http://127.0.0.1:{free_port()}", max_tokens=4, max_retries=0)
+
+    def in_a_fresh_context():
+        for _ in range(3):
+            with pytest.raises(BackendUnavailableError):
+                engine(down, town_index, "compact", [[0, 1, 2, 3]]).query("Which town hall is green?")
+        return current_record()
+
+    assert contextvars.copy_context().run(in_a_fresh_context) is None
+
+
 def test_span_anchor_says_what_the_recovered_nodes_are_computed_after(tiny_backend, town_index):
     """`SpanQueryLLM(span_anchor=...)` as LangChain's: nodes cached under the default anchor are prepared again under
     "prefix" (their KV is computed after the prompt's own start, a different anchor), then reused under it. An LLM
