@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,12 @@ END_GRACE_S = 5.0  # on stopping a local Ray: how long what it started has to ex
 CLUSTER_HINT = "spanq serve --replicas needs Ray Serve: pip install 'spanq[cluster]'"
 
 
+# Headers that belong to one connection, not to the request (RFC 9110 §7.6.1), and those the relay sets itself.
+NOT_FORWARDED = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                           "transfer-encoding", "upgrade", "host", "content-length", "expect"})  # fmt: skip
+TRUE_WORDS = frozenset({"1", "true", "t", "yes", "y", "on"})  # what the server's `stream: bool` parameter reads as true
+
+
 @dataclass
 class ForwardedRequest:
     """One HTTP request as the ingress hands it to a replica."""
@@ -69,6 +75,8 @@ class ForwardedRequest:
     query: str
     content_type: str
     body: bytes
+    headers: tuple[tuple[str, str], ...] = ()  # the client's end-to-end headers (its API key among them)
+    digests: list[str] | None = field(default=None, compare=False)  # the router's, computed once per request
 
     @property
     def span_body(self) -> bytes | None:
@@ -77,13 +85,54 @@ class ForwardedRequest:
 
     @property
     def streams(self) -> bool:
-        """Whether the answer is a stream (an SSE answer is relayed as it comes, not buffered)."""
-        if "stream=true" in self.query.lower():
+        """Whether the answer is a stream (an SSE answer is relayed as it comes, not buffered): `?stream=` as the
+        server reads it (true, 1, yes, on, ...), or `"stream": true` in a JSON body."""
+        from urllib.parse import parse_qs
+
+        if any(v.strip().lower() in TRUE_WORDS for v in parse_qs(self.query).get("stream", ())):
             return True
-        if self.content_type.startswith("application/json") and self.body[:1] == b"{":
-            with contextlib.suppress(ValueError):
-                return json.loads(self.body).get("stream") is True
+        body = self.body.lstrip()
+        if self.content_type.lower().startswith("application/json") and body[:1] == b"{":
+            with contextlib.suppress(ValueError, RecursionError):
+                return json.loads(body).get("stream") is True
         return False
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value given to `flag` in a command line (`--flag V` or `--flag=V`; the last one given), or None."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(flag + "="):
+            found = arg[len(flag) + 1 :]
+    return found
+
+
+async def _read_capped(request: Request, limit: int) -> bytes | None:
+    """The request's body, or None as soon as it is over `limit` bytes (declared or received): never held whole."""
+    from fastapi import HTTPException
+    from starlette.requests import ClientDisconnect
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise HTTPException(499, "the client closed the connection before its body arrived") from None
+    return b"".join(chunks)
+
+
+def _limits(max_body_bytes: int) -> Any:
+    from spanq_integrations.query.limits import QueryLimits
+
+    return QueryLimits(max_body_bytes=max_body_bytes)
 
 
 def free_port() -> int:
@@ -147,6 +196,10 @@ class SpanReplica:
                 raise RuntimeError(f"spanq serve did not answer within {start_timeout_s:.0f} s:\n{_tail(self.log_path)}")
             time.sleep(0.5)
         self.client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(None, connect=10))
+        # The key its server guards /v1 with (`--api-key`, or vLLM's VLLM_API_KEY): for the replica's own reads
+        # of /v1/spans only; a client's requests go with the client's own Authorization, or none.
+        key = flag_value(serve_args, "--api-key") or env.get("VLLM_API_KEY")
+        self._own_headers = {"Authorization": f"Bearer {key}"} if key else {}
         log.info("replica ready: spanq serve on %s, cores %s (log %s)", self.url, self.cores, self.log_path)
 
     async def forward(self, request: ForwardedRequest) -> AsyncIterator[Any]:
@@ -155,7 +208,9 @@ class SpanReplica:
         import httpx
 
         url = request.path + (f"?{request.query}" if request.query else "")
-        headers = {"content-type": request.content_type} if request.content_type else {}
+        headers = dict(request.headers)
+        if request.content_type:
+            headers["content-type"] = request.content_type
         try:
             async with self.client.stream(request.method, url, content=request.body, headers=headers) as answer:
                 yield {"status": answer.status_code, "content_type": answer.headers.get("content-type", "")}
@@ -167,7 +222,7 @@ class SpanReplica:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """For the router: the digests of the spans this replica's engine holds."""
-        answer = await self.client.get("/v1/spans", timeout=10)
+        answer = await self.client.get("/v1/spans", timeout=10, headers=self._own_headers)
         answer.raise_for_status()
         return {"spans": answer.json().get("spans", [])}
 
@@ -216,7 +271,7 @@ async def _relay_stream(chunks: Any) -> AsyncIterator[bytes]:
         yield f"data: {json.dumps(error)}\n\n".encode()
 
 
-def _make_ingress(retries: int) -> Any:
+def _make_ingress(retries: int, max_body_bytes: int) -> Any:
     from fastapi import FastAPI
     from fastapi.responses import Response, StreamingResponse
     from ray import serve
@@ -236,12 +291,19 @@ def _make_ingress(retries: int) -> Any:
 
         @app.api_route("/{path:path}", methods=["GET", "POST"])
         async def relay(self, path: str, request: Request) -> Any:
+            body = await _read_capped(request, max_body_bytes)
+            if body is None:
+                from spanq_backend.serving.query_route import body_too_large, error_body
+
+                status, error = error_body(body_too_large(_limits(max_body_bytes)))
+                return _error(status, error["error"]["type"], error["error"]["message"])
             forwarded = ForwardedRequest(
                 method=request.method,
                 path="/" + path,
                 query=request.url.query,
                 content_type=request.headers.get("content-type", ""),
-                body=await request.body(),
+                body=body,
+                headers=tuple((k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED),
             )
             last = "no replica is running"
             for _ in range(retries + 1):
@@ -339,8 +401,12 @@ def build_app(
         health_check_timeout_s=30,
         request_router_config=router,
     ).bind(list(serve_args), list(core_lists), log_dir=log_dir)
+    from spanq_integrations.query.limits import DEFAULT_LIMITS
+
+    given = flag_value(serve_args, "--max-body-bytes")  # the replicas' own limit: the ingress holds no more
+    max_body_bytes = int(given) if given and given.isdigit() else DEFAULT_LIMITS.max_body_bytes
     ingress = serve.deployment(
-        _make_ingress(retries), name="SpanIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        _make_ingress(retries, max_body_bytes), name="SpanIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=10_000,
     )  # fmt: skip
     return ingress.bind(replica)

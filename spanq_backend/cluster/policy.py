@@ -21,7 +21,7 @@ from spanq_backend.serving.lowering import span_digest
 
 UNKNOWN_QUEUE = 1 << 20  # a replica whose queue length could not be read: ranked last
 
-__all__ = ["Recent", "ReplicaView", "footprint", "is_failing", "mark_failing", "query_span_digests", "rank_replicas"]
+__all__ = ["Recent", "ReplicaView", "footprint", "forget_failing", "is_failing", "mark_failing", "query_span_digests", "rank_replicas"]
 
 
 @dataclass
@@ -31,7 +31,8 @@ class ReplicaView:
     id: str
     queue_len: int
     cached: AbstractSet[str] = frozenset()  # span digests its engine reported as held
-    recent: AbstractSet[str] = frozenset()  # span digests this router sent it since
+    recent: AbstractSet[str] = frozenset()  # span digests this router sent it (its placements, evicted ones too)
+    unreported: AbstractSet[str] = frozenset()  # of those, sent since its last report (not in `cached` yet)
     failing: bool = False  # it just failed a request: tried last until Ray's health check decides
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -56,15 +57,22 @@ def is_failing(replica_id: str) -> bool:
     return True
 
 
+def forget_failing(live: AbstractSet[str]) -> None:
+    """Drop the marks of replicas that are gone (Ray replaced them: new ids)."""
+    for rid in [r for r in _FAILING if r not in live]:
+        _FAILING.pop(rid, None)
+
+
 def _rendezvous(key: str, replica_id: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{key}|{replica_id}".encode()).digest()[:8], "big")
 
 
 def footprint(r: ReplicaView) -> int:
-    """About how many spans a replica holds or was sent: the larger of its report and this router's sends (one
-    is mostly a subset of the other; the sends also count spans its cache has since evicted, which are still
-    placed there). O(1)."""
-    return max(len(r.cached), len(r.recent))
+    """About how many spans a replica's cache holds: its last report, plus what this router sent it since that
+    the report does not hold. Not everything ever sent there: a replica that restarted empty (a new id) next to
+    one that was sent 5,000 spans over its life, of which its cache holds 200, would take every new document
+    until it held 5,000 — thrashing its cache while the other's idles. O(spans sent since the report)."""
+    return len(r.cached) + sum(1 for s in r.unreported if s not in r.cached)
 
 
 def rank_replicas(spans: Sequence[str], replicas: Sequence[ReplicaView], max_imbalance: int) -> list[list[str]]:
@@ -131,22 +139,34 @@ class Recent:
         self.limit = limit
         self.where: OrderedDict[str, str] = OrderedDict()
         self.by_replica: dict[str, set[str]] = {}
+        self.unreported: dict[str, set[str]] = {}  # per replica: sent since its last report (`reported`)
 
     def note(self, spans: Iterable[str], replica_id: str) -> None:
         for s in spans:
             before = self.where.get(s)
             if before is not None and before != replica_id:
                 self.by_replica[before].discard(s)
+                self.unreported.get(before, set()).discard(s)
             self.where[s] = replica_id
             self.where.move_to_end(s)
             self.by_replica.setdefault(replica_id, set()).add(s)
+            self.unreported.setdefault(replica_id, set()).add(s)
         while len(self.where) > self.limit:
             s, replica = self.where.popitem(last=False)
             self.by_replica[replica].discard(s)
+            self.unreported.get(replica, set()).discard(s)
+
+    def reported(self, replica_id: str) -> None:
+        """A new report from the replica: what was sent before it is in it, or was evicted."""
+        self.unreported.pop(replica_id, None)
 
     def of(self, replica_id: str) -> AbstractSet[str]:
         return self.by_replica.get(replica_id, frozenset())
 
+    def unreported_of(self, replica_id: str) -> AbstractSet[str]:
+        return self.unreported.get(replica_id, frozenset())
+
     def forget(self, replica_id: str) -> None:
         for s in self.by_replica.pop(replica_id, set()):
             self.where.pop(s, None)
+        self.unreported.pop(replica_id, None)

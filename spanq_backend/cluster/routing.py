@@ -20,6 +20,7 @@ from spanq_backend.cluster.policy import (
     UNKNOWN_QUEUE,
     Recent,
     ReplicaView,
+    forget_failing,
     is_failing,
     query_span_digests,
     rank_replicas,
@@ -39,13 +40,7 @@ class SpanAffinityRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        spans: list[str] = []
-        if pending_request is not None:
-            for arg in pending_request.args:
-                body = getattr(arg, "span_body", None)
-                if body is not None:
-                    spans = query_span_digests(body)
-                    break
+        spans = self._spans_of(pending_request)
         queues = await self._queue_lens(candidate_replicas)
         views = []
         by_id = {}
@@ -59,13 +54,46 @@ class SpanAffinityRouter(RequestRouter):
                     queue_len=queues.get(rid, UNKNOWN_QUEUE),
                     cached=self._reported(rid, stats),
                     recent=self.recent.of(rid),
+                    unreported=self.recent.unreported_of(rid),
                     failing=is_failing(rid),
                 )
             )
         ranked = rank_replicas(spans, views, self.max_imbalance)
         if spans and ranked:
+            # Where it will most likely go; `on_request_routed` corrects it where Ray sends it elsewhere (the
+            # first is full), so that the next query on these spans follows them.
             self.recent.note(spans, ranked[0][0])
         return [[by_id[i] for i in rank] for rank in ranked]
+
+    @staticmethod
+    def _spans_of(pending_request: PendingRequest | None) -> list[str]:
+        """The span digests of the request's query, computed once per request (Ray asks again on each try)."""
+        if pending_request is None:
+            return []
+        for arg in pending_request.args:
+            body = getattr(arg, "span_body", None)
+            if body is not None:
+                if getattr(arg, "digests", None) is None:
+                    arg.digests = query_span_digests(body)
+                return arg.digests
+        return []
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        spans = self._spans_of(pending_request)
+        rid = replica_id.to_full_id_str()
+        if spans and any(self.recent.where.get(s) != rid for s in spans):
+            self.recent.note(spans, rid)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Ray's set of running replicas: what the router kept about replicas no longer in it (replaced after a
+        failed health check, scaled down) goes."""
+        super().update_replicas(replicas)
+        live = {r.replica_id.to_full_id_str() for r in replicas}
+        for gone in [rid for rid in self._reports if rid not in live]:
+            del self._reports[gone]
+        for gone in [rid for rid in self.recent.by_replica if rid not in live]:
+            self.recent.forget(gone)
+        forget_failing(live)
 
     def _reported(self, replica_id: str, stats: dict[str, Any]) -> AbstractSet[str]:
         """The replica's reported spans as a set, converted once per report."""
@@ -73,6 +101,8 @@ class SpanAffinityRouter(RequestRouter):
         seen = self._reports.get(replica_id)
         if seen is None or seen[0] is not spans:
             seen = self._reports[replica_id] = (spans, frozenset(spans))
+            if stats:  # a new report: the sends before it are in it, or gone
+                self.recent.reported(replica_id)
         return seen[1]
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int]:

@@ -118,9 +118,34 @@ def test_topics_placed_while_one_replica_is_busy_end_up_split_evenly():
     topics = [[span_digest(f"topic {t} doc {d}") for d in range(4)] for t in range(8)]
     recent = Recent()
     for t, spans in enumerate(topics):
-        views = [ReplicaView(f"r{k}", (1 if t % 3 else 0) if k == 0 else 0, recent=recent.of(f"r{k}")) for k in range(2)]
+        views = [ReplicaView(f"r{k}", (1 if t % 3 else 0) if k == 0 else 0, recent=recent.of(f"r{k}"),
+                             unreported=recent.unreported_of(f"r{k}")) for k in range(2)]  # fmt: skip
         recent.note(spans, rank_replicas(spans, views, 4)[0][0])
     assert len(recent.of("r0")) == len(recent.of("r1")) == 16
+
+
+def test_a_replica_restarted_empty_is_filled_to_its_peers_cache_not_to_what_its_peer_was_ever_sent():
+    """A replica's footprint is what its cache holds (its report, plus sends since): not every span the router
+    ever sent it. Counting those, a replica restarted empty beside one sent 5,000 spans over its life (its cache
+    holds 200) took every new document, thrashing its own 200-span cache while the other's stayed as it was."""
+    capacity = 200
+    old_cache = [span_digest(f"old {i}") for i in range(capacity)]
+    recent = Recent()
+    recent.note([span_digest(f"long ago {i}") for i in range(4800)] + old_cache, "A")
+    recent.reported("A")
+    caches = {"A": list(old_cache), "B": []}  # B: the restarted replica (a new id, nothing cached)
+    sent = {"A": 0, "B": 0}
+    for t in range(150):
+        spans = [span_digest(f"topic {t} doc {d}") for d in range(4)]
+        views = [ReplicaView(k, 0, cached=frozenset(caches[k]), recent=recent.of(k),
+                             unreported=recent.unreported_of(k)) for k in "AB"]  # fmt: skip
+        target = rank_replicas(spans, views, 4)[0][0]
+        recent.note(spans, target)
+        caches[target] = (caches[target] + spans)[-capacity:]  # an LRU cache of `capacity` spans
+        recent.reported(target)
+        sent[target] += 1
+    assert sent["B"] >= 50, "the empty replica is filled first"
+    assert sent["A"] >= 40, f"then new documents go to both, not all to the restarted one: {sent}"
 
 
 def test_replicas_on_one_machine_get_their_own_cores(monkeypatch):
@@ -133,3 +158,20 @@ def test_replicas_on_one_machine_get_their_own_cores(monkeypatch):
     assert split_cores(4, [0, 1]) == []  # fewer cores than replicas: left to vLLM
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     assert split_cores(2, [0, 1]) == []  # the user's binding is kept
+
+
+def test_the_ingress_reads_a_stream_request_as_the_server_does():
+    """An SSE answer is relayed as it comes only if the ingress sees it is one: `?stream=` as the server's
+    boolean reads it, or `"stream": true` in a JSON body however it is spaced or its content type cased."""
+    from spanq_backend.cluster.app import ForwardedRequest, flag_value
+
+    def streams(query: str = "", body: bytes = b"", content_type: str = "application/json") -> bool:
+        return ForwardedRequest("POST", "/v1/chat/completions", query, content_type, body).streams
+
+    assert all(streams(f"stream={v}") for v in ("true", "1", "yes", "on", "True", "t"))
+    assert not any(streams(q) for q in ("stream=false", "stream=0", "upstream=true", ""))
+    assert streams(body=b'  \n{"stream": true}', content_type="Application/JSON; charset=utf-8")
+    assert not streams(body=b'{"stream": "true"}') and not streams(body=b"[1]")
+    assert flag_value(["--api-key", "k", "--port", "1"], "--api-key") == "k"
+    assert flag_value(["--api-key=a", "--api-key", "b"], "--api-key") == "b"
+    assert flag_value(["--api-keys", "x"], "--api-key") is None

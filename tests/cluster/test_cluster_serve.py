@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import re
@@ -29,6 +30,8 @@ pytest.importorskip("ray.serve", reason="the cluster extra: pip install 'spanq[c
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 EXECUTE = "/v1/query/execute"
+KEY = "spanq-cluster-test-key"  # the cluster runs with --api-key: every request below goes with it
+AUTH = {"Authorization": f"Bearer {KEY}"}
 WORDS = ["key", "door", "lamp", "road", "tree", "bell", "cup"]
 DOCS = [f"Document {i}. " + " ".join(f"The {w} of {i} is {j}." for j, w in enumerate(WORDS * 3)) for i in range(6)]
 GROUPS = [DOCS[:3], DOCS[3:]]
@@ -117,10 +120,19 @@ def cluster(tiny_model: Path, tmp_path_factory, request) -> Iterator[Cluster]:
     # Cold documents prepared alone first on every replica: the routing tests count each document's prepare
     # and compare answers with the session's tiny engine, which prepares them the same way.
     command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--replicas", "2",
-               "--model", str(tiny_model), "--port", str(port), "--cold-spans", "isolate"]  # fmt: skip
+               "--model", str(tiny_model), "--port", str(port), "--cold-spans", "isolate",
+               "--api-key", KEY]  # fmt: skip
     failed_before = request.session.testsfailed
-    with running_server(command, log, "spanq serve --replicas 2") as proc:
-        yield Cluster(f"http://127.0.0.1:{port}", proc.pid, log)
+    before = os.environ.get("SPANQ_API_KEY")
+    os.environ["SPANQ_API_KEY"] = KEY  # the key `execute(backend="spanq+URL")` sends
+    try:
+        with running_server(command, log, "spanq serve --replicas 2", api_key=KEY) as proc:
+            yield Cluster(f"http://127.0.0.1:{port}", proc.pid, log)
+    finally:
+        if before is None:
+            os.environ.pop("SPANQ_API_KEY", None)
+        else:
+            os.environ["SPANQ_API_KEY"] = before
     if request.session.testsfailed > failed_before:
         reporter = request.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
@@ -129,7 +141,7 @@ def cluster(tiny_model: Path, tmp_path_factory, request) -> Iterator[Cluster]:
 
 def _run_all(url: str, queries: list[list[str]], concurrency: int = 1):
     async def go():
-        async with SpanBackend(url) as backend:
+        async with SpanBackend(url, api_key=KEY) as backend:
             gate = asyncio.Semaphore(concurrency)
 
             async def one(docs):
@@ -164,10 +176,33 @@ def test_each_span_is_prepared_once_across_the_fleet_and_answers_match_one_engin
 
 def test_bad_input_is_a_4xx_through_the_cluster(cluster):
     bad = {"g": {"model": "", "input": {"cross": [{"user": "hi"}, {"usr": "typo"}]}}}
-    answer = httpx.post(f"{cluster.url}{EXECUTE}", json=bad, timeout=60)
+    answer = httpx.post(f"{cluster.url}{EXECUTE}", json=bad, headers=AUTH, timeout=60)
     assert answer.status_code == 400 and answer.json()["error"]["message"].startswith("$.g.input.cross[1]: ")
     unknown = to_json(generate(user("hi"), model="no-such-model", max_tokens=2))
-    assert httpx.post(f"{cluster.url}{EXECUTE}", json=unknown, timeout=60).status_code == 404
+    assert httpx.post(f"{cluster.url}{EXECUTE}", json=unknown, headers=AUTH, timeout=60).status_code == 404
+
+
+def test_the_clients_api_key_goes_through_and_any_true_stream_parameter_streams(cluster):
+    """The cluster runs with --api-key (each replica's server guards /v1 with it): the client's key goes through
+    the ingress (it once kept only the content type: every request was a 401, and the replicas' reports of their
+    spans failed too); without it a request is a 401. `?stream=1` streams as `?stream=true` does (the server
+    reads both as true; the ingress once buffered the first as a whole answer)."""
+    query = to_json(rag(GROUPS[0]))
+    assert httpx.post(f"{cluster.url}{EXECUTE}", json=query, timeout=60).status_code == 401
+    assert httpx.post(f"{cluster.url}{EXECUTE}", json=query, headers=AUTH, timeout=60).status_code == 200
+    long_run = to_json(generate(user("Count to a thousand."), max_tokens=200, temperature=0.0))
+    for flag in ("1", "true"):
+        started = time.monotonic()
+        with httpx.stream("POST", f"{cluster.url}{EXECUTE}", params={"stream": flag}, json=long_run, headers=AUTH,
+                          timeout=120) as answer:  # fmt: skip
+            assert answer.status_code == 200
+            lines = answer.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            first_at = time.monotonic() - started
+            rest = [line for line in lines if line.startswith("data:")]
+        total = time.monotonic() - started
+        assert json.loads(first.removeprefix("data: "))["object"] == "chat.completion.chunk"
+        assert len(rest) > 10 and first_at < 0.5 * total, (flag, first_at, total)
 
 
 def test_a_replica_killed_mid_answer_is_routed_around_its_answers_retried_whole_and_it_is_restarted(cluster):
@@ -182,7 +217,8 @@ def test_a_replica_killed_mid_answer_is_routed_around_its_answers_retried_whole_
     long_run = to_json(generate(user("Count to a thousand."), max_tokens=300, temperature=0.0))
 
     def post() -> httpx.Response:
-        return httpx.post(f"{cluster.url}{EXECUTE}", params={"stream": "false"}, json=long_run, timeout=300)
+        return httpx.post(f"{cluster.url}{EXECUTE}", params={"stream": "false"}, json=long_run, headers=AUTH,
+                          timeout=300)
 
     urls = cluster.replica_urls()
     with ThreadPoolExecutor(4) as pool:
@@ -211,7 +247,7 @@ def test_a_replica_killed_mid_answer_is_routed_around_its_answers_retried_whole_
 def test_no_replica_reachable_is_a_503_naming_it(cluster):
     for pid in cluster.replica_servers():
         os.kill(pid, signal.SIGKILL)
-    answer = httpx.post(f"{cluster.url}{EXECUTE}", json=to_json(rag(GROUPS[0])), timeout=120)
+    answer = httpx.post(f"{cluster.url}{EXECUTE}", json=to_json(rag(GROUPS[0])), headers=AUTH, timeout=120)
     assert answer.status_code == 503, answer.text
     error = answer.json()["error"]
     assert error["type"] == "BackendUnavailableError" and "no replica could answer" in error["message"]
