@@ -195,12 +195,55 @@ class _NodeTracker(BaseEventHandler):
                 return
             _records.set(records[:-1])
             record = records[-1]
-            metadata = getattr(event.response, "metadata", None)
-            if record.calls and (metadata is None or "spanq" not in metadata):
-                try:
-                    event.response.metadata = {**(metadata or {}), "spanq": record.summary()}
-                except (AttributeError, ValueError):  # a response type without settable metadata
-                    pass
+            stream = getattr(event.response, "response_gen", None)
+            if stream is not None and (hasattr(stream, "__next__") or hasattr(stream, "__anext__")):
+                # A streamed answer: LlamaIndex calls the LLM as it is read, after this event. The record goes
+                # on with the stream (for the calls made while it is read), and says what they did at its end.
+                replay = _areplay if hasattr(stream, "__anext__") else _replay
+                event.response.response_gen = replay(record, stream, event.response)
+                return
+            _summarize(record, event.response)
+
+
+def _summarize(record: QueryRecord, response: Any) -> None:
+    """What the query's calls did, into `response.metadata["spanq"]` (unless a spanq synthesizer wrote it)."""
+    metadata = getattr(response, "metadata", None)
+    if record.calls and (metadata is None or "spanq" not in metadata):
+        try:
+            response.metadata = {**(metadata or {}), "spanq": record.summary()}
+        except (AttributeError, ValueError):  # a response type without settable metadata
+            pass
+
+
+def _replay(record: QueryRecord, stream: Any, response: Any) -> Any:
+    """A streamed answer's pieces, each read with the query's record current (as while the query ran) — and only
+    then: between pieces the reader's own context is as it was."""
+    while True:
+        before = _records.get()
+        _records.set((*before, record))
+        try:
+            piece = next(stream)
+        except StopIteration:
+            break
+        finally:
+            _records.set(before)
+        yield piece
+    _summarize(record, response)
+
+
+async def _areplay(record: QueryRecord, stream: Any, response: Any) -> Any:
+    """`_replay` for an async stream."""
+    while True:
+        before = _records.get()
+        _records.set((*before, record))
+        try:
+            piece = await stream.__anext__()
+        except StopAsyncIteration:
+            break
+        finally:
+            _records.set(before)
+        yield piece
+    _summarize(record, response)
 
 
 _installed: _NodeTracker | None = None

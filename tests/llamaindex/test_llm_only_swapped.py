@@ -69,12 +69,14 @@ def test_a_query_that_fails_leaves_nothing_behind_for_the_calls_after_it(tiny_ba
     down = SpanQueryLLM(backend=f"spanq+http://127.0.0.1:{free_port()}", max_tokens=4, max_retries=0)
 
     def in_a_fresh_context():
+        before = current_record()  # (a retrieval outside a query, of an earlier test in this thread, or None)
         for _ in range(3):
             with pytest.raises(BackendUnavailableError):
                 engine(down, town_index, "compact", [[0, 1, 2, 3]]).query("Which town hall is green?")
-        return current_record()
+        return before, current_record()
 
-    assert contextvars.copy_context().run(in_a_fresh_context) is None
+    before, after = contextvars.copy_context().run(in_a_fresh_context)
+    assert after is before
 
 
 def test_span_anchor_says_what_the_recovered_nodes_are_computed_after(tiny_backend, town_index):
@@ -107,6 +109,33 @@ def test_every_built_in_response_mode_reuses_the_nodes_in_a_new_order(tiny_backe
         assert all(c["fallback"] is None for c in spanq["calls"]), spanq["calls"]
     assert first["prepared_spans"] == 4, first
     assert second["prepared_spans"] == 0, f"{mode}: the reversed nodes were computed again: {second}"
+
+
+@pytest.mark.parametrize("how", ["sync", "async"])
+def test_a_streaming_query_engine_sends_the_nodes_as_spans_and_says_so_when_the_stream_ends(tiny_backend, town_index,
+                                                                                            how):
+    """`streaming=True`: LlamaIndex calls the LLM only as the answer is read, after the query has ended (its
+    QueryEndEvent came with the stream, not its text). The nodes must still go as spans, and the response's
+    metadata say so once the stream is read (it once went as plain text, with no metadata and no reason)."""
+    assert tiny_backend.engine.reset_prefix_cache(), "the engine's prefix cache could not be reset"
+    llm = SpanQueryLLM(backend=tiny_backend, max_tokens=4, temperature=0.0)
+    qe = RetrieverQueryEngine(FixedOrder(nodes_of(town_index), [[0, 1, 2, 3], [3, 2, 1, 0]]),
+                              get_response_synthesizer(llm=llm, response_mode="compact", streaming=True))
+    spanq = []
+    for _ in range(2):
+        if how == "sync":
+            response = qe.query("Which town hall is green?")
+            text = "".join(response.response_gen)
+        else:
+            async def read():
+                response = await qe.aquery("Which town hall is green?")
+                return response, "".join([piece async for piece in response.async_response_gen()])
+
+            response, text = asyncio.run(read())
+        assert text
+        spanq.append(response.metadata["spanq"])
+    assert [s["spans"] for s in spanq] == [4, 4] and spanq[0]["fallback"] is None, spanq
+    assert [s["prepared_spans"] for s in spanq] == [4, 0], "the reversed nodes came from the span cache"
 
 
 def test_simple_summarize_does_not_hold_the_nodes_verbatim_and_says_so(tiny_backend, town_index):
