@@ -657,7 +657,8 @@ class SpanEngine:
         if batch:
             await run(batch)
         if self.tier is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.tier.flush)
+            # every block of the corpus on disk before the report (however slow the disk: no timeout)
+            await asyncio.get_running_loop().run_in_executor(None, lambda: self.tier.flush(timeout=None))
             after = self.tier.stats.as_dict()
             report["blocks_written"] = after["saved_blocks"] - before["saved_blocks"]
             report["bytes_written"] = after["bytes_written"] - before["bytes_written"]

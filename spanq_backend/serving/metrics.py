@@ -77,7 +77,7 @@ _WORKER_HELP = {
     "tier_loaded_blocks": ("tier_loaded_blocks", "KV blocks loaded from the span tier instead of computed."),
     "tier_saved_blocks": ("tier_saved_blocks", "KV blocks of prepared spans written to the span tier."),
     "tier_failed_loads": ("tier_failed_loads", "Span tier blocks refused (checksum, header, read error); computed instead."),
-    "tier_failed_saves": ("tier_failed_saves", "Span tier blocks that could not be written (a full or read-only disk)."),
+    "tier_failed_saves": ("tier_failed_saves", "Span tier blocks that could not be written (a full or read-only disk, or more waiting for a slow one than the writer holds)."),
     "tier_evicted_blocks": ("tier_evicted_blocks", "Span tier blocks removed to keep it under its capacity (least recently used first)."),
     "tier_bytes_read": ("tier_bytes_read", "Bytes of span tier blocks read."),
     "tier_bytes_written": ("tier_bytes_written", "Bytes of span tier blocks written."),

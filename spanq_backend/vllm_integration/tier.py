@@ -274,6 +274,7 @@ class DiskTier:
         self._writer: threading.Thread | None = None
         self._write_error_said = False
         self._said: set[str] = set()  # warnings given once (`_say_once`)
+        self._pending_bytes = 0  # of the blocks waiting for the writer (`MAX_PENDING_BYTES`)
         # Blocks refused on load (`forget`): never offered again, even where their file could not be moved aside
         # (a read-only folder), until this process writes the block again.
         self._refused: set[bytes] = set()
@@ -527,25 +528,41 @@ class DiskTier:
 
     # -- writing
 
+    # Bytes of blocks waiting for the writer: past it, a block is not saved (counted as a failed save, said once)
+    # — an engine computes KV faster than a slow disk takes it, and each waiting block is a copy in memory.
+    MAX_PENDING_BYTES = 2 << 30
+
     def write_later(self, block_hash: Any, block: Block) -> None:
         """Write a block from the writer thread (its bytes are already copied out of the engine)."""
         key = _key(block_hash)
+        size = sum(len(data) for *_, data in block.layers)
         with self._lock:
             if key in self._held or key in self._writing:
                 return
+            if self._pending_bytes + size > self.MAX_PENDING_BYTES:
+                self.stats.failed_saves += 1
+                self._say_once("backlog", f"span tier: more than {self.MAX_PENDING_BYTES >> 20} MiB of blocks wait "
+                               f"to be written to {self.dir}; blocks past that are not saved (computed when needed)")
+                return
+            self._pending_bytes += size
             self._writing.add(key)
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write_loop, name="spanq-tier-writer", daemon=True)
                 self._writer.start()
         self._writes.put((key, block))
 
-    def flush(self, timeout: float = 120.0) -> None:
-        """Wait until every block handed to `write_later` is on disk (or failed)."""
+    def flush(self, timeout: float | None = 120.0) -> bool:
+        """Wait until every block handed to `write_later` is on disk (or failed); False where `timeout` came
+        first (said in the log: those blocks are not written if the process ends now)."""
         if self._writer is None:
-            return
+            return True
         done = threading.Event()
         self._writes.put(done)  # type: ignore[arg-type]
-        done.wait(timeout)
+        if done.wait(timeout):
+            return True
+        log.warning("span tier: %d blocks still wait to be written to %s after %.0f s", len(self._writing), self.dir,
+                    timeout or 0)
+        return False
 
     def _write_loop(self) -> None:
         while True:
@@ -565,7 +582,8 @@ class DiskTier:
                 self.stats.saved_blocks += 1
                 if self.max_bytes is not None and self._bytes > self.max_bytes:
                     self._evict()
-            except OSError as e:  # a full or read-only disk: computing stays correct, say it once
+            except Exception as e:  # noqa: BLE001 - a full or read-only disk (or anything else): computing stays
+                # correct, say it once; the writer goes on (a flush waiting on it must end)
                 self.stats.failed_saves += 1
                 if not self._write_error_said:
                     self._write_error_said = True
@@ -574,6 +592,7 @@ class DiskTier:
             finally:
                 with self._lock:
                     self._writing.discard(key)
+                    self._pending_bytes -= sum(len(data) for *_, data in block.layers)
 
     def _write(self, key: bytes, block: Block) -> int:
         header = json.dumps({

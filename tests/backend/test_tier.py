@@ -522,3 +522,17 @@ def test_a_corpus_line_keeps_unicode_line_separators_and_a_byte_order_mark_is_no
     texts, problems = read_corpus(corpus)
     assert texts == docs
     assert [p.split(": ")[0] for p in problems] == [f"{corpus}:4"]
+
+
+def test_blocks_past_the_writers_backlog_are_not_saved_and_a_flush_says_when_it_gave_up(tmp_path):
+    """Each block waiting for the writer is a copy in memory: past `MAX_PENDING_BYTES` a block is not saved
+    (counted, said once) rather than memory growing with a disk slower than the engine."""
+    store = tier.DiskTier(tmp_path, "ns")
+    store.MAX_PENDING_BYTES = 40  # under one block: every save is past the backlog
+    for i in range(3):
+        store.write_later(bytes([i]) * 32, tier.Block(0, [("layer.0", (16,), "torch.float32", b"\0" * 64)]))
+    assert store.flush() is True
+    assert store.stats.failed_saves == 3 and store.stats.saved_blocks == 0 and len(store) == 0
+    store.MAX_PENDING_BYTES = 1 << 20
+    store.write_later(bytes([9]) * 32, tier.Block(0, [("layer.0", (16,), "torch.float32", b"\0" * 64)]))
+    assert store.flush(timeout=None) is True and store.holds(bytes([9]) * 32)
