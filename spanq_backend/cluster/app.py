@@ -203,10 +203,12 @@ class SpanReplica:
         log.info("replica ready: spanq serve on %s, cores %s (log %s)", self.url, self.cores, self.log_path)
 
     async def forward(self, request: ForwardedRequest) -> AsyncIterator[Any]:
-        """Relay one request: first `{"status", "content_type"}` (or `{"unavailable": reason}` if the server
-        did not answer), then the body's chunks."""
+        """Relay one request: first `{"taken": replica id}` (at once: the ingress knows a replica has it), then
+        `{"status", "content_type"}` (or `{"unavailable": reason}` if the server did not answer), then the body's
+        chunks."""
         import httpx
 
+        yield {"taken": self.replica_id}
         url = request.path + (f"?{request.query}" if request.query else "")
         headers = dict(request.headers)
         if request.content_type:
@@ -271,7 +273,7 @@ async def _relay_stream(chunks: Any) -> AsyncIterator[bytes]:
         yield f"data: {json.dumps(error)}\n\n".encode()
 
 
-def _make_ingress(retries: int, max_body_bytes: int) -> Any:
+def _make_ingress(retries: int, max_body_bytes: int, queue_timeout_s: float) -> Any:
     from fastapi import FastAPI
     from fastapi.responses import Response, StreamingResponse
     from ray import serve
@@ -309,6 +311,15 @@ def _make_ingress(retries: int, max_body_bytes: int) -> Any:
             for _ in range(retries + 1):
                 chunks = self.replicas.forward.remote(forwarded)
                 try:
+                    # Ray Serve waits without end for a replica to take a request (none running: all restarting,
+                    # or none able to start; all at max_ongoing_requests): bounded here.
+                    try:
+                        await asyncio.wait_for(chunks.__anext__(), timeout=queue_timeout_s)
+                    except TimeoutError:
+                        chunks.cancel()
+                        return _error(503, "BackendUnavailableError", f"no replica took the request within "
+                                      f"{queue_timeout_s:g} s (none is running, or all are at their limit of "
+                                      "requests); spanq serve --queue-timeout sets the wait")
                     head = await chunks.__anext__()
                     if "unavailable" in head:
                         last = head["unavailable"]
@@ -373,6 +384,7 @@ def build_app(
     retries: int = 2,
     max_ongoing_requests: int = 64,
     log_dir: str | None = None,
+    queue_timeout_s: float = 60.0,
 ) -> Any:
     """The Ray Serve application: the ingress bound to `replicas` span replicas (each writes its server's log into
     `log_dir` where given, else into a folder of its own)."""
@@ -406,7 +418,7 @@ def build_app(
     given = flag_value(serve_args, "--max-body-bytes")  # the replicas' own limit: the ingress holds no more
     max_body_bytes = int(given) if given and given.isdigit() else DEFAULT_LIMITS.max_body_bytes
     ingress = serve.deployment(
-        _make_ingress(retries, max_body_bytes), name="SpanIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        _make_ingress(retries, max_body_bytes, queue_timeout_s), name="SpanIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=10_000,
     )  # fmt: skip
     return ingress.bind(replica)
@@ -459,7 +471,7 @@ def serve_cluster(argv: Sequence[str]) -> int:
     # killed with Ray cannot remove its own).
     log_dir = None if cluster.ray_address else tempfile.mkdtemp(prefix="spanq-cluster-")
     app = build_app(rest, cluster.replicas, cluster.routing, core_lists=cores, max_imbalance=cluster.max_imbalance,
-                    log_dir=log_dir)  # fmt: skip
+                    log_dir=log_dir, queue_timeout_s=cluster.queue_timeout)  # fmt: skip
     print(
         f"spanq serve: starting {cluster.replicas} replica(s), {cluster.routing} routing, on "
         f"http://{cluster.host}:{cluster.port}" + (f"; their engines' cores: {' | '.join(cores)}" if cores else "")

@@ -46,7 +46,17 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     group.add_argument("--max-imbalance", type=_non_negative_int, default=4, metavar="N",
                        help="with --replicas: a replica holding a query's spans is preferred unless its queue is more "
                        "than N requests longer than the shortest (default 4)")
+    group.add_argument("--queue-timeout", type=_positive_float, default=60.0, metavar="S",
+                       help="with --replicas: a request no replica has taken within S seconds (none running — all "
+                       "restarting, say — or all at their limit of requests) is answered 503 (default 60)")
     return parser
 
 
-CLUSTER_ONLY = ("--routing", "--ray-address", "--max-imbalance")
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+CLUSTER_ONLY = ("--routing", "--ray-address", "--max-imbalance", "--queue-timeout")

@@ -121,7 +121,7 @@ def cluster(tiny_model: Path, tmp_path_factory, request) -> Iterator[Cluster]:
     # and compare answers with the session's tiny engine, which prepares them the same way.
     command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--replicas", "2",
                "--model", str(tiny_model), "--port", str(port), "--cold-spans", "isolate",
-               "--api-key", KEY]  # fmt: skip
+               "--api-key", KEY, "--queue-timeout", "10"]  # fmt: skip
     failed_before = request.session.testsfailed
     before = os.environ.get("SPANQ_API_KEY")
     os.environ["SPANQ_API_KEY"] = KEY  # the key `execute(backend="spanq+URL")` sends
@@ -251,6 +251,19 @@ def test_no_replica_reachable_is_a_503_naming_it(cluster):
     assert answer.status_code == 503, answer.text
     error = answer.json()["error"]
     assert error["type"] == "BackendUnavailableError" and "no replica could answer" in error["message"]
+    # Once Ray has dropped the dead replicas (their replacements take ~45 s to load the model), a request finds
+    # no replica running: it is answered 503 after --queue-timeout (10 s here), not held until one runs again.
+    deadline = time.monotonic() + 90
+    while True:
+        started = time.monotonic()
+        answer = httpx.post(f"{cluster.url}{EXECUTE}", json=to_json(rag(GROUPS[1])), headers=AUTH, timeout=60)
+        took = time.monotonic() - started
+        assert answer.status_code == 503, answer.text
+        if "no replica took the request within 10 s" in answer.json()["error"]["message"]:
+            break
+        assert time.monotonic() < deadline, f"never answered for want of a running replica: {answer.text}"
+        time.sleep(1)
+    assert took < 20, f"held {took:.0f} s"
 
 
 FLAG_CASES = [
