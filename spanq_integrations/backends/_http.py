@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import time
@@ -236,6 +237,9 @@ def error_from_payload(body: Any, *, status: int | None, where: str) -> SpanQuer
         return _MESSAGE_ERRORS[error_type](f"{where}: {message}")
     if status in (502, 503, 504):
         return BackendUnavailableError(f"{where} is unavailable (HTTP {status}): {message}")
+    if status == 429:
+        return BackendUnavailableError(f"{where} is limiting its rate (HTTP 429), still after the retries "
+                                       f"(max_retries): {message}")
     if status in (401, 403):
         return BackendError(
             f"{where} refused the call (HTTP {status}: {message}): it wants an API key; pass api_key= or set "
@@ -256,6 +260,56 @@ def _parse_body(raw: bytes) -> Any:
 def _unreachable(url: str, e: Exception) -> BackendUnavailableError:
     reason = str(e) or type(e).__name__
     return BackendUnavailableError(f"cannot reach {url}: {reason} — is the server running?")
+
+
+ERROR_BODY_BYTES = 64 << 10  # of an error answer, read for its message (a 300 MB error page is not held whole)
+MAX_RETRY_AFTER_S = 30.0  # the longest a Retry-After is waited for before a retry
+
+
+def _retry_after(value: str | None, default: float) -> float:
+    """Seconds a Retry-After header asks for (seconds, or an HTTP date), within [0, MAX_RETRY_AFTER_S]."""
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        from email.utils import parsedate_to_datetime
+
+        try:
+            seconds = parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError):
+            return default
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
+
+
+async def _read_body(response: httpx.Response, limit: int | None) -> bytes:
+    """The answer's body, at most `limit` bytes of it (None: all)."""
+    if limit is None:
+        return await response.aread()
+    parts, size = [], 0
+    async for chunk in response.aiter_bytes():
+        parts.append(chunk[: limit - size])
+        size += len(parts[-1])
+        if size >= limit:
+            break
+    return b"".join(parts)
+
+
+@contextlib.asynccontextmanager
+async def _deadline(seconds: float | None, url: str) -> AsyncIterator[None]:
+    """A whole call's time limit (httpx's timeout is per read: a server sending a byte now and then, or a
+    token every half second, never tripped it)."""
+    if not seconds:
+        yield
+        return
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except TimeoutError as e:
+        raise BackendUnavailableError(
+            f"{url} did not finish the call within {seconds:g} s (the backend's timeout, for a whole call): the "
+            "server may be overloaded, or the answer long; raise the backend's timeout"
+        ) from e
 
 
 # Connection failures before any byte came back: safe to retry, the server never saw (or never answered) it.
@@ -290,11 +344,14 @@ class HTTPBackend(Backend):
             headers.setdefault("Authorization", f"Bearer {api_key}")
         self.base_url = normalize_base_url(base_url)
         self.max_retries = max(0, max_retries)
+        self.timeout = timeout  # a whole call's limit (sending, waiting, reading every chunk)
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
-            timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0)),
+            # per read too (a stalled server); waiting for a pooled connection is not the server's time
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0), pool=None),
             headers=headers or {},
-            limits=httpx.Limits(max_connections=max(max_concurrency, 1) + 2),
+            # the executor bounds how many calls run at once (it may allow more than this backend's default)
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(max_concurrency, 1) + 2),
         )
         self._served_models: list[str] | None = None
 
@@ -304,17 +361,29 @@ class HTTPBackend(Backend):
     # ----------------------------------------------------------------------------------------- requests
 
     async def _with_retries(self, send: Callable[[], Awaitable[Any]], url: str) -> Any:
-        """Run `send()`, retrying connection failures that happened before any byte came back."""
+        """Run `send()`, retrying connection failures that happened before any byte came back, and answers that
+        say "later" (429, 503: nothing was generated), after their Retry-After (at most `MAX_RETRY_AFTER_S`)."""
         attempt = 0
         while True:
             try:
-                return await send()
+                response = await send()
+                if (
+                    isinstance(response, httpx.Response)
+                    and response.status_code in (429, 503)
+                    and attempt < self.max_retries
+                ):
+                    wait = _retry_after(response.headers.get("retry-after"), 0.25 * 2**attempt)
+                    await response.aclose()
+                    await asyncio.sleep(wait)
+                    attempt += 1
+                    continue
+                return response
             except _RETRYABLE as e:
                 if attempt >= self.max_retries:
                     raise _unreachable(url, e) from e
             except httpx.TimeoutException as e:  # connected, but no answer in time
                 raise BackendUnavailableError(
-                    f"{url} did not answer in time ({e or type(e).__name__}): the server may be overloaded; "
+                    f"{url} did not answer in time ({type(e).__name__}): the server may be overloaded; "
                     "raise the backend's timeout"
                 ) from e
             except httpx.TransportError as e:
@@ -330,11 +399,31 @@ class HTTPBackend(Backend):
         return _json_body(response, url)
 
     async def _post_json(self, path: str, body: dict[str, Any], *, model: str = "") -> Any:
+        """POST and read a JSON answer. Retried only while no answer has begun: a body broken off after its
+        head is an error, never the request sent again (the server ran it)."""
         url = f"{self.base_url}{path}"
-        response = await self._with_retries(lambda: self._client.post(path, json=body), url)
+
+        async def send() -> httpx.Response:
+            return await self._client.send(self._client.build_request("POST", path, json=body), stream=True)
+
+        async with _deadline(self.timeout, url):
+            response: httpx.Response = await self._with_retries(send, url)
+            try:
+                try:
+                    raw = await _read_body(response, None if response.status_code < 400 else ERROR_BODY_BYTES)
+                except httpx.TransportError as e:
+                    raise BackendUnavailableError(
+                        f"the answer from {url} broke off after it began ({type(e).__name__}): the server ran the "
+                        "request; it was not sent again"
+                    ) from e
+            finally:
+                await response.aclose()
         if response.status_code >= 400:
-            raise await self._http_error(response.status_code, response.content, url, model)
-        return _json_body(response, url)
+            raise await self._http_error(response.status_code, raw, url, model)
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise BackendError(f"{url} answered with something that is not JSON: {raw[:200]!r}") from e
 
     async def served_models(self) -> list[str]:
         """The model ids the server lists under GET /v1/models (fetched once, then cached)."""
@@ -373,25 +462,43 @@ class HTTPBackend(Backend):
             )
             return await self._client.send(request, stream=True)
 
-        response: httpx.Response = await self._with_retries(send, url)
-        try:
-            if response.status_code >= 400:
-                raw = await response.aread()
-                raise await self._http_error(response.status_code, raw, url, model)
+        async with _deadline(self.timeout, url):
+            response: httpx.Response = await self._with_retries(send, url)
             try:
-                async for payload in iter_sse_data(response.aiter_lines()):
-                    await stream.feed(payload, where=url)
-                    if stream.done:
-                        break
-            except httpx.TransportError as e:  # dropped connection, incomplete chunked body, read timeout
-                raise BackendUnavailableError(
-                    f"the stream from {url} broke after {stream.chunks} chunks: {e or type(e).__name__}"
-                ) from e
-        finally:
-            await response.aclose()
+                if response.status_code >= 400:
+                    raw = await _read_body(response, ERROR_BODY_BYTES)
+                    raise await self._http_error(response.status_code, raw, url, model)
+                kind = response.headers.get("content-type", "")
+                if not kind.lower().startswith("text/event-stream"):  # an error (or a whole answer) as JSON
+                    raw = await _read_body(response, ERROR_BODY_BYTES)
+                    payload = _parse_body(raw)
+                    if isinstance(payload, dict) and "error" in payload:
+                        raise error_from_payload(payload, status=response.status_code, where=url)
+                    raise BackendError(f"{url} answered HTTP {response.status_code} with {kind or 'no content type'}, "
+                                       f"not a stream of events: {raw[:200]!r}")  # fmt: skip
+                # (At [DONE] the rest of the body is left unread, and the connection closed with it: a backend is
+                # used from more than one event loop — LangChain's sync calls run on a loop of spanq's, its async
+                # ones on the caller's — and a kept connection belongs to the loop that opened it.)
+                try:
+                    async for payload in iter_sse_data(response.aiter_lines()):
+                        await stream.feed(payload, where=url)
+                        if stream.done:
+                            break
+                except httpx.TransportError as e:  # dropped connection, incomplete chunked body, read timeout
+                    raise BackendUnavailableError(
+                        f"the stream from {url} broke after {stream.chunks} chunks: {type(e).__name__}: {e}"
+                    ) from e
+            finally:
+                await response.aclose()
         if not stream.complete:
             raise BackendUnavailableError(
                 f"the stream from {url} broke after {stream.chunks} chunks: it ended without [DONE] or a "
                 "finish reason (the server may have crashed or dropped the connection)"
+            )
+        missing = [i for i in range(n) if i not in stream.finish_reasons and i not in stream.texts]
+        if n > 1 and missing:
+            raise BackendError(
+                f"{url} answered {n - len(missing)} of the {n} choices asked for (n={n}): it does not support n; "
+                "ask for the choices as separate calls (repeat(n, ...))"
             )
         return stream.result()

@@ -123,4 +123,19 @@ class OpenAIBackend(HTTPBackend):
             cached_tokens=int(details.get("cached_tokens") or 0),
             generated_tokens=int(usage.get("completion_tokens") or 0),
         )
+        metrics.fallback = plain_text_fallback(call)
         return Completion(texts=result.texts, finish_reasons=result.finish_reasons, metrics=metrics)
+
+
+def plain_text_fallback(call: Generate) -> str | None:
+    """What an OpenAI-compatible server did not honour of a call, said in its `fallback` (None: nothing): its spans
+    go as plain text in the order given (full attention, no reuse beyond the server's own prefix cache), and the
+    span settings are not read."""
+    from spanq_integrations.query.ir import Plus, walk
+
+    ignored = [name for name in ("recompute", "cold_spans") if getattr(call, name, None) is not None]
+    if not any(isinstance(node, Plus) for _, node in walk(call.input)) and not ignored:
+        return None
+    said = "an OpenAI-compatible server: the spans were sent as plain text, in the order given"
+    return said + (f" ({' and '.join(ignored)} not read)" if ignored else "")
+

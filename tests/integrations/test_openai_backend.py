@@ -233,6 +233,99 @@ async def test_other_http_errors_carry_status_and_message():
             await backend.generate(generate(user("hi"), max_tokens=4))
 
 
+@contextlib.asynccontextmanager
+async def scripted_server(script: Callable[[int, asyncio.StreamWriter], object]) -> AsyncIterator[tuple[str, list]]:
+    """A loopback HTTP peer whose answer to its k-th request (k = 0, 1, ...) is written by `await script(k,
+    writer)` — over time if it likes (a trickle, a stall, a body broken off). Yields its URL and the requests."""
+    received: list[tuple[bytes, bytes]] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
+            received.append((head, await reader.readexactly(length)))
+            await script(len(received) - 1, writer)
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", received
+
+
+async def test_the_timeout_bounds_a_whole_call_even_when_the_server_trickles():
+    """httpx's timeout is per read: a server that sends a comment every 0.3 s (or a token every 0.3 s) never
+    trips it. The backend's timeout is a whole call's."""
+    async def trickle(k, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        while True:
+            writer.write(b"8\r\n: ping\n\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.3)
+
+    async with scripted_server(trickle) as (url, _), OpenAIBackend(url, model="tiny", timeout=1.5) as backend:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(BackendUnavailableError, match=r"within 1\.5 s"):
+            await asyncio.wait_for(backend.generate(generate(user("hi"), max_tokens=4)), timeout=20)
+        assert asyncio.get_running_loop().time() - started < 5
+
+
+async def test_a_server_that_ignores_n_is_an_error_not_empty_answers():
+    reply = http_response("200 OK", sse(chunk("only one", "stop"), "[DONE]"), "text/event-stream")
+    async with raw_http_server(lambda head, body: reply) as (url, _), OpenAIBackend(url, model="tiny") as backend:
+        with pytest.raises(BackendError, match=r"1 of the 3 choices .*does not support n"):
+            await backend.generate(generate(user("hi"), max_tokens=4, n=3, temperature=0.7))
+
+
+async def test_a_remote_query_whose_answer_broke_off_is_not_sent_again():
+    """The server ran the query and began its answer, then the connection went: running it again would run every
+    call of it again (and bill them); it is an error saying so."""
+    async def broken(k, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"resu")
+
+    async with scripted_server(broken) as (url, received), SpanBackend(url, max_retries=2) as backend:
+        with pytest.raises(BackendUnavailableError, match="broke off after it began"):
+            await backend.execute_remote(generate(user("hi"), max_tokens=4))
+    assert len(received) == 1
+
+
+async def test_an_answer_that_is_not_a_stream_is_read_for_what_it_says():
+    overloaded = http_response("200 OK", b'{"error": {"message": "model is overloaded", "code": 200}}',
+                               "application/json")  # fmt: skip
+    async with raw_http_server(lambda head, body: overloaded) as (url, _), OpenAIBackend(url, model="tiny") as backend:
+        with pytest.raises(BackendError, match="model is overloaded"):
+            await backend.generate(generate(user("hi"), max_tokens=4))
+    huge = http_response("500 Internal Server Error", b"x" * (4 << 20), "text/plain")
+    async with raw_http_server(lambda head, body: huge) as (url, _), OpenAIBackend(url, model="tiny") as backend:
+        with pytest.raises(BackendError, match="HTTP 500") as info:
+            await backend.generate(generate(user("hi"), max_tokens=4))
+    assert len(str(info.value)) < 100_000, "a huge error page is not pasted whole into the message"
+
+
+async def test_a_429_is_retried_after_its_retry_after_and_an_openai_server_says_it_read_spans_as_text():
+    async def later_then_answer(k, writer):
+        if k == 0:
+            writer.write(http_response("429 Too Many Requests", b'{"error": {"message": "slow down"}}',
+                                       "application/json").replace(b"\r\n\r\n", b"\r\nRetry-After: 1\r\n\r\n", 1))
+        else:
+            writer.write(http_response("200 OK", sse(chunk("ok", "stop"), "[DONE]"), "text/event-stream"))
+
+    call = generate(cross(plus("doc A", "doc B"), user("Which?")), max_tokens=4, recompute="first")
+    async with scripted_server(later_then_answer) as (url, received), OpenAIBackend(url, model="tiny") as backend:
+        started = asyncio.get_running_loop().time()
+        completion = await backend.generate(call)
+        waited = asyncio.get_running_loop().time() - started
+    assert completion.text == "ok" and len(received) == 2 and waited >= 0.9
+    assert "plain text" in completion.metrics.fallback and "recompute" in completion.metrics.fallback
+    async with scripted_server(later_then_answer) as (url, _), OpenAIBackend(url, model="tiny", max_retries=0) as b:
+        with pytest.raises(BackendUnavailableError, match="429"):
+            await b.generate(generate(user("hi"), max_tokens=4))
+
+
 # --------------------------------------------------------------------------------------------- SpanBackend's protocol
 
 
