@@ -393,10 +393,11 @@ class SelectReducer(Reducer):
     def read_leaf(self, output: str, *, path: str, shown: Sequence[str]) -> dict[int, float]:
         """`{label: score}` for the candidates this leaf read (a score for a label it did not read is
         ignored; the first score given to a label counts). The instruction ends on `[`, so the answer may open
-        with a bare `3] 7`."""
+        with a bare `3] 7` — or, from a chat model that starts a fresh turn, with the whole `[3] 7`."""
         labels = {int(m.group(1)) for text in shown for m in [_LABEL.match(text)] if m}
         scores: dict[int, float] = {}
-        for line in ("[" + output).splitlines():
+        opened = output.lstrip()
+        for line in (opened if opened.startswith("[") else "[" + output).splitlines():
             m = _SCORE_LINE.match(line)
             if m is None:
                 continue

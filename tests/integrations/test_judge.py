@@ -286,6 +286,20 @@ async def test_select_combined_in_code_picks_the_highest_score_from_four_leaves(
     assert all("Rate every candidate" in prompt[-1]["content"] for prompt in backend.prompts)
 
 
+async def test_select_in_code_reads_a_leaf_that_writes_its_first_label_whole():
+    """The leaf instruction ends on `[`; a chat model that opens a fresh turn writes `[0] 9` all the same. Its
+    first score must count (read as `[[0] 9` it was dropped: the best candidate of each leaf went unscored)."""
+    def whole_labels(path, body, instruction):
+        rated = re.findall(r"\[(\d+)\] Note (\d+)", body)
+        return "\n".join(f"[{label}] {number}" for label, number in rated)  # no "[" dropped
+
+    shuffled = [CANDIDATES[i] for i in (7, 3, 0, 5, 1, 6, 2, 4)]  # the best first in its leaf
+    result = await ajudge(shuffled, "Which cat has the highest number?", k=2, reducer="select",
+                          backend=ScriptedJudge(whole_labels))  # fmt: skip
+    assert result.verdict == Selection(index=0, text=CANDIDATES[7])
+    assert result.levels[0].calls[0].parsed == {0: 7.0, 1: 3.0}
+
+
 async def test_select_in_code_ties_go_to_the_lower_label_and_foreign_labels_are_ignored():
     def answer(path, body, instruction):
         labels = re.findall(r"\[(\d+)\]", body)
