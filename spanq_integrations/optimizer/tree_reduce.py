@@ -25,6 +25,7 @@ query's own suffix; effects go into the combine's `plus` and run once.
 from __future__ import annotations
 
 from spanq_integrations.optimizer.context import OptimizerContext
+from spanq_integrations.query.errors import OptimizerError
 from spanq_integrations.query.ir import Combine, Cross, Generate, Monad, Node, Plus, Print, User, transform
 
 __all__ = ["tree_reduce"]
@@ -78,15 +79,21 @@ def _reduce(
     keyword = g.input.keyword if isinstance(g.input, Cross) else "cross"
 
     def judge(group: list[Node], lone_passes: bool = True) -> Node:
+        # A judge below the root answers once (n=1): the root's `n` is the query's choices; each level below
+        # reads one answer from each judge under it (with n copied, k judges handed up k*n answers, and a
+        # count combined in code counted each n times).
         if len(group) == 1 and lone_passes:
             return group[0]
         group_plus = candidates_plus.model_copy(update={"children": tuple(group)})
         if not judge_prefix and not judge_suffix:
-            return g.model_copy(update={"input": group_plus})
+            return g.model_copy(update={"input": group_plus, "n": 1})
         judge_input = Cross(children=(*judge_prefix, group_plus, *judge_suffix), keyword=keyword)
-        return g.model_copy(update={"input": judge_input})
+        return g.model_copy(update={"input": judge_input, "n": 1})
 
     if combine is not None:
+        if g.n != 1:
+            raise OptimizerError(f"a judge combined in code gives one verdict: it cannot give n={g.n} choices "
+                                 "(combine in the model, or n=1)")  # fmt: skip
         every_effect = tuple(c for c in (*prefix, *candidates_plus.children, *suffix) if _is_effect(c))
         leaves = [judge(candidates[start : start + k], lone_passes=False) for start in range(0, len(candidates), k)]
         return Combine(input=Plus(children=(*every_effect, *leaves)), reducer=combine, options=options)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from spanq_integrations.optimizer import OptimizerContext, TreeReduction, tree_reduce
-from spanq_integrations.query.errors import QueryValidationError
+from spanq_integrations.query.errors import OptimizerError, QueryValidationError
 from spanq_integrations.query.ir import (
     Combine,
     Cross,
@@ -69,7 +69,9 @@ def test_k_of_three() -> None:
     assert result == judge_over(judge_over(c[0], c[1], c[2]), judge_over(c[3], c[4], c[5]), c[6])
 
 
-def test_judges_keep_every_setting_and_the_join_keywords() -> None:
+def test_judges_keep_every_setting_but_n_and_the_join_keywords() -> None:
+    """Every judge keeps the query's model, sampling and stop settings; only the root gives the query's n choices —
+    a judge below it answers once (with n copied down, the level above read k*n answers)."""
     g = Generate(
         input=Cross(keyword="seq", children=(S, Plus(keyword="par", children=tuple(candidates(3))), U)),
         model="m",
@@ -81,7 +83,7 @@ def test_judges_keep_every_setting_and_the_join_keywords() -> None:
     )
     c = candidates(3)
     inner = g.model_copy(
-        update={"input": Cross(keyword="seq", children=(S, Plus(keyword="par", children=(c[0], c[1])), U))}
+        update={"input": Cross(keyword="seq", children=(S, Plus(keyword="par", children=(c[0], c[1])), U)), "n": 1}
     )
     assert reduce(g, k=2) == g.model_copy(
         update={"input": Cross(keyword="seq", children=(S, Plus(keyword="par", children=(inner, c[2])), U))}
@@ -198,3 +200,13 @@ def test_combined_in_code_narrow_judges_stay_one_call_and_effects_run_once() -> 
     effects = [c for c in out.input.children if not isinstance(c, Generate)]
     assert effects == [note, warm]
     assert all(n not in (note, warm) for g in out.input.children[2:] for _, n in walk(g))
+
+
+def test_a_judge_combined_in_code_gives_one_verdict_and_refuses_n() -> None:
+    g = judge_over(*candidates(4)).model_copy(update={"n": 3})
+    plan = TreeReduction(k=2, combine="code", reducer="count")
+    with pytest.raises(OptimizerError, match="n=3"):
+        tree_reduce(g, OptimizerContext(tree_reduction=plan))
+    leaves = tree_reduce(g.model_copy(update={"n": 1}), OptimizerContext(tree_reduction=plan))
+    assert isinstance(leaves, Combine) and all(n.n == 1 for _, n in walk(leaves) if isinstance(n, Generate))
+
