@@ -1,5 +1,6 @@
 """Rule 3, join simplification: flatten a `Plus` inside a `Plus` (and a `Cross` inside a `Cross` of the same
-keyword), drop empty joins from their parent join, and replace a single-child join by its child.
+keyword), drop empty joins from their parent join, and replace a single-child join by its child (a `plus` only
+where its child reads the same outside it: user text).
 
 These keep the meaning of the query: `plus` is associative and commutative, `cross` associative. An empty join
 at the root, as a generate's input or inside a monad has no parent join to leave, so it stays. For a span-aware
@@ -10,7 +11,7 @@ prefix (a question over one long document, a retriever's one hit), which its bar
 from __future__ import annotations
 
 from spanq_integrations.optimizer.context import OptimizerContext
-from spanq_integrations.query.ir import Cross, Fragment, Node, Plus, transform, with_children
+from spanq_integrations.query.ir import Cross, Fragment, Node, Plus, User, transform, with_children
 
 __all__ = ["simplify_plus"]
 
@@ -33,9 +34,16 @@ def _simplify_join(node: Node, keep_lone_spans: bool = False) -> Node:
         else:
             children.append(child)
     if len(children) == 1:
-        if keep_lone_spans and isinstance(node, Plus) and isinstance(children[0], Fragment):
+        lone = children[0]
+        keep = isinstance(node, Plus) and (
+            (keep_lone_spans and isinstance(lone, Fragment))
+            # A `plus` child is user content; out of it a generate's output is an assistant turn, a system or
+            # assistant message keeps its role, a `cross` its messages' roles: only user text reads the same.
+            or not isinstance(lone, (Fragment, User, Plus))
+        )
+        if keep:
             return node if tuple(children) == node.children else with_children(node, children)
-        return children[0]
+        return lone
     return with_children(node, children)
 
 

@@ -50,10 +50,12 @@ def assert_optimized_shape(tree: Node, capabilities: BackendCapabilities = PLAIN
     for path, node in walk(tree):
         assert not isinstance(node, (Chat, Retrieve, Repeat, Map)), f"sugar left at {path}"
         if isinstance(node, (Plus, Cross)) and path != "$":
-            # (for a span-aware backend a plus of one document stays: it is a span)
-            lone_span = (capabilities.span_aware and isinstance(node, Plus) and len(node.children) == 1
-                         and isinstance(node.children[0], Fragment))
-            assert len(node.children) != 1 or lone_span, f"single-child join at {path}"
+            # (for a span-aware backend a plus of one document stays: it is a span; and a plus whose lone child
+            # would read in another role out of it: a generate's output, a system or assistant message, a cross)
+            lone = node.children[0] if isinstance(node, Plus) and len(node.children) == 1 else None
+            lone_span = lone is not None and capabilities.span_aware and isinstance(lone, Fragment)
+            keeps_role = lone is not None and not isinstance(lone, (Fragment, User, Plus))
+            assert len(node.children) != 1 or lone_span or keeps_role, f"single-child join at {path}"
             for child in node.children:
                 # a plus in a plus stays only where the inner one names another anchor policy (one group, one
                 # policy: `simplify_plus`); any other nesting is spliced

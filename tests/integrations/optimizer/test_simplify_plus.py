@@ -61,3 +61,19 @@ def test_empty_joins_without_a_parent_join_stay() -> None:
 def test_a_simple_tree_is_returned_as_is() -> None:
     q = Generate(input=Cross(children=(S, Plus(children=(A, B)), U)))
     assert simplify(q) is q
+
+
+def test_a_lone_child_that_would_change_role_out_of_its_plus_stays_in_it() -> None:
+    """A `plus` child is user content. Out of it, a generate's output would be an assistant turn (a judge would
+    read the candidate as its own earlier reply), a system message a system turn: such a plus stays."""
+    from spanq_integrations.query.flatten import to_chat_messages
+    from spanq_integrations.query.ir import Assistant
+
+    poem = Generate(input=User(text="a poem"))
+    for lone in (poem, Assistant(text="an answer"), System(text="rules"), Cross(children=(S, U))):
+        q = Generate(input=Cross(children=(S, Plus(children=(lone,)), U)))
+        assert simplify(q) == q, lone
+    closed = Cross(children=(S, Plus(children=(Assistant(text="an answer"),)), U))
+    assert [m["role"] for m in to_chat_messages(simplify(closed))] == ["system", "user"]
+    assert simplify(Cross(children=(S, Plus(children=(U,)), A))) == Cross(children=(S, U, A))
+
