@@ -50,6 +50,7 @@ class QueryLimits:
 
 
 DEFAULT_LIMITS = QueryLimits()
+MAX_JSON_CONTAINERS = 4 << 16  # objects and arrays in one document (a query node is one to three of them)
 
 
 def _fail(limit: str, value: int, allowed: int, path: str, what: str) -> QueryLimitError:
@@ -63,10 +64,16 @@ def check_json_depth(doc: Any, limits: QueryLimits = DEFAULT_LIMITS) -> None:
     A query node nests through an object, its body, and (for joins) an array: three JSON levels per node."""
     allowed = 3 * limits.max_depth + 3
     stack: list[tuple[Any, int]] = [(doc, 1)]
+    containers = 0
     while stack:
         value, depth = stack.pop()
         if depth > allowed:
             raise _fail("max_depth", depth // 3, limits.max_depth, "$", "the nesting of the document")
+        if isinstance(value, (dict, list)):
+            containers += 1
+            if containers > MAX_JSON_CONTAINERS:  # before a node is built (a query's nodes are read from these)
+                raise QueryLimitError("$", f"the document has over {MAX_JSON_CONTAINERS} objects and arrays, more "
+                                      "than a query of at most 65536 nodes holds")
         if isinstance(value, dict):
             stack.extend((v, depth + 1) for v in value.values())
         elif isinstance(value, list):
@@ -94,6 +101,8 @@ def check_limits(query: Node, limits: QueryLimits = DEFAULT_LIMITS) -> None:
             runs *= node.n
         elif isinstance(node, Map):
             count = len(node.inputs)
+            if not count:  # it would run nothing, and its answer (an empty plus) is no query to send back
+                raise QueryValidationError(f"{path}.{node.tag}.inputs", "a map needs at least one input")
             if count > limits.max_bulk:
                 raise _fail("max_bulk", count, limits.max_bulk, f"{path}.{node.tag}.inputs", "the number of inputs")
             calls += runs * count

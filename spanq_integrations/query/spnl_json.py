@@ -42,7 +42,6 @@ from spanq_integrations.query.ir import (
     User,
     child_paths,
     children_of,
-    walk,
 )
 
 __all__ = ["dumps", "from_json", "load_file", "loads", "to_json"]
@@ -170,9 +169,13 @@ def from_json(doc: dict[str, Any] | str) -> Node:
         return loads(doc)
     _check_text(doc)
     try:
-        return _read_node(doc, "$")
+        query = _read_node(doc, "$")
     except RecursionError:
         raise QueryParseError("$", "the document is nested too deeply to read") from None
+    size = _tree_size(query)
+    if size > MAX_QUERY_NODES:  # zips nested under each other stay under each one's limit, not under this
+        raise QueryParseError("$", f"the query expands to {size} query nodes, over {MAX_QUERY_NODES}")
+    return query
 
 
 def loads(text: str | bytes) -> Node:
@@ -529,6 +532,7 @@ def _read_map(value: Any, path: str) -> Node:
 
 
 ZIP_MAX_NODES = 1 << 16  # query nodes a zip may expand to
+MAX_QUERY_NODES = 1 << 16  # query nodes a whole document may expand to (what every later walk of it visits)
 
 
 def _tree_size(node: Node) -> int:
@@ -542,6 +546,22 @@ def _tree_size(node: Node) -> int:
         return sizes[id(n)]
 
     return size(node)
+
+
+def _generates(node: Node) -> bool:
+    """Whether the tree holds a node that generates; a subtree shared by several parents (a zip's expansion) is
+    looked at once."""
+    seen: set[int] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if isinstance(n, (Generate, Repeat, Map, Chat, Combine)):
+            return True
+        todo.extend(children_of(n))
+    return False
 
 
 def _read_zip(value: Any, path: str) -> Node:
@@ -565,7 +585,7 @@ def _read_zip(value: Any, path: str) -> Node:
     expanded = len(items) * (_tree_size(first) + 1)
     if expanded > ZIP_MAX_NODES:  # checked before anything is expanded (or walked): nesting zips doubles each time
         raise QueryParseError(path, f"the zip expands to {expanded} query nodes, over {ZIP_MAX_NODES}")
-    if len(items) > 1 and any(isinstance(n, (Generate, Repeat, Map, Chat, Combine)) for _, n in walk(first)):
+    if len(items) > 1 and _generates(first):
         raise QueryParseError(
             f"{path}.first",
             "a zip whose first part generates would run that generation once per item of the second "

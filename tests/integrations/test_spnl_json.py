@@ -249,6 +249,40 @@ def test_zips_spanq_cannot_expand_faithfully_are_named(doc: Any, message: str) -
     assert str(e.value).startswith(message)
 
 
+def test_a_document_that_expands_past_the_node_limit_is_refused_before_anything_walks_it() -> None:
+    """Each zip stays under its own limit, but zips side by side under a seq add up: 200 zips of 14 levels each
+    (0.2 MB of JSON) expanded to 13 million nodes, which every check after the parse then walked (~50 s)."""
+    import time
+
+    zipped: Any = {"user": "x"}
+    for _ in range(14):  # each level puts the last before two items: twice its size (32,766 nodes; ~1 KB)
+        zipped = {"zip": {"first": zipped, "second": {"cross": [{"user": "a"}, {"user": "b"}]}}}
+    assert len(json.dumps(zipped)) < 2000
+    started = time.monotonic()
+    with pytest.raises(QueryParseError, match=r"^\$: the query expands to \d+ query nodes, over 65536"):
+        from_json({"seq": [zipped] * 200})
+    assert time.monotonic() - started < 10
+
+
+def test_a_document_of_more_objects_than_any_query_holds_is_refused_before_it_is_read() -> None:
+    """300,000 user messages in a seq (3.6 MB of JSON, under the body limit): refused while the JSON is looked
+    over, before 300,000 nodes are built (and walked by every check after)."""
+    from spanq_integrations.query.limits import QueryLimitError, check_json_depth
+
+    with pytest.raises(QueryLimitError, match="objects and arrays"):
+        check_json_depth({"seq": [{"user": "x"}] * 300_000})
+    check_json_depth({"seq": [{"user": "x"}] * 50_000})  # a large but possible query passes
+
+
+def test_a_map_without_inputs_is_refused_before_it_runs_where_it_says_so() -> None:
+    """It would run nothing, and its answer — an empty plus — is no query a server can send back (that was a
+    500 after the run)."""
+    from spanq_integrations.query.limits import check_limits
+
+    with pytest.raises(QueryValidationError, match=r"^\$\.map\.inputs: a map needs at least one input"):
+        check_limits(from_json({"map": {"inputs": []}}))
+
+
 def test_augment_is_refused_by_name() -> None:
     doc = {"augment": {"embedding_model": "ollama/e", "body": {"user": "q"}, "doc": ["a.txt", {"Text": "t"}]}}
     with pytest.raises(QueryParseError, match=r'^\$\.augment: "augment" \(spnl\'s optional rag feature.*"retrieve"'):
