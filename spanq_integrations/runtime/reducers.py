@@ -163,7 +163,11 @@ class Reducer:
 
 # --------------------------------------------------------------------------------------------- extract
 
-_LIST_MARKER = re.compile(r"^\s*(?:[-*•·]+|\d+[.)]|[a-z][.)](?=\s))\s*", re.IGNORECASE)
+# A list marker is followed by a space: "3.14", "J. K. Rowling" keep their numbers and initials (a letter marker is
+# lower case: "a) ...", "b. ...").
+_LIST_MARKER = re.compile(r"^\s*(?:[-*•·]+(?=\s|$)|\d+[.)](?=\s)|[a-z][.)](?=\s))\s*")
+# "Names: Ada" reads as "Ada": a short label without digits, a colon and a space ("10:30", "https://..." stay).
+_LABELLED = re.compile(r"^\s*[^\W\d][^\d:]{0,30}:\s+(?=\S)")
 _EDGE_JUNK = " \t\"'`“”‘’()[]{}<>.,;:!?"
 _NO_ITEMS = {"none", "no items", "n/a", "nothing", "null", "[]"}
 
@@ -251,8 +255,8 @@ class ExtractReducer(Reducer):
         1. with `item_pattern`: every match (group 0) in the answer;
         2. a JSON array of strings (or of one-field objects), possibly in a code fence, is read as such;
         3. otherwise the answer is split at newlines, commas and semicolons; list markers (`-`, `*`, `1.`),
-           quotes, brackets and surrounding punctuation are dropped, and an item with a colon keeps what
-           follows it (`Names: Ada` → `Ada`);
+           quotes, brackets and surrounding punctuation are dropped, and an item led by a short label keeps
+           what follows it (`Names: Ada` → `Ada`; `10:30`, `https://...`, `3.14`, `J. K. Rowling` stay whole);
         4. an empty answer, or an item reading `NONE`, is no item.
         """
         if self.item_pattern is not None:
@@ -268,9 +272,7 @@ class ExtractReducer(Reducer):
             return _dedupe([s.strip() for s in from_json if s.strip().casefold() not in _NO_ITEMS])
         items: list[str] = []
         for piece in re.split(r"[\n,;]", body):
-            piece = _LIST_MARKER.sub("", piece)
-            if ":" in piece:
-                piece = piece.rsplit(":", 1)[1]
+            piece = _LABELLED.sub("", _LIST_MARKER.sub("", piece), count=1)
             piece = piece.strip(_EDGE_JUNK)
             if piece and piece.casefold() not in _NO_ITEMS:
                 items.append(piece)

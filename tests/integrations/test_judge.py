@@ -411,6 +411,10 @@ def test_candidates_are_opaque_to_the_rewrite():
         ("The names are: Ada, Bo; Cy.", ["Ada", "Bo", "Cy"]),
         ("NONE", []),
         ("", []),
+        # an item's own numbers, initials, times and addresses are not list markers or labels
+        ("J. K. Rowling\n3.14\nMeeting at 10:30\nhttps://example.com", ["J. K. Rowling", "3.14", "Meeting at 10:30",
+                                                                       "https://example.com"]),
+        ("a) Ada\nb. Bo\nNames: Cy", ["Ada", "Bo", "Cy"]),
     ],
 )
 def test_extract_reads_any_answer_as_a_list(output, items):
