@@ -85,7 +85,8 @@ def resolve_backend(
     A `Backend`: itself (not owned). `None`: `$SPANQ_BACKEND` where it is set, else as `"embedded"`. `"embedded"`:
     the shared embedded engine on `model` (the default model when None; not owned). `"spanq+http://host:port"`: a `spanq serve` server; any other `http(s)://` URL:
     an OpenAI-compatible server — both owned, with `model` as the model of calls that name none, `timeout`
-    seconds per request (default 600), `max_retries` retries of a connection that failed (default 2) and
+    seconds for a whole call, streamed answer included (default 600), `max_retries` retries of a connection that
+    failed or an answer of 429/503 "later" (default 2; after its Retry-After, at most 30 s) and
     `api_key` as the bearer token (default: `$SPANQ_API_KEY`, if set).
     """
     if spec is None and (from_env := env_backend()) is not None:
