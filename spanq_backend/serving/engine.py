@@ -243,6 +243,8 @@ class SpanEngine:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._closed = False
+        self._submit_lock = threading.Lock()  # `_put` and the thread's stopping: nothing queued unanswered
+        self._failure: str | None = None  # why the engine thread stopped, where it failed
         self.tier: tier.DiskTier | None = None  # set when the engine is built with `tier_dir`
         self._active: dict[str, _Request] = {}
         self.steps = 0  # engine steps taken (each one forward pass over the scheduled batch)
@@ -340,7 +342,8 @@ class SpanEngine:
                     raise tier.TierError("a span tier holds span KV: a stock engine (spans=False) takes none")
                 tier.check_tier_dir(self.config.tier_dir)
             in_process_engines.starting(tier=has_tier)
-        except (tier.TierError, RuntimeError) as e:  # a tier refused, or another engine in the way
+        except BaseException as e:  # noqa: BLE001 - a tier refused, another engine in the way, a bad path: the
+            # constructor waits on `_ready` and raises it
             self._start_error = e
             self._ready.set()
             return
@@ -392,10 +395,17 @@ class SpanEngine:
                     self._answer_settled()  # the step may have finished the last deferred prepare
         except BaseException as e:
             log.exception("the engine failed")
-            self._closed = True
-            for req in list(self._active.values()):
-                self._send(req, BackendUnavailableError(f"the embedded engine failed: {e}"))
+            self._failure = f"the embedded engine failed: {e}"
         finally:
+            # Whatever is under way or queued ends now, with an error saying why: a call running when the engine
+            # is closed (or fails), or queued behind that, would otherwise wait for ever.
+            with self._submit_lock:
+                self._closed = True
+            why = self._failure or "the embedded engine was closed"
+            for req in list(self._active.values()):
+                self._send(req, BackendUnavailableError(why))
+            self._active.clear()
+            self._drain_commands(why)
             for done in [*(d for _, d in self._idle), *(d for _, d, _ in self._idle_running.values())]:
                 settle_deferred(done, "the engine closed")
             self._idle.clear()
@@ -409,6 +419,24 @@ class SpanEngine:
                 del engine
             except UnboundLocalError:
                 pass
+            self.llm_engine = None  # its weights and KV cache go with it (an adapter may keep this object)
+
+    def _drain_commands(self, why: str) -> None:
+        """Answer every command still queued once the engine's thread has stopped taking them."""
+        while True:
+            try:
+                kind, item = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._send(item, BackendUnavailableError(why))
+            elif kind == "reset" and not item.done():
+                item.set_exception(BackendUnavailableError(why))
+            elif kind == "settle" and not item.done():
+                item.set_result(False)
+            elif kind == "idle":
+                for _, done in item:
+                    settle_deferred(done, why)
 
     def _calls_running(self) -> int:
         """Calls of this engine's generator under way (`SpanGenerator.calls_running`): deferred prepares wait for
@@ -478,11 +506,11 @@ class SpanEngine:
         (`SpanGenerator.defer`)."""
         if not items:
             return
-        if self._closed:
+        try:
+            self._put(("idle", items))
+        except BackendUnavailableError:
             for _, done in items:
                 settle_deferred(done, "the engine is closed")
-            return
-        self._cmds.put(("idle", items))
 
     @staticmethod
     async def _attention_scores(probe_id: str) -> dict[str, Any] | None:
@@ -495,7 +523,10 @@ class SpanEngine:
         """Wait until every deferred prepare handed to this engine so far is done (benchmarks and tests measure
         a warm query after it); False if `timeout` passed first."""
         done: concurrent.futures.Future[bool] = concurrent.futures.Future()
-        self._cmds.put(("settle", done))
+        try:
+            self._put(("settle", done))
+        except BackendUnavailableError:
+            return False  # closed: nothing will settle
         try:
             return done.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
@@ -516,12 +547,17 @@ class SpanEngine:
             self._active.pop(req.rid, None)
 
     def _start(self, engine: Any, req: _Request) -> None:
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
         try:
             engine.add_request(req.rid, TokensPrompt(prompt_token_ids=req.prompt_ids), req.params)
-        except Exception as e:  # noqa: BLE001  (any refusal goes back to the request's caller)
+        except (ValueError, TypeError, VLLMClientError) as e:  # the request's own values: the caller's to fix
             self._send(req, engine_error(e))
+            return
+        except Exception as e:  # anything else is the engine's: a server error, not a 400
+            log.exception("the engine could not take a request")
+            self._send(req, BackendError(f"the embedded engine could not take the request: {e}"))
             return
         req.added_at_step = self.steps
         self._active[req.rid] = req
@@ -555,12 +591,18 @@ class SpanEngine:
 
     # ----------------------------------------------------------------------------------------- callers
 
+    def _put(self, cmd: tuple) -> None:
+        """Queue a command for the engine's thread; `BackendUnavailableError` once it has stopped (checked and
+        queued under one lock with its stopping, so nothing is queued that it will not answer)."""
+        with self._submit_lock:
+            if self._closed:
+                raise BackendUnavailableError(self._failure or "the embedded engine is closed")
+            self._cmds.put(cmd)
+
     def _submit(self, prompt_ids: list[int], params: Any) -> _Request:
-        if self._closed:
-            raise BackendUnavailableError("the embedded engine is closed")
         loop = asyncio.get_running_loop()
         req = _Request(f"spanq-{next(self._ids)}", prompt_ids, params, loop, asyncio.Queue())
-        self._cmds.put(("add", req))
+        self._put(("add", req))
         return req
 
     def _stream(self, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
@@ -572,13 +614,12 @@ class SpanEngine:
     def batch(self) -> Iterator[None]:
         """Requests submitted inside reach the engine in one step: the engine thread adds them and steps only
         when the block is left."""
-        if self._closed:
-            raise BackendUnavailableError("the embedded engine is closed")
-        self._cmds.put(("hold", None))
+        self._put(("hold", None))
         try:
             yield
         finally:
-            self._cmds.put(("release", None))
+            with contextlib.suppress(BackendUnavailableError):
+                self._put(("release", None))
 
     async def run_tokens(
         self, prompt_ids: list[int], params: Any, table: SpanTable | None = None,
@@ -593,10 +634,8 @@ class SpanEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (spans included), on the engine's thread; False while requests run."""
-        if self._closed:
-            raise BackendUnavailableError("the embedded engine is closed")
         done: concurrent.futures.Future[bool] = concurrent.futures.Future()
-        self._cmds.put(("reset", done))
+        self._put(("reset", done))
         return done.result(timeout=60)
 
     async def prepare(self, lowered: LoweredPrompt) -> int:
@@ -691,10 +730,12 @@ class SpanEngine:
         return completion
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._cmds.put(("stop", None))
-            self._thread.join(timeout=30)
+        """Stop the engine: calls under way or queued end with `BackendUnavailableError`; its memory goes."""
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._cmds.put(("stop", None))  # (the thread sets `_closed` as it stops, and answers what is queued)
+        self._thread.join(timeout=30)
 
     def __enter__(self) -> Self:
         return self

@@ -622,6 +622,11 @@ class SpanGenerator:
                         await maybe
         if not outputs:
             raise BackendError("the engine finished a request without any output")
+        if any(getattr(c, "finish_reason", None) == "error" for c in outputs[-1].outputs):
+            # vLLM ends a request so when it could not run it (a grammar that did not compile, say): its empty
+            # text is no answer, and it is the engine's failure, not the caller's
+            raise BackendError("the engine ended the request with an error (finish reason \"error\"); its log "
+                               "says why")
         return TokenRun(outputs, first)
 
     async def prepare(self, lowered: LoweredPrompt) -> int:

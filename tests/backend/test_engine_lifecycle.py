@@ -1,0 +1,102 @@
+"""An embedded engine's end: closed while calls run, failed in its thread, failing to start, ending a request
+with an error. Each on an engine of its own (the tiny model, a small KV cache), so that the session's engines
+are not touched. Failures the engine cannot be made to have here (a step that raises, a grammar that does not
+compile) are injected at the one vLLM call they stand for."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from spanq_integrations import BackendError, BackendUnavailableError, generate, user
+
+pytestmark = pytest.mark.vllm
+
+
+def _engine(tiny_model, **options):
+    from spanq_backend.serving.embedded import EmbeddedBackend
+
+    return EmbeddedBackend(str(tiny_model), kv_cache_gib=0.25, max_model_len=1024, max_num_seqs=4, **options)
+
+
+async def test_calls_running_when_the_engine_is_closed_end_with_an_error_and_its_memory_goes(tiny_model):
+    """A call streaming when the engine closes, and one queued behind it, end with `BackendUnavailableError`
+    (they waited for ever), `settle` answers at once, later calls are refused, and the engine lets go of its
+    weights and KV cache (an adapter may keep the backend object for the life of the process)."""
+    backend = _engine(tiny_model)
+    first_token = asyncio.Event()
+    running = asyncio.create_task(backend.generate(generate(user("Count to a thousand."), max_tokens=900),
+                                                   on_token=lambda piece: first_token.set()))  # fmt: skip
+    await asyncio.wait_for(first_token.wait(), 30)
+    queued = asyncio.create_task(backend.generate(generate(user("And again."), max_tokens=900)))
+    await asyncio.sleep(0)
+    await asyncio.to_thread(backend.close)
+    for task in (running, queued):
+        with pytest.raises(BackendUnavailableError, match="closed"):
+            await asyncio.wait_for(task, 10)
+    started = time.monotonic()
+    assert backend.engine.settle(timeout=30) is False and time.monotonic() - started < 1
+    with pytest.raises(BackendUnavailableError, match="closed"):
+        await backend.generate(generate(user("hi"), max_tokens=2))
+    assert backend.engine.llm_engine is None
+
+
+async def test_when_the_engine_thread_fails_every_call_under_way_or_queued_ends_with_its_reason(tiny_model):
+    backend = _engine(tiny_model)
+    try:
+        step = backend.engine.llm_engine.step
+
+        def failing_step():
+            time.sleep(0.5)  # the second call arrives meanwhile: queued, not yet in the engine
+            step()
+            raise RuntimeError("boom in step")
+
+        backend.engine.llm_engine.step = failing_step
+        first = asyncio.create_task(backend.generate(generate(user("hi"), max_tokens=50)))
+        await asyncio.sleep(0.2)
+        second = asyncio.create_task(backend.generate(generate(user("hello"), max_tokens=50)))
+        for task in (first, second):
+            with pytest.raises(BackendUnavailableError, match="boom in step"):
+                await asyncio.wait_for(task, 15)
+        with pytest.raises(BackendUnavailableError, match="boom in step"):
+            await backend.generate(generate(user("later"), max_tokens=2))
+    finally:
+        backend.close()
+
+
+def test_an_engine_that_cannot_start_for_any_reason_says_so_and_does_not_hang(tiny_model):
+    outcome: list[BaseException | None] = []
+
+    def start() -> None:
+        try:
+            _engine(tiny_model, tier_dir="/tmp/a\0b").close()  # a path the OS refuses (ValueError)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - what the constructor raised
+            outcome.append(e)
+
+    starter = threading.Thread(target=start, daemon=True)
+    starter.start()
+    starter.join(60)
+    assert not starter.is_alive(), "the constructor still waits for an engine thread that died"
+    assert isinstance(outcome[0], BackendError) and "null byte" in str(outcome[0])
+
+
+async def test_a_request_the_engine_ends_with_an_error_is_an_error_not_an_empty_answer(tiny_model, monkeypatch):
+    """vLLM ends a request with finish reason "error" when it cannot run it (here: a JSON schema whose grammar
+    does not compile); that was returned as an empty answer, which the tool adapter then blamed on max_tokens."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    def broken(self, request):
+        raise RuntimeError("grammar compilation failed")
+
+    monkeypatch.setattr(StructuredOutputManager, "_create_grammar", broken)
+    backend = _engine(tiny_model, compact_json=True)
+    try:
+        with pytest.raises(BackendError, match='finish reason "error"'):
+            await asyncio.wait_for(backend.generate(generate(user("Give JSON"), max_tokens=30,
+                                                             json_schema='{"type": "object"}')), 60)  # fmt: skip
+    finally:
+        backend.close()
