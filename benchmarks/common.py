@@ -77,6 +77,17 @@ WORDS = (
 # --------------------------------------------------------------------------------------------- options
 
 
+def positive_int(text: str) -> int:
+    """An integer of at least 1 (an argparse type: `--reps 0` is the option's error, before any engine starts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def int_list(text: str) -> list[int]:
     """`"1,2,4"` → `[1, 2, 4]` (an argparse type)."""
     try:
@@ -119,7 +130,7 @@ def base_parser(
         help=model_help or f"tiny, default (SmolLM2-135M-Instruct) or a model folder (default: {model})",
     )
     if reps is not None:
-        parser.add_argument("--reps", type=int, default=reps, help=f"repetitions per setting (default: {reps})")
+        parser.add_argument("--reps", type=positive_int, default=reps, help=f"repetitions per setting (default: {reps})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated documents and orders")
     parser.add_argument(
         "--out", type=Path, default=default_out(name), metavar="DIR",

@@ -179,15 +179,21 @@ def cmd_bulk(args: argparse.Namespace) -> int:
     line per query on stdout, in input order (`index`: its place among the file's queries, `line`)."""
     if args.backend not in (None, "embedded"):
         raise CommandError("--bulk runs on a pool of embedded span engines (--actors); it takes no --backend")
-    if args.actors < 1:
-        raise CommandError(f"--actors must be at least 1, got {args.actors}")
+    ignored = [flag for flag, given in (("--tree-k", args.tree_k is not None), ("--reducer", args.reducer is not None),
+                                        ("--json", args.json), ("--verbose", args.verbose)) if given]  # fmt: skip
+    if ignored:
+        raise CommandError(f"--bulk does not take {', '.join(ignored)}: it prints one JSON line per query, each "
+                           "query run as the file gives it")
+    actors = 2 if args.actors is None else args.actors
+    if actors < 1:
+        raise CommandError(f"--actors must be at least 1, got {actors}")
     items = read_bulk(args.file)
     runnable = [(k, q if not args.model else with_model(q, args.model)) for k, (_, q) in enumerate(items) if not isinstance(q, str)]
     try:
         bulk = importlib.import_module(CLUSTER_BULK_MODULE)
     except ModuleNotFoundError as e:
         raise CommandError(f"spanq run --bulk needs Ray Data and the backend: {CLUSTER_EXTRA_HINT} (missing {e.name!r})") from e
-    results = bulk.run_bulk([q for _, q in runnable], actors=args.actors, model=args.model or "default",
+    results = bulk.run_bulk([q for _, q in runnable], actors=actors, model=args.model or "default",
                             address=args.ray_address)  # fmt: skip
     failed = 0
     following = 0
@@ -227,6 +233,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.bulk:
         return cmd_bulk(args)
+    given = [flag for flag in ("--actors", "--ray-address") if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if given:
+        raise CommandError(f"{', '.join(given)} run a --bulk file over a pool of engines; without --bulk they do nothing")
     query = read_query(args.file)
     if args.model:
         query = with_model(query, args.model)
@@ -279,7 +288,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         }
         print(json.dumps(report, indent=2, ensure_ascii=False))
         return 0
-    if streamed:
+    answered = result.answer_call
+    if answered is not None and len(answered.choices) > 1:  # n choices: each, in order (choice 0 streamed)
+        if streamed:
+            print()
+        for k, choice in enumerate(answered.choices):
+            print(f"--- choice {k} ---\n{choice}")
+    elif streamed:
         print()
     else:
         print(result.answer)
@@ -367,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bulk", action="store_true", help="FILE is JSONL, one query per line: run them all over a "
                      "pool of span engines on Ray Data (the cluster extra), queries sharing documents on the same "
                      "engine; prints one JSON line per query, in input order")
-    run.add_argument("--actors", type=int, default=2, metavar="N", help="--bulk: span engines in the pool (2)")
+    run.add_argument("--actors", type=int, default=None, metavar="N", help="--bulk: span engines in the pool (2)")
     run.add_argument("--ray-address", metavar="ADDR", help="--bulk: an existing Ray cluster (ray://host:10001); "
                      "default: a local Ray for this run")
     run.set_defaults(handler=cmd_run)

@@ -6,8 +6,9 @@ FastAPI's imports), not after vLLM's (~12 s)."""
 from __future__ import annotations
 
 import argparse
+import math
 
-__all__ = ["CLUSTER_ONLY", "ROUTINGS", "add_cluster_arguments", "positive_int"]
+__all__ = ["CLUSTER_ONLY", "ROUTINGS", "add_cluster_arguments", "positive_float", "positive_int"]
 
 
 def positive_int(text: str) -> int:
@@ -46,16 +47,20 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     group.add_argument("--max-imbalance", type=_non_negative_int, default=4, metavar="N",
                        help="with --replicas: a replica holding a query's spans is preferred unless its queue is more "
                        "than N requests longer than the shortest (default 4)")
-    group.add_argument("--queue-timeout", type=_positive_float, default=60.0, metavar="S",
+    group.add_argument("--queue-timeout", type=positive_float, default=60.0, metavar="S",
                        help="with --replicas: a request no replica has taken within S seconds (none running — all "
                        "restarting, say — or all at their limit of requests) is answered 503 (default 60)")
     return parser
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+def positive_float(text: str) -> float:
+    """A finite number above 0 (a size, a time): 0, negatives, inf and nan are refused as the option's error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
     return value
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from typing import Any
@@ -104,6 +105,20 @@ class _SharedEmbeddedBackend(EmbeddedBackend):
 
 _shared: dict[str, _SharedEmbeddedBackend] = {}
 _shared_lock = threading.Lock()
+
+
+@atexit.register
+def _close_shared() -> None:
+    """At exit, stop the shared engines: one still computing deferred prepares when a script ends (`spanq run`
+    after its answer) had its thread killed mid-step, which printed the engine's failure and a traceback."""
+    with _shared_lock:
+        running = list(_shared.values())
+        _shared.clear()
+    for backend in running:
+        try:
+            backend.engine.close()
+        except Exception:  # at exit: nothing left to tell
+            log.debug("closing a shared engine at exit", exc_info=True)
 
 
 def shared_embedded_backend(model: str | None = None) -> EmbeddedBackend:

@@ -18,7 +18,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from spanq_backend.serving.cluster_options import CLUSTER_ONLY, ROUTINGS, add_cluster_arguments, positive_int
+from spanq_backend.serving.cluster_options import (
+    CLUSTER_ONLY,
+    ROUTINGS,
+    add_cluster_arguments,
+    positive_float,
+    positive_int,
+)
 from spanq_backend.serving.engine_defaults import ENGINE_DEFAULTS, platform_defaults
 from spanq_backend.serving.generator import ISOLATE_MIN_TOKENS, LEAD_IN_NEUTRAL, load_chat_tokenizer
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
@@ -122,7 +128,7 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         "spans found there, by this server, another replica or `spanq prepare`, are loaded instead of computed)",
     )
     parser.add_argument(
-        "--tier-max-gb", dest="spanq_tier_max_gb", type=float, default=None, metavar="GB",
+        "--tier-max-gb", dest="spanq_tier_max_gb", type=positive_float, default=None, metavar="GB",
         help="with --tier-dir: the tier's capacity; past it the least recently used blocks not pinned (`spanq "
         "prepare --pin`) are removed (default: no limit)",
     )
@@ -142,6 +148,9 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         raise ValueError(
             "spanq serve runs one HTTP API server: --headless, --grpc and --api-server-count are not supported"
         )
+    if args.enable_prefix_caching is False:
+        raise ValueError("--no-enable-prefix-caching turns span reuse off (spans are read from the prefix cache): "
+                         "leave it out, or serve stock vLLM")
     if args.spanq_tier_dir is not None:
         from spanq_backend.vllm_integration import tier
 
@@ -307,8 +316,11 @@ def serve_main(argv: list[str]) -> int:
     import uvloop
     from vllm.logger import configure_logging_from_args
 
-    configure_logging_from_args(args)
     from spanq_backend.serving import logs
+
+    if not hasattr(args, "log_level") and getattr(args, "logging_config", None) is None:
+        args.log_level = logs.level(args.spanq_verbose)  # none given: spanq's (vLLM's warnings and errors only)
+    configure_logging_from_args(args)  # (the engine core process inherits this configuration)
 
     logs.configure(verbose=args.spanq_verbose)
     from spanq_backend.serving.families import family_line
@@ -332,6 +344,10 @@ def serve_main(argv: list[str]) -> int:
         guard.deadline_s += args.shutdown_timeout  # vLLM's drain (--shutdown-timeout) comes first
         try:
             uvloop.run(_run_server(args, guard))
+        except OSError as e:  # the address: in use, or not this machine's
+            print(f"spanq serve: error: cannot listen on {args.host or '0.0.0.0'}:{args.port}: {e.strerror or e}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         finally:
             _remove_own_kv_socket(args)
     return 0

@@ -297,3 +297,49 @@ def test_serve_refuses_a_cluster_flag_without_replicas(capsys):
     assert serve_main(["--model", "tiny", "--routing", "default"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("spanq serve: error: --routing needs --replicas") and "Traceback" not in err
+
+
+@pytest.mark.vllm
+def test_an_embedded_run_ends_cleanly_and_prints_every_choice(tmp_path):
+    """`spanq run` on the embedded engine: its new documents are prepared as spans while the answer is printed,
+    and the process ends meanwhile — which printed the engine's failure and a traceback on every run. A call of
+    n choices prints each (the streamed one was choice 0, the `--json` answer the last)."""
+    doc = json.loads(json.dumps(SPNL_QUERY))
+    doc["g"].update(model="", n=2, temperature=1.0)
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps(doc))
+    done = subprocess.run([*spanq_command(), "run", str(path), "--model", "tiny"], check=False, capture_output=True,
+                          text=True, cwd=REPO_ROOT, timeout=300, env={**os.environ, "SPANQ_DEBUG": ""})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "engine failed" not in done.stderr, done.stderr[-2000:]
+    assert "--- choice 0 ---" in done.stdout and "--- choice 1 ---" in done.stdout
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["run", "--bulk", "q.jsonl", "--tree-k", "2"], "--bulk does not take --tree-k"),
+    (["run", "q.json", "--actors", "3"], "--actors run a --bulk file"),
+])
+def test_flags_that_would_do_nothing_are_refused(argv, message, capsys):
+    from spanq_integrations.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tier-dir", "t", "--tier-max-gb", "inf"], "--tier-max-gb: must be a finite number above 0, got inf"),
+    (["--tier-dir", "t", "--tier-max-gb", "-1"], "--tier-max-gb: must be a finite number above 0, got -1"),
+    (["--no-enable-prefix-caching"], "--no-enable-prefix-caching turns span reuse off"),
+])
+def test_serve_refuses_values_that_cannot_work_in_one_line(flags, message, capsys, tmp_path, monkeypatch):
+    pytest.importorskip("vllm")
+    from spanq_backend.serving.server import serve_main
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = serve_main(["--model", "tiny", *flags])
+    except SystemExit as e:  # an option's own error: argparse's usage line and the error, exit status 2
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
