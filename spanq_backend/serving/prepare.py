@@ -19,8 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spanq_backend.serving.cluster_options import positive_float
-
 __all__ = ["prepare_main", "read_corpus"]
 
 TEXT_KEYS = ("text", "page_content", "content")
@@ -110,7 +108,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "tiny-<family>, a model folder or a Hugging Face id (default: default)")
     parser.add_argument("--pin", action="store_true", help="pin the corpus's blocks in the tier: never removed to "
                         "make room (engines started with --tier-max-gb evict the least recently used others)")
-    parser.add_argument("--tier-max-gb", type=positive_float, default=None, metavar="GB", help="the tier's capacity while "
+    parser.add_argument("--tier-max-gb", type=float, default=None, metavar="GB", help="the tier's capacity while "
                         "compiling: past it the least recently used unpinned blocks are removed (default: no limit)")
     parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     return parser.parse_args(argv)

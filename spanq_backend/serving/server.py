@@ -22,7 +22,6 @@ from spanq_backend.serving.cluster_options import (
     CLUSTER_ONLY,
     ROUTINGS,
     add_cluster_arguments,
-    positive_float,
     positive_int,
 )
 from spanq_backend.serving.engine_defaults import ENGINE_DEFAULTS, platform_defaults
@@ -128,7 +127,7 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         "spans found there, by this server, another replica or `spanq prepare`, are loaded instead of computed)",
     )
     parser.add_argument(
-        "--tier-max-gb", dest="spanq_tier_max_gb", type=positive_float, default=None, metavar="GB",
+        "--tier-max-gb", dest="spanq_tier_max_gb", type=float, default=None, metavar="GB",
         help="with --tier-dir: the tier's capacity; past it the least recently used blocks not pinned (`spanq "
         "prepare --pin`) are removed (default: no limit)",
     )

@@ -36,6 +36,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import struct
@@ -634,7 +635,11 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 def gb_to_bytes(gb: float | None) -> int | None:
     """A capacity given in GB (10^9 bytes: `--tier-max-gb`) in bytes; None stays None."""
-    return None if gb is None else int(gb * 1e9)
+    if gb is None:
+        return None
+    if not (gb > 0 and math.isfinite(gb)):  # (inf and nan: not sizes; int() of them raised OverflowError)
+        raise TierError(f"a span tier's capacity (--tier-max-gb) must be a finite number of GB above 0, got {gb}")
+    return int(gb * 1e9)
 
 
 def check_tier_dir(path: str | Path) -> None:

@@ -327,8 +327,8 @@ def test_flags_that_would_do_nothing_are_refused(argv, message, capsys):
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--tier-dir", "t", "--tier-max-gb", "inf"], "--tier-max-gb: must be a finite number above 0, got inf"),
-    (["--tier-dir", "t", "--tier-max-gb", "-1"], "--tier-max-gb: must be a finite number above 0, got -1"),
+    (["--tier-dir", "t", "--tier-max-gb", "inf"], "(--tier-max-gb) must be a finite number of GB above 0, got inf"),
+    (["--tier-dir", "t", "--tier-max-gb", "-1"], "(--tier-max-gb) must be a finite number of GB above 0, got -1"),
     (["--no-enable-prefix-caching"], "--no-enable-prefix-caching turns span reuse off"),
 ])
 def test_serve_refuses_values_that_cannot_work_in_one_line(flags, message, capsys, tmp_path, monkeypatch):
