@@ -48,6 +48,7 @@ from spanq_backend.serving.processes import (
     processes,
     reap_adopted,
 )
+from spanq_backend.serving.request_body import body_too_large, read_capped
 from spanq_integrations.backends.span import EXECUTE_PATH
 
 __all__ = ["ForwardedRequest", "SpanReplica", "build_app", "free_port", "serve_cluster", "split_cluster_args", "split_cores"]
@@ -107,26 +108,6 @@ def flag_value(args: Sequence[str], flag: str) -> str | None:
         elif arg.startswith(flag + "="):
             found = arg[len(flag) + 1 :]
     return found
-
-
-async def _read_capped(request: Request, limit: int) -> bytes | None:
-    """The request's body, or None as soon as it is over `limit` bytes (declared or received): never held whole."""
-    from fastapi import HTTPException
-    from starlette.requests import ClientDisconnect
-
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        return None
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                return None
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise HTTPException(499, "the client closed the connection before its body arrived") from None
-    return b"".join(chunks)
 
 
 def _limits(max_body_bytes: int) -> Any:
@@ -293,12 +274,10 @@ def _make_ingress(retries: int, max_body_bytes: int, queue_timeout_s: float) -> 
 
         @app.api_route("/{path:path}", methods=["GET", "POST"])
         async def relay(self, path: str, request: Request) -> Any:
-            body = await _read_capped(request, max_body_bytes)
-            if body is None:
-                from spanq_backend.serving.query_route import body_too_large, error_body
-
-                status, error = error_body(body_too_large(_limits(max_body_bytes)))
-                return _error(status, error["error"]["type"], error["error"]["message"])
+            body = await read_capped(request, max_body_bytes)
+            if body is None:  # the replicas' own 400 (`spanq serve`'s query route), said here
+                refused = body_too_large(_limits(max_body_bytes))
+                return _error(400, type(refused).__name__, str(refused))
             forwarded = ForwardedRequest(
                 method=request.method,
                 path="/" + path,

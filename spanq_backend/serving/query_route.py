@@ -15,12 +15,13 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 # module level: FastAPI resolves the route's annotations here
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, Request
 
 from spanq_backend.serving.engine_client import EngineClientBackend
 from spanq_backend.serving.generator import ISOLATE_MIN_TOKENS, LEAD_IN_NEUTRAL
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
 from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE
+from spanq_backend.serving.request_body import body_too_large, read_capped
 from spanq_backend.serving.spnl_wire import choices_of, spnl_chunk, spnl_response, wire_format
 from spanq_backend.vllm_integration.support import aquery_span_support
 from spanq_integrations.backends.span import EXECUTE_PATH  # the route spnl's patched vLLM exposes
@@ -53,7 +54,6 @@ __all__ = ["EXECUTE_PATH", "SPANS_PATH", "QueryRun", "build_query_router", "erro
 log = logging.getLogger("spanq.server")
 
 SPANS_PATH = "/v1/spans"  # GET: the digests of the spans whose KV the engine holds
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before its request was read: a 4xx, never a 500
 
 
 # HTTP status and error type for each spanq error a query can meet (subclasses before their bases).
@@ -91,14 +91,6 @@ def error_body(error: BaseException) -> tuple[int, dict[str, Any]]:
 def usage_of(result: ExecutionResult) -> dict[str, Any]:
     """The query's usage in OpenAI's shape, with spanq's padded tokens, prepared spans and span fallback."""
     return result.usage.openai()
-
-
-def body_too_large(limits: QueryLimits, size: int | None = None) -> QueryLimitError:
-    what = f"{size} bytes" if size is not None else "larger than that"
-    return QueryLimitError(
-        "$", f"the body is {what}, over the server's limit max_body_bytes={limits.max_body_bytes} "
-        "(spanq serve --max-body-bytes)"
-    )
 
 
 def parse_query(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> Node:
@@ -280,24 +272,8 @@ def build_query_router(
 
     async def read_body(request: Request) -> bytes | None:
         """The body, read before the handler runs (`with_cancellation` then listens on the connection for a
-        disconnect); None as soon as it is over `max_body_bytes` — declared or received — so an oversized body
-        is never held in memory. A client that closes the connection before its body has arrived gets (were it
-        still listening) a 499, nginx's "client closed request": its hang-up is no server error and logs none."""
-        from starlette.requests import ClientDisconnect
-
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limits.max_body_bytes:
-            return None
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limits.max_body_bytes:
-                    return None
-                chunks.append(chunk)
-        except ClientDisconnect:
-            raise HTTPException(CLIENT_CLOSED_REQUEST, "the client closed the connection before its body arrived") from None
-        return b"".join(chunks)
+        disconnect), within `max_body_bytes` (`request_body.read_capped`)."""
+        return await read_capped(request, limits.max_body_bytes)
 
     def error_response(error: BaseException) -> JSONResponse:
         status, body = error_body(error)
