@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spanq_backend.serving.cluster_options import positive_int  # (an argparse type: at least 1)
+
 __all__ = [
     "LABEL_ENV",
     "WORDS",
@@ -75,17 +77,6 @@ WORDS = (
 
 
 # --------------------------------------------------------------------------------------------- options
-
-
-def positive_int(text: str) -> int:
-    """An integer of at least 1 (an argparse type: `--reps 0` is the option's error, before any engine starts)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def int_list(text: str) -> list[int]:

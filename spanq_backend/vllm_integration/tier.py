@@ -273,7 +273,6 @@ class DiskTier:
         self._writes: queue.Queue[tuple[bytes, Block] | threading.Event] = queue.Queue()
         self._writing: set[bytes] = set()
         self._writer: threading.Thread | None = None
-        self._write_error_said = False
         self._said: set[str] = set()  # warnings given once (`_say_once`)
         self._pending_bytes = 0  # of the blocks waiting for the writer (`MAX_PENDING_BYTES`)
         # Blocks refused on load (`forget`): never offered again, even where their file could not be moved aside
@@ -586,10 +585,8 @@ class DiskTier:
             except Exception as e:  # noqa: BLE001 - a full or read-only disk (or anything else): computing stays
                 # correct, say it once; the writer goes on (a flush waiting on it must end)
                 self.stats.failed_saves += 1
-                if not self._write_error_said:
-                    self._write_error_said = True
-                    log.warning("span tier: blocks cannot be written to %s (%s); spans are computed as without "
-                                "a tier until it can", self.dir, e)
+                self._say_once("write", f"span tier: blocks cannot be written to {self.dir} ({e}); spans are "
+                               "computed as without a tier until it can")
             finally:
                 with self._lock:
                     self._writing.discard(key)
