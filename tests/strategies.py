@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from spanq_integrations.query.ir import (
     ANCHOR_POLICIES,
+    SPAN_ROLES,
     Assistant,
     Chat,
     Combine,
@@ -97,7 +98,8 @@ def span_queries(
         )  # fmt: skip
         branches = [
             st.builds(Plus, children=some, keyword=st.sampled_from(["plus", "par"]),
-                      anchor=st.none() | st.sampled_from(ANCHOR_POLICIES)),
+                      anchor=st.none() | st.sampled_from(ANCHOR_POLICIES),
+                      role=st.none() | st.sampled_from(SPAN_ROLES)),
             st.builds(Cross, children=some, keyword=st.sampled_from(["cross", "seq"])),
             generates,
             st.builds(Monad, query=children),

@@ -51,6 +51,7 @@ def _expose(node: Node) -> Node:
             if (
                 isinstance(child, Plus)
                 and child.anchor in (None, node.anchor)
+                and child.role == node.role
                 and any(isinstance(c, Generate) for c in child.children)
             ):
                 exposed.extend(child.children)

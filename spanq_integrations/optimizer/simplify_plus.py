@@ -37,8 +37,11 @@ def _simplify_join(node: Node, keep_lone_spans: bool = False) -> Node:
         lone = children[0]
         keep = isinstance(node, Plus) and (
             (keep_lone_spans and isinstance(lone, Fragment))
-            # A `plus` child is user content; out of it a generate's output is an assistant turn, a system or
-            # assistant message keeps its role, a `cross` its messages' roles: only user text reads the same.
+            # A `plus` child is content of the group's role (user unless it says system); out of it a generate's
+            # output is an assistant turn, a system or assistant message keeps its role, a `cross` its messages'
+            # roles, a fragment or text is user content: only user text in a user group reads the same.
+            or (isinstance(lone, Plus) and lone.role != node.role)
+            or (node.role is not None and not isinstance(lone, Plus))
             or not isinstance(lone, (Fragment, User, Plus))
         )
         if keep:
@@ -48,6 +51,6 @@ def _simplify_join(node: Node, keep_lone_spans: bool = False) -> Node:
 
 
 def _flattens_into(child: Node, parent: Plus | Cross) -> bool:
-    if isinstance(parent, Plus):  # one group: one anchor policy
-        return isinstance(child, Plus) and child.anchor in (None, parent.anchor)
+    if isinstance(parent, Plus):  # one group: one anchor policy, one role
+        return isinstance(child, Plus) and child.anchor in (None, parent.anchor) and child.role == parent.role
     return isinstance(child, Cross) and child.keyword == parent.keyword

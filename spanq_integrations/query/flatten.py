@@ -3,8 +3,8 @@
 Layout (what an unmodified OpenAI-compatible server receives):
 - `System`, `User`, `Assistant` children of a `Cross` keep their roles, in order.
 - A `Fragment` outside any `Plus` is user content.
-- A `Plus` becomes user content: its children in the order given, each one its own text block, blocks separated
-  by a blank line. A generated `Assistant` inside a `Plus` (a candidate to judge) is content there, not an
+- A `Plus` becomes user content (system content where it says `role="system"`): its children in the order given,
+  each one its own text block, blocks separated by a blank line. A generated `Assistant` inside a `Plus` (a candidate to judge) is content there, not an
   assistant turn. Nothing marks the blocks as order-free: such a server cannot use that fact.
 - Adjacent pieces of the same role merge into one message (blocks joined by a blank line), so the conversation
   alternates as chat templates expect.
@@ -79,8 +79,9 @@ class ChatPart:
 def chat_parts(node: Node, path: str = "$") -> list[ChatPart]:
     """The messages of a `Generate`'s input, as pieces (the one walk both a plain server's messages and a span
     engine's prompt are built from): messages keep their roles in order; a fragment outside any `plus` is user
-    content; each child of a `plus` is a `SpanPart` of user content; effects contribute nothing; pieces of the
-    same role next to each other are one message (chat templates expect roles to alternate)."""
+    content; each child of a `plus` is a `SpanPart` of its group's role (user content unless the group says
+    system); effects contribute nothing; pieces of the same role next to each other are one message (chat
+    templates expect roles to alternate)."""
     messages: list[ChatPart] = []
 
     def add(role: str, piece: str | SpanPart) -> None:
@@ -101,7 +102,7 @@ def chat_parts(node: Node, path: str = "$") -> list[ChatPart]:
                 go(child, child_path)
         elif isinstance(n, Plus):
             for child_path, child in child_paths(n, p):
-                add("user", SpanPart(block_text(child, child_path), child, n.anchor))
+                add(n.role or "user", SpanPart(block_text(child, child_path), child, n.anchor))
         else:
             block_text(n, p)  # raises for what cannot be read; Monad/Print contribute nothing
 

@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_TEMPERATURE",
     "NODE_TYPES",
     "RECOMPUTE_POLICIES",
+    "SPAN_ROLES",
     "AnchorPolicy",
     "Assistant",
     "Chat",
@@ -38,6 +39,7 @@ __all__ = [
     "Recompute",
     "Repeat",
     "Retrieve",
+    "SpanRole",
     "System",
     "User",
     "assistant",
@@ -204,6 +206,8 @@ class Generate(_Node):
 
 AnchorPolicy = Literal["template", "system", "prefix"]
 ANCHOR_POLICIES: tuple[str, ...] = ("template", "system", "prefix")
+SpanRole = Literal["user", "system"]
+SPAN_ROLES: tuple[str, ...] = ("user", "system")
 
 
 class Plus(_Node):
@@ -212,16 +216,26 @@ class Plus(_Node):
     `anchor`: what each child's KV is computed after, on a span-aware backend (None: the backend's default,
     `"template"`). `"template"`: the chat template's opening only, so a child is reused after any question,
     conversation or transcript; `"system"`: the opening with the query's leading system messages; `"prefix"`:
-    everything before the group, the most faithful and the least reusable."""
+    everything before the group, the most faithful and the least reusable.
+
+    `role`: the message the children are content of (None: `"user"`); `"system"` for documents an application
+    puts in its system prompt (LangChain's RAG template does), so the prompt keeps the application's roles."""
 
     CHILD_FIELD = ("children", "")
     kind: Literal["plus"] = "plus"
     children: tuple[Node, ...]
     keyword: Literal["plus", "par"] = "plus"
     anchor: AnchorPolicy | None = None
+    role: SpanRole | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _user_is_the_default(cls, role: SpanRole | None) -> SpanRole | None:
+        return None if role == "user" else role  # one spelling of the default: equal groups compare equal
 
     def label(self) -> str:
-        return f"{self.keyword} (order-free, {len(self.children)})"
+        role = ", in the system message" if self.role == "system" else ""
+        return f"{self.keyword} (order-free, {len(self.children)}{role})"
 
 
 class Cross(_Node):
@@ -405,15 +419,17 @@ def fragment(text: str, id: str | None = None, **metadata: Any) -> Fragment:
     return Fragment(text=text, id=id, metadata=metadata)
 
 
-def plus(*children: Any, anchor: AnchorPolicy | None = None) -> Plus:
-    """Order-free join. Strings become `Fragment`s; lists are spliced in. `anchor`: see `Plus`."""
+def plus(*children: Any, anchor: AnchorPolicy | None = None, role: SpanRole | None = None) -> Plus:
+    """Order-free join. Strings become `Fragment`s; lists are spliced in. `anchor`, `role`: see `Plus`."""
     items = _flatten_args(children)
     if not items:
         raise QueryValidationError("plus()", "a plus needs at least one child")
     if anchor is not None and anchor not in ANCHOR_POLICIES:
         raise QueryValidationError("plus(anchor)", f"unknown anchor policy {anchor!r} (one of {', '.join(ANCHOR_POLICIES)})")
+    if role is not None and role not in SPAN_ROLES:
+        raise QueryValidationError("plus(role)", f"unknown role {role!r} for a plus (one of {', '.join(SPAN_ROLES)})")
     nodes = [Fragment(text=c) if isinstance(c, str) else _as_node(c, f"plus()[{i}]") for i, c in enumerate(items)]
-    return Plus(children=tuple(nodes), anchor=anchor)
+    return Plus(children=tuple(nodes), anchor=anchor, role=None if role == "user" else role)
 
 
 def cross(*children: Any) -> Cross:

@@ -25,6 +25,7 @@ from spanq_integrations.query.ir import (
     COLD_SPAN_POLICIES,
     DEFAULT_TEMPERATURE,
     RECOMPUTE_POLICIES,
+    SPAN_ROLES,
     Assistant,
     Chat,
     Combine,
@@ -109,6 +110,8 @@ def _write_join(node: Plus | Cross, path: str) -> dict[str, Any]:
     out: dict[str, Any] = {node.tag: _write_children(node, path)}
     if getattr(node, "anchor", None) is not None:
         out["anchor"] = node.anchor  # type: ignore[union-attr]  # spanq's extension: a sibling key of the join
+    if getattr(node, "role", None) is not None:
+        out["role"] = node.role  # type: ignore[union-attr]  # the same
     return out
 
 
@@ -241,7 +244,7 @@ def _read_node(value: Any, path: str) -> Node:
             path,
             f"expected a query node (an object with one key, one of: {_NODE_KEYS}), got {_json_type(value)}",
         )
-    if len(value) == 2 and "anchor" in value and ({"plus", "par"} & set(value)):
+    if 2 <= len(value) <= 3 and len({"plus", "par"} & set(value)) == 1 and set(value) - {"plus", "par"} <= {"anchor", "role"}:
         return _read_anchored_plus(value, path)
     if len(value) != 1:
         keys = ", ".join(json.dumps(k) for k in value)
@@ -412,13 +415,22 @@ def _read_join(cls: type[Plus | Cross], keyword: str) -> _Reader:
 
 
 def _read_anchored_plus(value: dict[str, Any], path: str) -> Node:
-    """`{"plus": [...], "anchor": "template"}`: spanq's extension of spnl's join, naming the anchor policy."""
+    """`{"plus": [...], "anchor": "template", "role": "system"}`: spanq's extension of spnl's join, naming the
+    anchor policy, the role of the message its children are content of, or both."""
     (key,) = {"plus", "par"} & set(value)
-    anchor = _string(value["anchor"], f"{path}.anchor")
-    if anchor not in ANCHOR_POLICIES:
-        raise QueryParseError(f"{path}.anchor", f"unknown anchor policy {json.dumps(anchor)} (one of: {', '.join(ANCHOR_POLICIES)})")
+    update: dict[str, Any] = {}
+    if "anchor" in value:
+        anchor = _string(value["anchor"], f"{path}.anchor")
+        if anchor not in ANCHOR_POLICIES:
+            raise QueryParseError(f"{path}.anchor", f"unknown anchor policy {json.dumps(anchor)} (one of: {', '.join(ANCHOR_POLICIES)})")
+        update["anchor"] = anchor
+    if "role" in value:
+        role = _string(value["role"], f"{path}.role")
+        if role not in SPAN_ROLES:
+            raise QueryParseError(f"{path}.role", f"unknown role {json.dumps(role)} for a plus (one of: {', '.join(SPAN_ROLES)})")
+        update["role"] = None if role == "user" else role
     node = _read_join(Plus, key)(value[key], f"{path}.{key}")
-    return node.model_copy(update={"anchor": anchor})
+    return node.model_copy(update=update)
 
 
 def _read_message(cls: type[System | User]) -> _Reader:

@@ -91,7 +91,7 @@ def query_input(prompt: Sequence[PromptMessage], *, span_aware: bool, anchor: An
     """The `Generate` input for `prompt`.
 
     Span-aware backends get each run of adjacent spans as one `plus` of fragments (whitespace between spans
-    does not break a run). Any other backend gets plain messages: each message's pieces joined (spans
+    does not break a run), content of the message it was found in (a system message's documents stay there). Any other backend gets plain messages: each message's pieces joined (spans
     separated from their neighbours by a blank line), so an ordinary server receives nothing it could reject.
     """
     nodes: list[Node] = []
@@ -109,6 +109,7 @@ def query_input(prompt: Sequence[PromptMessage], *, span_aware: bool, anchor: An
                 nodes.append(make(text=text))
             continue
         run: list[Node] = []
+        role = "system" if m.role == "system" else None  # documents in a system prompt stay system content
         for part in m.parts:
             if isinstance(part, SpanPiece):
                 if part.text.strip():
@@ -117,11 +118,11 @@ def query_input(prompt: Sequence[PromptMessage], *, span_aware: bool, anchor: An
             if not part.strip():
                 continue
             if run:
-                nodes.append(Plus(children=tuple(run), anchor=anchor))
+                nodes.append(Plus(children=tuple(run), anchor=anchor, role=role))
                 run = []
             nodes.append(make(text=part))
         if run:
-            nodes.append(Plus(children=tuple(run), anchor=anchor))
+            nodes.append(Plus(children=tuple(run), anchor=anchor, role=role))
     if not nodes:
         raise QueryValidationError("messages", "every message is empty: nothing to send to the model")
     return Cross(children=tuple(nodes))

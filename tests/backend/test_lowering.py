@@ -240,6 +240,25 @@ def test_the_template_anchor_is_the_same_whatever_precedes_the_documents(tok, ne
     assert bare.endswith("<|im_start|>user") and SYSTEM not in bare
 
 
+def test_documents_of_a_system_message_stay_in_it_and_are_the_same_spans_as_a_user_turn_s(tok, marker):
+    """A group with `role="system"` (documents an app puts in its system prompt) is laid out inside the system
+    message, as the stock prompt has them; each document is prepared as in a user turn (the template anchor), so
+    both find one cached copy."""
+    in_system = cross(system(SYSTEM), plus(*[fragment(DOCS[c]) for c in "ABCD"], role="system"), user(QUESTION))
+    lp = lower(in_system, tok, BS, marker)
+    rendered = tok.apply_chat_template(to_chat_messages(span_order(in_system, tok, BS)), tokenize=False,
+                                       add_generation_prompt=True)  # fmt: skip
+    def layout(text: str) -> str:  # padding, and the separator the last span ends with before the message's end
+        return squeeze_newlines(text).replace("\n<|im_end|>", "<|im_end|>")
+
+    assert layout(tok.decode(unpadded(lp, marker))) == layout(rendered)
+    assert rendered.count("<|im_start|>") == 3 and DOCS["A"] in rendered.split("<|im_start|>user")[0]
+    in_user = lower(rag("ABCD"), tok, BS, marker)
+    assert lp.span_texts == in_user.span_texts
+    for i in range(len(lp.span_texts)):
+        assert lp.prepare_prompt(i) == in_user.prepare_prompt(i)
+
+
 def test_a_span_too_long_to_follow_the_lead_in_is_prepared_without_it(tok, newline):
     """The lead-in must not make a document that fits the window unpreparable: such a span's anchor is the bare
     opening."""

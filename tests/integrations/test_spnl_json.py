@@ -124,6 +124,23 @@ def test_spanq_nodes_are_written_in_spnl_style() -> None:
     }
 
 
+def test_a_group_s_anchor_and_role_are_sibling_keys_of_the_join() -> None:
+    group = plus("a", "b", anchor="prefix", role="system")
+    assert to_json(group) == {"plus": [{"fragment": "a"}, {"fragment": "b"}], "anchor": "prefix", "role": "system"}
+    assert from_json({"par": [{"user": "a"}], "role": "system"}) == Plus(
+        children=(User(text="a"),), keyword="par", role="system"
+    )
+    assert from_json({"plus": [{"user": "a"}], "role": "user"}) == from_json({"plus": [{"user": "a"}]})  # one spelling
+    assert to_json(plus("a", role="user")) == {"plus": [{"fragment": "a"}]}
+    with pytest.raises(QueryParseError, match=r'\$\.role: unknown role "assistant" for a plus') as caught:
+        from_json({"plus": [{"user": "a"}], "role": "assistant"})
+    assert caught.value.path == "$.role"
+    with pytest.raises(QueryParseError, match="exactly one key"):
+        from_json({"plus": [{"user": "a"}], "role": "system", "colour": "red"})
+    with pytest.raises(QueryValidationError, match="unknown role 'tool'"):
+        plus("a", role="tool")  # type: ignore[arg-type]
+
+
 def test_empty_joins_are_not_written() -> None:
     with pytest.raises(QueryValidationError) as e:
         to_json(Generate(input=Cross(children=(User(text="a"), Plus(children=())))))

@@ -77,6 +77,32 @@ def test_spans_are_flattened_into_their_message_for_an_ordinary_server():
     assert all(set(m) == {"role", "content"} and isinstance(m["content"], str) for m in sent)
 
 
+@pytest.mark.parametrize("found", [False, True], ids=["span blocks", "found in the text"])
+def test_documents_in_the_system_prompt_stay_in_the_system_message(found):
+    """LangChain's RAG template puts the context in its system message: the span engine's prompt keeps it there,
+    as the stock prompt has it (before, the documents became a user turn of their own)."""
+    from langchain_core.prompts import ChatPromptTemplate
+
+    texts = ["Doc one is about boats.", "Doc two is about apples."]
+    if found:  # the template's string, documents found in it as the adapters find a chain's retrieved ones
+        template = ChatPromptTemplate.from_messages(
+            [("system", "Answer from the context.\n\nContext:\n{context}\n\nBe brief."), ("human", "{question}")]
+        )
+        messages = template.invoke({"context": "\n\n".join(texts), "question": "Which?"}).to_messages()
+        prompt, reason = split_at_documents(prompt_from_messages(messages), [SpanCandidate(t) for t in texts])
+        assert reason is None and prompt is not None
+    else:
+        system = SystemMessage(["Answer from the context.\n\nContext:", *format_docs_as_spans(texts), "Be brief."])
+        prompt = prompt_from_messages([system, HumanMessage("Which?")])
+    spans = query_input(prompt, span_aware=True)
+    plain = to_chat_messages(query_input(prompt, span_aware=False))
+    sent = to_chat_messages(spans)
+    assert [" ".join(m["content"].split()) for m in sent] == [" ".join(m["content"].split()) for m in plain]
+    assert [m["role"] for m in sent] == [m["role"] for m in plain] == ["system", "user"]
+    (group,) = [c for c in spans.children if isinstance(c, Plus)]
+    assert group.role == "system" and [f.text for f in group.children] == texts
+
+
 def test_the_shorthand_marker_is_read_too():
     message = HumanMessage([{"type": "text", "text": "doc", "spanq": {"span": True, "id": "d1"}}])
     (m,) = prompt_from_messages([message])

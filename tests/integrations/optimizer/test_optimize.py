@@ -51,15 +51,23 @@ def assert_optimized_shape(tree: Node, capabilities: BackendCapabilities = PLAIN
         assert not isinstance(node, (Chat, Retrieve, Repeat, Map)), f"sugar left at {path}"
         if isinstance(node, (Plus, Cross)) and path != "$":
             # (for a span-aware backend a plus of one document stays: it is a span; and a plus whose lone child
-            # would read in another role out of it: a generate's output, a system or assistant message, a cross)
+            # would read in another role out of it: a generate's output, a system or assistant message, a cross,
+            # anything of a group in the system message, a group of another role)
             lone = node.children[0] if isinstance(node, Plus) and len(node.children) == 1 else None
             lone_span = lone is not None and capabilities.span_aware and isinstance(lone, Fragment)
-            keeps_role = lone is not None and not isinstance(lone, (Fragment, User, Plus))
+            keeps_role = lone is not None and (
+                not isinstance(lone, (Fragment, User, Plus))
+                or node.role is not None  # type: ignore[union-attr]
+                or (isinstance(lone, Plus) and lone.role != node.role)  # type: ignore[union-attr]
+            )
             assert len(node.children) != 1 or lone_span or keeps_role, f"single-child join at {path}"
             for child in node.children:
-                # a plus in a plus stays only where the inner one names another anchor policy (one group, one
-                # policy: `simplify_plus`); any other nesting is spliced
-                spliceable = isinstance(child, Plus) and isinstance(node, Plus) and child.anchor in (None, node.anchor)
+                # a plus in a plus stays only where the inner one names another anchor policy or role (one
+                # group, one policy, one role: `simplify_plus`); any other nesting is spliced
+                spliceable = (
+                    isinstance(child, Plus) and isinstance(node, Plus)
+                    and child.anchor in (None, node.anchor) and child.role == node.role
+                )  # fmt: skip
                 assert not spliceable, f"plus in plus at {path}"
 
 
