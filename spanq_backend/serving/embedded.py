@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import threading
@@ -86,7 +87,34 @@ class EmbeddedBackend(Backend):
 
 
 class _SharedEmbeddedBackend(EmbeddedBackend):
-    """A process-wide engine: closing it through a query run does nothing; `shutdown()` stops it."""
+    """A process-wide engine: closing it through a query run does nothing; `shutdown()` stops it. An engine that
+    failed (its thread stopped on an error) is started again by the next call, with a warning naming the failure:
+    every adapter holding this backend would otherwise be refused for the life of the process."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self._restart_lock = threading.Lock()
+
+    async def generate(
+        self,
+        call: Generate,
+        *,
+        path: str = "$",
+        on_token: TokenCallback | None = None,
+        span_output: bool = False,
+    ) -> Completion:
+        if self.engine.closed:
+            await asyncio.to_thread(self._restart)
+        return await super().generate(call, path=path, on_token=on_token, span_output=span_output)
+
+    def _restart(self) -> None:
+        with self._restart_lock:
+            stopped = self.engine
+            if not stopped.closed or self not in _shared.values():
+                return  # started again meanwhile, or shut down (its calls are refused, as a closed engine's)
+            log.warning("the shared embedded engine on %s stopped (%s); starting a new one", self.model_name,
+                        stopped.failure or "it was closed")  # fmt: skip
+            self.engine = SpanEngine(stopped.config)
 
     async def aclose(self) -> None:
         return None

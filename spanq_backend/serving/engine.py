@@ -729,6 +729,16 @@ class SpanEngine:
                      "" if m.deferred_spans == 1 else "s", path)  # fmt: skip
         return completion
 
+    @property
+    def closed(self) -> bool:
+        """Whether the engine has stopped (closed, or failed in its thread: `failure` says why)."""
+        return self._closed
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine's thread stopped, where it failed; None where it runs or was closed."""
+        return self._failure
+
     def close(self) -> None:
         """Stop the engine: calls under way or queued end with `BackendUnavailableError`; its memory goes."""
         with self._submit_lock:

@@ -67,6 +67,41 @@ async def test_when_the_engine_thread_fails_every_call_under_way_or_queued_ends_
         backend.close()
 
 
+async def test_a_shared_engine_that_failed_is_started_again_by_the_next_call_and_a_shut_down_one_is_not(
+    tiny_model, monkeypatch
+):
+    """The process-wide engine every adapter that names no backend holds: after its thread failed, every later
+    call was refused for the life of the process (the adapters keep the backend object). The next call now starts
+    it again, saying why; `shutdown()` still ends it for good."""
+    import logging
+
+    from spanq_backend.serving.embedded import shared_embedded_backend
+
+    backend = shared_embedded_backend(str(tiny_model))
+    try:
+        failed = backend.engine
+        step = failed.llm_engine.step
+
+        def failing_step():
+            step()
+            raise RuntimeError("boom in step")
+
+        failed.llm_engine.step = failing_step
+        with pytest.raises(BackendUnavailableError, match="boom in step"):
+            await backend.generate(generate(user("hi"), max_tokens=5))
+        said: list[str] = []
+        monkeypatch.setattr(logging.getLogger("spanq.embedded"), "warning", lambda msg, *a: said.append(msg % a))
+        again = await asyncio.gather(*(backend.generate(generate(user("hi"), max_tokens=2)) for _ in range(2)))
+        assert all(isinstance(c.text, str) for c in again)
+        assert backend.engine is not failed and not backend.engine.closed
+        assert shared_embedded_backend(str(tiny_model)) is backend
+        assert len(said) == 1 and "boom in step" in said[0], said  # one restart for the two calls, saying why
+    finally:
+        backend.shutdown()
+    with pytest.raises(BackendUnavailableError, match="closed"):
+        await backend.generate(generate(user("hi"), max_tokens=2))
+
+
 def test_an_engine_that_cannot_start_for_any_reason_says_so_and_does_not_hang(tiny_model):
     outcome: list[BaseException | None] = []
 
