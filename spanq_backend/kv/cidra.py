@@ -43,7 +43,7 @@ class CidraPlanner:
     block_size: int
     users_of: Callable[[int], int]
     in_use_at: dict[int, int] = field(default_factory=dict)  # block id -> position its readers need
-    duplicates_planned: int = 0
+    duplicates_made: int = 0  # private copies given to admitted requests (counted where they are made)
 
     def plan(self, hit_block_ids: Sequence[int]) -> StepPlan:
         """Decide, for a request about to read `hit_block_ids` as its logical blocks 0..n-1."""
@@ -58,7 +58,6 @@ class CidraPlanner:
             # The ref count (a call into vLLM's block pool) only where the recorded position differs.
             if have is not None and have != j * bs and self.users_of(b) > 0:
                 dup.append(j)
-        self.duplicates_planned += len(dup)
         return StepPlan(duplicate=dup)
 
     def admitted(self, block_ids: Sequence[int], first_index: int = 0) -> None:

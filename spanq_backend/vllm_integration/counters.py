@@ -23,7 +23,7 @@ def stats() -> dict[str, Any]:
         "moved_blocks": sum(rt.relocator.moved_blocks for rt in runtimes),
         "compiled_runners": sum(rt.relocator.uses_compiled_kernel for rt in runtimes),
         "conflicts": sum(rt.tracker.conflicts for rt in runtimes),
-        "duplicates": sum(m.planner.duplicates_planned for m in engine_core.manager_spans.values()),
+        "duplicates": sum(m.planner.duplicates_made for m in engine_core.manager_spans.values()),
         "hashing_seconds": engine_core.HASHING["seconds"],
         **tier.process_stats(),
     }

@@ -231,11 +231,13 @@ def rekey_missed_spans(request: Any, num_computed_tokens: int, keep_span_keys: b
     elif keep_span_keys and j0 < state.keys_from:
         state.span_keys, state.keys_from = list(hashes[j0 : state.keys_from]) + state.span_keys, j0
     tokens = request.all_token_ids
-    parent = None  # a stock chain over the whole prefix: the re-keyed blocks depend on every token before them
-    for j in range(j0):
-        parent = hash_block_tokens(hash_fn, parent, tokens[j * bs : (j + 1) * bs], (CONTEXT_TAG,))
+    # The re-keyed chain starts from the keys of the blocks before it — what this request reads there: a span's
+    # KV under its anchor, a block computed in context, the prefix — not from their tokens alone: the same
+    # tokens read another way (a span computed in context here, cached as a span there; another anchor) are
+    # other KV. Each block also carries its own original key, with the cache salt, LoRA and probe tags in it.
+    parent = hash_block_tokens(hash_fn, None, (), (CONTEXT_TAG, *hashes[:j0]))
     for j in range(j0, len(hashes)):
-        parent = hash_block_tokens(hash_fn, parent, tokens[j * bs : (j + 1) * bs], (CONTEXT_TAG,))
+        parent = hash_block_tokens(hash_fn, parent, tokens[j * bs : (j + 1) * bs], (CONTEXT_TAG, hashes[j]))
         hashes[j] = parent  # in place: vLLM holds views of this list
     state.rekeyed_from = j0
     log.info("request %s: span blocks from %d missed the cache; computed in context, not cached as spans",
@@ -243,10 +245,13 @@ def rekey_missed_spans(request: Any, num_computed_tokens: int, keep_span_keys: b
     return len(hashes) - j0
 
 
-def restore_span_keys(request: Any) -> None:
-    """Undo `rekey_missed_spans` (in place): the request's span blocks hash as spans again, to be looked up anew."""
+def restore_span_keys(request: Any, hit_blocks: int = 0) -> None:
+    """Undo `rekey_missed_spans` (in place): the request's span blocks hash as spans again, to be looked up anew.
+    Not where the engine's own lookup (`hit_blocks` of it) already went past the first re-keyed block: the request
+    then holds blocks computed in context there (looked up again after a preemption), and what it computes next
+    must stay keyed as context too."""
     state = request_spans.get(request)
-    if state is None or state.span_keys is None:
+    if state is None or state.span_keys is None or hit_blocks > state.keys_from:
         return
     hashes = request.block_hashes
     hashes[state.keys_from : state.keys_from + len(state.span_keys)] = state.span_keys
@@ -264,6 +269,12 @@ def rekey_after_connector(kv_cache_manager: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------- CIDRA
+
+
+# Copy plans kept at most: a plan lives from a request's lookup to its allocation in the same scheduling pass (a
+# later lookup plans again), so only the plans of requests looked up and never admitted (aborted while waiting)
+# grow past the requests one pass looks at; the oldest go first.
+MAX_COW_PLANS = 4096
 
 
 @dataclass
@@ -297,9 +308,13 @@ def wrap_get_computed_blocks(orig: Any) -> Any:
             state = manager_spans(mgr)
             # A plan from an earlier lookup of this request (not admitted then) is stale: its hit may be gone.
             state.cow_plans.pop(request.request_id, None)
-            if num_computed:
-                hit = [blk.block_id for blk in blocks.blocks[0][: num_computed // mgr.block_size]]
-                state.cow_plans[request.request_id] = state.planner.plan(hit).duplicate
+            hit = [blk.block_id for blk in blocks.blocks[0][: num_computed // mgr.block_size]]
+            # A plan even without a local hit (an empty one): its first allocation then records the position of
+            # every block it holds, those a KV connector (the span tier) loads included, which another request
+            # must not rotate in place while this one reads them.
+            state.cow_plans[request.request_id] = state.planner.plan(hit).duplicate if hit else []
+            while len(state.cow_plans) > MAX_COW_PLANS:  # lookups of requests never admitted (aborted waiting)
+                del state.cow_plans[next(iter(state.cow_plans))]
         return result
 
     return get_computed_blocks
@@ -336,6 +351,7 @@ def wrap_allocate_new_blocks(orig: Any) -> Any:
             copy = self.block_pool.get_new_blocks(1)[0]
             self._apply_cow(request_id, idx, req_blocks[idx], copy)  # copied before the forward pass
             duplicated.append(copy)
+        state.planner.duplicates_made += len(duplicated)
         # Positions to record: every block when a cache hit was just admitted, else only the blocks added now
         # (a running request's earlier blocks keep theirs: no per-step walk over every block it holds).
         first = 0 if plan is not None else len(req_blocks)

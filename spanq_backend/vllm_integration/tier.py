@@ -791,10 +791,11 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
 
         table = span_table_of(request)
-        if table is not None:
-            restore_span_keys(request)  # an earlier lookup of this request re-keyed them
-        bs, hashes = self.block_size, request.block_hashes
+        bs = self.block_size
         start = num_computed_tokens // bs
+        if table is not None:
+            restore_span_keys(request, start)  # an earlier lookup of this request re-keyed them
+        hashes = request.block_hashes
         limit = min(len(hashes), (request.num_prompt_tokens - 1) // bs)  # vLLM computes at least one token
         found: list[bytes] = []
         if not getattr(request, "skip_reading_prefix_cache", False):

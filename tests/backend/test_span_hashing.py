@@ -401,6 +401,60 @@ def test_rekeyed_blocks_depend_on_every_span_before_them(hashing, rekey):
     assert b_short != b_long
 
 
+def test_rekeyed_blocks_depend_on_how_the_blocks_before_them_were_read(hashing, rekey):
+    """The same tokens, B computed in context after A: A read as a cached span, A computed in context too, A a
+    span of another anchor, or another tenant's cache salt — each is other KV for B, so each gets other keys.
+    They were a chain over the tokens alone (the same in all four): a later lookup of one (after a preemption, or
+    a request not admitted at once) read another's KV."""
+    tokens, table = layout("AB")
+    lead_in = tuple(block_tokens(2, 500))
+    other_anchor = SpanTable(BS, table.spans, (lead_in, lead_in)).validate(len(tokens))
+    a_hit, b_start = table.spans[1][0], table.spans[0][0]
+    cases = {
+        "A a cached span": (request(tokens, hashing.plugin, table=table), a_hit),
+        "A in context": (request(tokens, hashing.plugin, table=table), b_start),
+        "A of another anchor": (request(tokens, hashing.plugin, table=other_anchor), a_hit),
+        "tenant 1": (request(tokens, hashing.plugin, table=table, cache_salt="tenant-1"), a_hit),
+        "tenant 2": (request(tokens, hashing.plugin, table=table, cache_salt="tenant-2"), a_hit),
+    }
+    b = blocks_of(table, 1)
+    keys = {}
+    for name, (req, hit) in cases.items():
+        rekey(req, hit)
+        keys[name] = tuple(req.block_hashes[b.start :])  # B and the tail's full block
+    assert len(set(keys.values())) == len(keys), "two ways of reading the same tokens share re-keyed blocks"
+
+
+def test_a_tier_lookup_after_a_preemption_keeps_the_blocks_computed_in_context_keyed_as_context(hashing):
+    """A span tier's lookup restores a request's span keys before it looks them up again. After a preemption the
+    engine's own lookup has already found the request's blocks computed in context (under their context keys) past
+    the first re-keyed one: restoring then put span keys back, and the question's blocks it computed next were
+    cached under the keys a query reading every span from the cache looks up."""
+    from types import SimpleNamespace
+
+    from spanq_backend.vllm_integration.tier import SpanTierConnector
+
+    tokens, table = layout("AB")
+    connector = SimpleNamespace(block_size=BS, tier=SimpleNamespace(holds=lambda h: False),  # an empty tier
+                                in_flight_by=lambda found, rid: None, _kv_cache_manager=None, deferred_lookups=0,
+                                _lookups={})  # fmt: skip
+    pure = request(tokens, hashing.plugin, table=table)  # every span cached: its keys are the span layout's
+    resumed = request(tokens, hashing.plugin, table=table)
+    a_hit, b_end = table.spans[1][0], table.spans[1][1]
+    assert SpanTierConnector.get_num_new_matched_tokens(connector, resumed, a_hit) == (0, False)  # B missed
+    context_keys = list(resumed.block_hashes)
+    assert context_keys[b_end // BS] != pure.block_hashes[b_end // BS]
+    # Preempted, then looked up again: the engine's lookup, with the re-keyed keys, finds its own B (computed in
+    # context) and stops at the tail's block, evicted first.
+    assert SpanTierConnector.get_num_new_matched_tokens(connector, resumed, b_end) == (0, False)
+    assert list(resumed.block_hashes) == context_keys
+    # Looked up again with nothing more found (not admitted at first): restored, then re-keyed alike.
+    again = request(tokens, hashing.plugin, table=table)
+    SpanTierConnector.get_num_new_matched_tokens(connector, again, a_hit)
+    SpanTierConnector.get_num_new_matched_tokens(connector, again, a_hit)
+    assert list(again.block_hashes) == context_keys
+
+
 # --------------------------------------------------------------------------------------------- (f) the table
 
 
