@@ -958,7 +958,12 @@ class SpanGenerator:
         first_seen = self.unseen_in_context(call, span_output)
         if first_seen is not None:
             return first_seen
-        lowered, flattened = self._lower(call, align_output=span_output)
+        try:
+            lowered, flattened = self._lower(call, align_output=span_output)
+        except ContextLengthError:
+            if span_output:
+                raise
+            return self._too_long_for_spans(call)
         if not lowered.has_spans:
             return CallLayout(lowered, flattened, "warm")
         spans = len(lowered.table.spans)
@@ -999,6 +1004,32 @@ class SpanGenerator:
             align_output=span_output, as_context=frozenset(texts),
         )
         return CallLayout(relaid, flattened, mode, deferred=prompts, also=extra, spans=spans)
+
+    def _too_long_for_spans(self, call: Generate) -> CallLayout:
+        """A call whose span layout does not fit the context window (its padding, up to a block less one token a
+        span, counts against it) but whose stock prompt does: read as stock reads it, in context; the spans that
+        fit alone are prepared when the engine is idle, for shorter prompts that read them. Where the stock prompt
+        does not fit either, its `ContextLengthError` (stock's own limit) is the call's."""
+        stock, _ = self._lower(call, stock=True)
+        limit = self.max_model_len
+
+        def later() -> tuple[list[list[int]], list[list[int]]]:
+            try:  # the same layout, unchecked against the window: which of its spans fit alone
+                lowered = lower(call.input, self.tokenizer, self.block_size, self.pad_token_id, None,
+                                default_anchor=self.default_anchor, lead_in=self.lead_in_for(call),
+                                keep_order=self.keep_span_order)  # fmt: skip
+            except SpanQueryError:
+                return [], []
+            if not lowered.has_spans:
+                return [], []
+            self._note_spans(lowered)
+            cold = self.cold_span_indices(lowered)
+            prompts = [lowered.prepare_prompt(i) for i in cold]
+            return [p for p in prompts if limit is None or len(p) < limit], []
+
+        texts = {c.text for _, n in walk(call.input) if isinstance(n, Plus) for c in n.children
+                 if isinstance(c, (Fragment, User)) and c.text}  # fmt: skip
+        return CallLayout(stock, False, "context", spans=len(texts), later=later)
 
     def unseen_in_context(self, call: Generate, span_output: bool = False) -> CallLayout | None:
         """The layout of a call none of whose span texts this generator has laid out before, where its cold spans

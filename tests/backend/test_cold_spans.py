@@ -17,6 +17,7 @@ import pytest
 from benchmarks.hf_span import full_attention_logprobs, span_reference_logprobs
 from spanq_backend.serving import metrics
 from spanq_backend.serving.generator import flattened_prompt_ids
+from spanq_backend.serving.lowering import lower
 from spanq_integrations import cross, fragment, generate, plus, system, user
 from tests.backend.logprobs import run_with_logprobs
 from tests.backend.settings import temporarily
@@ -298,6 +299,44 @@ def test_a_call_says_how_its_own_cold_spans_are_computed(engine):
     own, engine_default = asyncio.run(scenario())
     assert own.extra["cold_spans"] == "isolate" and own.prepared_spans == 4 and own.deferred_spans == 0
     assert engine_default.extra["cold_spans"] == "context" and engine_default.deferred_spans == 4
+
+
+def test_a_prompt_that_fits_only_without_the_span_padding_is_read_as_stock_reads_it(engine):
+    """Retrieved documents filled to just under the context window: stock vLLM answers, and so must the span
+    engine — its padding (up to a block less one token a document) would push the span layout past the window,
+    and the call was a `ContextLengthError` once any of its documents had been seen (or on its first call, under
+    "isolate" or past `isolate_min_tokens`). Now it is read in context as stock reads it; its documents that fit
+    alone are prepared when idle. A prompt stock cannot fit either is still refused, with stock's sizes."""
+    from spanq_integrations.query.errors import ContextLengthError
+
+    tokenizer = engine.tokenizer
+    cards = [f"Card {k}. " + " ".join(f"Shelf {k}-{i} holds {i % 5} jars." for i in range(11)) for k in range(17)]
+
+    def fill(n: int):
+        return generate(cross(system("Answer from the cards."), plus(*cards[:n]), user("Which shelf holds 3 jars?")),
+                        max_tokens=4, temperature=0.0)  # fmt: skip
+
+    n = max(k for k in range(1, len(cards) + 1)
+            if len(flattened_prompt_ids(tokenizer, fill(k).input)) + 4 <= engine.config.max_model_len)  # fmt: skip
+    call = fill(n)
+    stock_ids = flattened_prompt_ids(tokenizer, call.input)
+    newline = tokenizer.encode("\n", add_special_tokens=False)[-1]
+    laid_out = lower(call.input, tokenizer, 32, newline, None)  # the span layout, unchecked
+    assert len(laid_out.token_ids) + 4 > engine.config.max_model_len >= len(stock_ids) + 4, "not the case tested"
+
+    async def scenario():
+        seen = await engine.generate(fill(1))  # one of its documents laid out before: the full layout is tried
+        engine.settle()
+        answer = await engine.generate(call)
+        engine.settle()
+        return seen, answer
+
+    _, answer = asyncio.run(scenario())
+    m = answer.metrics
+    assert m.prompt_tokens == len(stock_ids) and m.padded_tokens == 0 and m.extra["cold_spans"] == "context"
+    assert m.deferred_spans == n - 1, m  # every card but the one read before: prepared alone when idle
+    with pytest.raises(ContextLengthError, match="context"):
+        asyncio.run(engine.generate(fill(n + 1)))
 
 
 def probes_and_requests(engine, d: dict[str, str]) -> tuple[list[str], object]:
