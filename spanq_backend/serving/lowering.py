@@ -430,6 +430,13 @@ def lower(
     if slots:  # without spans, texts[0] was the whole prompt
         ids.extend(enc(_after_separator(texts[-1])))
     check_fits(ids, padded, max_model_len, max_new_tokens)
+    if spans and spans[0][0] != anchor_len:
+        # Text before the first span (a group read in context, `as_context`): a span anchored on the prefix names
+        # it by its tokens (an integer anchor is the table's own prefix, which now holds that text too), or, too
+        # long to travel so, by the table's prefix: computed after everything before it.
+        prefix = tuple(ids[:anchor_len]) if anchor_len <= MAX_ANCHOR_TOKENS else spans[0][0]
+        anchors = [prefix if a == anchor_len else a for a in anchors]
+        anchor_len = spans[0][0]
     table = SpanTable(block_size, tuple(spans), tuple(anchors) if any(a != anchor_len for a in anchors) else None)
     table.validate(len(ids))
     return LoweredPrompt(

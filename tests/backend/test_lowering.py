@@ -259,6 +259,25 @@ def test_documents_of_a_system_message_stay_in_it_and_are_the_same_spans_as_a_us
         assert lp.prepare_prompt(i) == in_user.prepare_prompt(i)
 
 
+@pytest.mark.parametrize("groups", ["prefix", "prefix and template"])
+def test_a_group_read_in_context_before_the_spans_leaves_their_prefix_anchor_as_it_was(tok, newline, groups):
+    """A first group all cold, read in context (`as_context`, the "context" policy's layout), puts text before
+    the first span: a span anchored on the prefix must still be prepared after the prefix alone, as when that
+    group is a span. It raised `SpanTableError` beside a template-anchored group (an integer anchor that was no
+    longer the table's prefix), and alone was silently re-anchored on the in-context text (every block missed)."""
+    tail = [plus(fragment(DOCS["A"]), fragment(DOCS["B"]), anchor="prefix")]
+    if groups == "prefix and template":
+        tail = [plus(fragment(DOCS["A"]), anchor="prefix"), plus(fragment(DOCS["B"]))]
+    query = cross(system(SYSTEM), plus(fragment(DOCS["C"])), *tail, user(QUESTION))
+    as_spans = lower(query, tok, BS, newline)
+    relaid = lower(query, tok, BS, newline, as_context=frozenset({DOCS["C"]}))
+    assert relaid.span_texts == [t for t in as_spans.span_texts if t != DOCS["C"]]
+    for i, text in enumerate(relaid.span_texts):
+        if i in relaid.prepare_tails:
+            continue  # the last, with a tail kept as context: its prepare adds it, padded
+        assert relaid.prepare_prompt(i) == as_spans.prepare_prompt(as_spans.span_texts.index(text)), text
+
+
 def test_a_span_too_long_to_follow_the_lead_in_is_prepared_without_it(tok, newline):
     """The lead-in must not make a document that fits the window unpreparable: such a span's anchor is the bare
     opening."""
