@@ -237,13 +237,12 @@ class SpanProbe(Protocol):
 
 
 def _plus_texts(n: Any) -> tuple[str, ...] | None:
-    """A `plus` whose children are all texts, distinct: their texts in its order (else None)."""
-    if not isinstance(n, Plus) or not n.children:
+    """A `plus` whose children are all texts, distinct: their texts in its order (else None). An empty text (a
+    retriever's empty document) is no child: it adds nothing to the prompt."""
+    if not isinstance(n, Plus) or not all(isinstance(c, (Fragment, User)) for c in n.children):
         return None
-    if not all(isinstance(c, (Fragment, User)) and c.text for c in n.children):
-        return None
-    texts = tuple(c.text for c in n.children)
-    return texts if len(set(texts)) == len(texts) else None
+    texts = tuple(c.text for c in n.children if c.text)
+    return texts if texts and len(set(texts)) == len(texts) else None
 
 
 def plus_orders(node: Any) -> list[tuple[str, ...]]:

@@ -496,14 +496,17 @@ def span_order(
     def reorder(n: Node) -> Node:
         if not isinstance(n, Plus) or len(n.children) < 2:
             return n
-        if not all(isinstance(c, (Fragment, User)) and c.text and c.text not in as_context for c in n.children):
+        if not all(isinstance(c, (Fragment, User)) and c.text not in as_context for c in n.children):
             return n
-        ordered = sorted(n.children, key=lambda c: _order_key(c.text))
+        texts = [c for c in n.children if c.text]  # an empty text (a retriever's empty document) adds nothing
+        if not texts:
+            return n
+        ordered = sorted(texts, key=lambda c: _order_key(c.text))
         tails = [tail(c.text) for c in ordered]
         last = len(tails) - 1
         k = min(range(last, -1, -1), key=lambda i: tails[i])  # of the shortest, the latest by digest
         ordered = [*ordered[:k], *ordered[k + 1 :], ordered[k]]
-        if all(a is b for a, b in zip(ordered, n.children, strict=True)):
+        if len(ordered) == len(n.children) and all(a is b for a, b in zip(ordered, n.children, strict=True)):
             return n
         return n.model_copy(update={"children": tuple(ordered)})
 

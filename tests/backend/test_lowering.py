@@ -165,6 +165,11 @@ def test_a_group_is_read_in_one_order_for_its_set_with_the_shortest_tail_last(to
     assert lower(cross(system(SYSTEM), plus(fragment(DOCS["B"]), plus("x", "y")), user(QUESTION)), tok, BS,
                  marker).span_texts[0] == DOCS["B"]
     assert lower(rag("DB"), tok, BS, marker, keep_order=True).span_texts == [DOCS["D"], DOCS["B"]]  # as given
+    # an empty document (a retriever can return one) adds nothing, and leaves the group's one order as it is
+    (read,) = layouts("ABD")
+    for given in ("ABD", "DBA"):
+        with_empty = cross(system(SYSTEM), plus(fragment(""), *[fragment(DOCS[c]) for c in given]), user(QUESTION))
+        assert tuple(name[t] for t in lower(with_empty, tok, BS, marker).span_texts) == read, given
     kept = lowering.span_order
     try:
         lowering.span_order = lambda node, *_: node  # broken: the given order
