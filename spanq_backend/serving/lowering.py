@@ -152,6 +152,9 @@ class LoweredPrompt:
     prepare_tails: dict[int, tuple[int, ...]] = field(default_factory=dict)
     generated_spans: int = 0  # generated assistants read as spans on their own prompt (their KV reused)
     generated_as_text: int = 0  # generated assistants the engine no longer knows: read as text, prefilled again
+    # Where the last `plus` child's tokens end (a span's, or a text read in context after the spans, or a repeated
+    # document's): what follows is the question (`recompute.question_start`). 0: not recorded.
+    slots_end: int = 0
 
     @property
     def has_spans(self) -> bool:
@@ -427,6 +430,7 @@ def lower(
                 f"span {i} ({size} tokens with its {anchor_size}-token anchor) does not fit the "
                 f"model's context window of {max_model_len} tokens"
             )
+    slots_end = len(ids)
     if slots:  # without spans, texts[0] was the whole prompt
         ids.extend(enc(_after_separator(texts[-1])))
     check_fits(ids, padded, max_model_len, max_new_tokens)
@@ -447,6 +451,7 @@ def lower(
         prepare_tails=tails,
         generated_spans=generated_spans,
         generated_as_text=generated_as_text,
+        slots_end=slots_end if slots else 0,
     )
 
 

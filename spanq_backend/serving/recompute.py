@@ -158,28 +158,37 @@ def _question_scores(
     table = lowered.table
     bs = table.block_size
     sizes = [(e - s) // bs for s, e in table.spans]
-    after = set(lowered.token_ids[question_start(lowered, pad_token_id) :])
-    after.discard(pad_token_id)
     blocks = []
     for i in spans:
         s, _ = table.spans[i]
         blocks += [((i, b), s + b * bs, set(lowered.token_ids[s + b * bs : s + (b + 1) * bs])) for b in range(sizes[i])]
-    # A token shared with the question weighs more the fewer span blocks hold it (an inverse document frequency):
-    # the town a question names counts, the words every document repeats do not.
-    held = Counter(t for _, _, toks in blocks for t in toks & after)
-    weight = {t: math.log((1 + len(blocks)) / (1 + n)) for t, n in held.items()}
-    return [(pair, start, sum(weight[t] for t in toks & after)) for pair, start, toks in blocks]
+
+    def scores(question: set[int]) -> list[tuple[tuple[int, int], int, float]]:
+        # A token shared with the question weighs more the fewer span blocks hold it (an inverse document
+        # frequency): the town a question names counts, the words every document repeats do not.
+        question.discard(pad_token_id)
+        held = Counter(t for _, _, toks in blocks for t in toks & question)
+        weight = {t: math.log((1 + len(blocks)) / (1 + n)) for t, n in held.items()}
+        return [(pair, start, sum(weight[t] for t in toks & question)) for pair, start, toks in blocks]
+
+    after = scores(set(lowered.token_ids[question_start(lowered, pad_token_id) :]))
+    if any(score > 0 for *_, score in after):
+        return after
+    # Nothing after the documents is shared with them ("Question: … Context: … Answer:", LangChain hub's
+    # rlm/rag-prompt, asks before them): the text before the first span.
+    return scores(set(lowered.token_ids[: table.spans[0][0]]))
 
 
 def question_start(lowered: LoweredPrompt, pad_token_id: int | None) -> int:
     """Where the question starts: the first token after the last span, less that span's own tail where the prompt
-    keeps it as context (its prepare tail without the padding: the last document's words are not the question's)."""
+    keeps it as context (its prepare tail without the padding: the last document's words are not the question's),
+    and after any document the prompt reads in context after the spans (a cold one, a repeated one)."""
     table = lowered.table
     tail = lowered.prepare_tails.get(len(table.spans) - 1, ())
     kept = len(tail)
     while kept and tail[kept - 1] == pad_token_id:
         kept -= 1
-    return table.spans[-1][1] + kept
+    return max(table.spans[-1][1] + kept, lowered.slots_end)
 
 
 def plan_recompute(lowered: LoweredPrompt, blocks: Iterable[tuple[int, int]]) -> RecomputePlan:

@@ -283,6 +283,23 @@ def test_a_group_read_in_context_before_the_spans_leaves_their_prefix_anchor_as_
         assert relaid.prepare_prompt(i) == as_spans.prepare_prompt(as_spans.span_texts.index(text)), text
 
 
+def test_the_question_is_what_follows_every_document_and_else_what_precedes_them(tok, newline):
+    """`recompute="question"` (the default) chooses the blocks the question shares words with. A document read in
+    context after the spans (a cold one, a repeated one) was read as part of the question, so blocks were chosen
+    for sharing another document's words; and with the question before the documents (LangChain hub's
+    rlm/rag-prompt: "Question: … Context: … Answer:") nothing after them was shared and nothing was recomputed."""
+    from spanq_backend.serving.recompute import choose_blocks, question_start
+
+    relaid = lower(rag("ABD"), tok, BS, newline, as_context=frozenset({DOCS["D"]}))
+    after = tok.decode(relaid.token_ids[question_start(relaid, newline) :])
+    assert QUESTION in after and "Delta" not in after, after
+    asked_first = cross(user(f"Question: {QUESTION}\nContext:"), plus(*[fragment(DOCS[c]) for c in "ABCD"]),
+                        user("Answer:"))  # fmt: skip
+    low = lower(asked_first, tok, BS, newline)
+    chosen = choose_blocks(low, "question", newline)
+    assert DOCS["A"] in [low.span_texts[i] for i, _ in chosen], chosen  # the door that opens at dawn
+
+
 def test_a_span_too_long_to_follow_the_lead_in_is_prepared_without_it(tok, newline):
     """The lead-in must not make a document that fits the window unpreparable: such a span's anchor is the bare
     opening."""
