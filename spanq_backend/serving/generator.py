@@ -938,11 +938,14 @@ class SpanGenerator:
         return all(holds(lowered.prepare_prompt(i)) for i in range(min(cold), len(lowered.table.spans)))
 
     def cold_span_indices(self, lowered: LoweredPrompt, count: bool = True) -> list[int]:
-        """The spans whose `[anchor][span]` the cache does not hold wholly (all of them where it cannot be asked)."""
+        """The spans whose `[anchor][span]` the cache does not hold wholly (all of them where it cannot be asked):
+        the blocks this prompt reads, not the padded last block a prepare adds where this prompt reads that block
+        as context (vLLM frees a request's last blocks first: that one alone gone, the span is still warm here)."""
         n = len(lowered.table.spans)
         if self.span_cached is None:
             return list(range(n))
-        cold = [i for i in range(n) if not self.span_cached(lowered.prepare_prompt(i))]
+        ids = lowered.token_ids
+        cold = [i for i in range(n) if not self.span_cached(lowered.table.anchor_ids(i, ids) + lowered.span_ids(i))]
         for _ in range(n - len(cold) if count else 0):
             metrics.count_saved_prepare()  # a span the cache holds: no prepare request
         return cold

@@ -339,6 +339,32 @@ def test_a_prompt_that_fits_only_without_the_span_padding_is_read_as_stock_reads
         asyncio.run(engine.generate(fill(n + 1)))
 
 
+def test_a_document_whose_padded_last_block_alone_was_evicted_is_still_read_from_the_cache(engine):
+    """The last document of a prompt keeps its partial last block as context: the answer computes it, and never
+    reads the padded copy its prepare cached. vLLM frees a request's last blocks first, so that copy goes first;
+    with it gone the whole document counted as cold, and was read in context again (another answer) or prepared
+    again. Only the blocks the prompt reads decide now."""
+    d = docs("tail-evicted")
+    gen = engine.generator
+    manager = engine.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+
+    async def scenario():
+        await engine.generate(query(d, "ABCD"))
+        engine.settle()  # the deferred prepares: every document cached alone
+        second = query(d, "DBCA", "Which drawer keeps 2 keys?", instruction="Answer from these cards.")
+        before = await gen.layout(second)
+        (last,) = before.lowered.prepare_tails  # the span whose padded last block the prompt does not read
+        tail_hash = gen.span_probe.block_hashes(before.lowered.prepare_prompt(last))[-1]
+        (block,) = manager.block_pool.get_cached_block(tail_hash, [0])
+        manager.evict_blocks({block.block_id})
+        assert not gen.span_cached(before.lowered.prepare_prompt(last))  # gone from the cache
+        return before, await gen.layout(second)
+
+    before, after = asyncio.run(scenario())
+    assert before.mode == "warm" and after.mode == "warm", after.mode
+    assert after.lowered.token_ids == before.lowered.token_ids
+
+
 def probes_and_requests(engine, d: dict[str, str]) -> tuple[list[str], object]:
     """Run a query on documents `d` and record, in order, each cache probe of a prompt and each request sent to
     the engine (spies on the engine's real probe and submission: what they do is unchanged). In "context" the
