@@ -27,9 +27,11 @@ __all__ = ["CidraPlanner", "StepPlan"]
 
 @dataclass
 class StepPlan:
-    """What one admission needs: hit-block indices to duplicate (the rest are used in place)."""
+    """What one admission needs: hit-block indices to duplicate (the rest are used in place), and the block ids
+    used in place at another position than their keys sit at (rotated in place: `CidraPlanner.moved`)."""
 
     duplicate: list[int] = field(default_factory=list)
+    moved: list[int] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -38,16 +40,23 @@ class CidraPlanner:
 
     `users_of(block_id)` says how many running requests hold the block (vLLM's ref count): positions recorded
     for blocks nobody holds any more are stale and ignored.
+
+    `max_moves` (None: unbounded): how many times one cached block's keys may be rotated in place before `moved`
+    reports it worn — a cache below float32 rounds the keys once per move, so a hot span read at ever new
+    positions would drift without end; the engine then drops the block from its prefix cache, and the next
+    reader prepares it again, exact. Positions recorded for a block (`in_use_at`) are where its keys sit now.
     """
 
     block_size: int
     users_of: Callable[[int], int]
     in_use_at: dict[int, int] = field(default_factory=dict)  # block id -> position its readers need
     duplicates_made: int = 0  # private copies given to admitted requests (counted where they are made)
+    max_moves: int | None = None
+    moves: dict[int, int] = field(default_factory=dict)  # block id -> in-place moves since it was computed
 
     def plan(self, hit_block_ids: Sequence[int]) -> StepPlan:
         """Decide, for a request about to read `hit_block_ids` as its logical blocks 0..n-1."""
-        dup = []
+        dup, moved = [], []
         in_use_at, bs = self.in_use_at, self.block_size
         first_use: dict[int, int] = {}  # block -> the first logical index this request reads it at
         for j, b in enumerate(hit_block_ids):
@@ -58,7 +67,28 @@ class CidraPlanner:
             # The ref count (a call into vLLM's block pool) only where the recorded position differs.
             if have is not None and have != j * bs and self.users_of(b) > 0:
                 dup.append(j)
-        return StepPlan(duplicate=dup)
+            elif have is not None and have != j * bs:
+                moved.append(b)
+        return StepPlan(duplicate=dup, moved=moved)
+
+    def moved_in_place(self, block_ids: Sequence[int]) -> list[int]:
+        """An admitted request's blocks rotated in place (`StepPlan.moved`): counted, and those now moved
+        `max_moves` times returned (worn: to be dropped from the prefix cache)."""
+        if self.max_moves is None:
+            return []
+        worn = []
+        for b in block_ids:
+            self.moves[b] = n = self.moves.get(b, 0) + 1
+            if n >= self.max_moves:
+                worn.append(b)
+                del self.moves[b]
+        return worn
+
+    def fresh(self, block_ids: Sequence[int]) -> None:
+        """`block_ids` were just allocated (to be computed anew): no moves yet."""
+        if self.moves:
+            for b in block_ids:
+                self.moves.pop(b, None)
 
     def admitted(self, block_ids: Sequence[int], first_index: int = 0) -> None:
         """The request now holds `block_ids` as its logical blocks `first_index...` (after duplication)."""

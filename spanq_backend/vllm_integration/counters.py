@@ -24,6 +24,7 @@ def stats() -> dict[str, Any]:
         "compiled_runners": sum(rt.relocator.uses_compiled_kernel for rt in runtimes),
         "conflicts": sum(rt.tracker.conflicts for rt in runtimes),
         "duplicates": sum(m.planner.duplicates_made for m in engine_core.manager_spans.values()),
+        "worn_blocks": engine_core.WORN["blocks"],
         "hashing_seconds": engine_core.HASHING["seconds"],
         **tier.process_stats(),
     }

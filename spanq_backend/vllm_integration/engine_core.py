@@ -23,7 +23,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from spanq_backend.kv.cidra import CidraPlanner
+from spanq_backend.kv.cidra import CidraPlanner, StepPlan
 from spanq_backend.kv.span_hashing import span_block_hashes
 from spanq_backend.kv.span_table import SpanTable, SpanTableError
 from spanq_backend.vllm_integration.attention_probe import PROBE_PARAM
@@ -282,14 +282,24 @@ class ManagerSpans:
     """CIDRA's state beside one single-type KV cache manager (one engine core's full-attention blocks)."""
 
     planner: CidraPlanner
-    # Request id -> hit-block indices that get a private copy, for a cache hit awaiting admission. Per
-    # manager: request ids are only unique within one engine.
-    cow_plans: dict[str, list[int]] = field(default_factory=dict)
+    # Request id -> its plan (hit-block indices that get a private copy, blocks moved in place), for a lookup
+    # awaiting admission. Per manager: request ids are only unique within one engine.
+    cow_plans: dict[str, StepPlan] = field(default_factory=dict)
+
+
+# In-place moves of one cached block, in a KV cache below float32, before the prefix cache lets it go (each move
+# rounds its keys once more: bf16 ~3e-3 relative a move); the next reader prepares it again.
+MAX_MOVES_LOW_PRECISION = 8
+WORN = {"blocks": 0}  # blocks dropped from the prefix cache so, in this process
 
 
 def _manager_state(manager: Any) -> ManagerSpans:
+    import torch
+
     pool = manager.block_pool
-    return ManagerSpans(CidraPlanner(manager.block_size, lambda b: pool.blocks[b].ref_cnt))
+    dtype = getattr(getattr(manager, "kv_cache_spec", None), "dtype", torch.float32)
+    max_moves = None if dtype in (torch.float32, torch.float64) else MAX_MOVES_LOW_PRECISION
+    return ManagerSpans(CidraPlanner(manager.block_size, lambda b: pool.blocks[b].ref_cnt, max_moves=max_moves))
 
 
 manager_spans: Extension[ManagerSpans] = Extension(
@@ -312,7 +322,7 @@ def wrap_get_computed_blocks(orig: Any) -> Any:
             # A plan even without a local hit (an empty one): its first allocation then records the position of
             # every block it holds, those a KV connector (the span tier) loads included, which another request
             # must not rotate in place while this one reads them.
-            state.cow_plans[request.request_id] = state.planner.plan(hit).duplicate if hit else []
+            state.cow_plans[request.request_id] = state.planner.plan(hit) if hit else StepPlan()
             while len(state.cow_plans) > MAX_COW_PLANS:  # lookups of requests never admitted (aborted waiting)
                 del state.cow_plans[next(iter(state.cow_plans))]
         return result
@@ -335,7 +345,8 @@ def wrap_get_num_blocks_to_allocate(orig: Any) -> Any:
         n = orig(self, request_id, *args, **kwargs)
         if request_id not in self.num_cached_block:  # a first allocation: its duplicates need blocks too
             state = manager_spans.get(self)
-            n += len(state.cow_plans.get(request_id, ())) if state is not None else 0
+            plan = state.cow_plans.get(request_id) if state is not None else None
+            n += len(plan.duplicate) if plan is not None else 0
         return n
 
     return get_num_blocks_to_allocate
@@ -347,16 +358,21 @@ def wrap_allocate_new_blocks(orig: Any) -> Any:
         req_blocks = self.req_to_blocks[request_id]
         plan = state.cow_plans.pop(request_id, None)
         duplicated = []
-        for idx in plan or ():
+        for idx in plan.duplicate if plan is not None else ():
             copy = self.block_pool.get_new_blocks(1)[0]
             self._apply_cow(request_id, idx, req_blocks[idx], copy)  # copied before the forward pass
             duplicated.append(copy)
         state.planner.duplicates_made += len(duplicated)
+        worn = state.planner.moved_in_place(plan.moved) if plan is not None else []
         # Positions to record: every block when a cache hit was just admitted, else only the blocks added now
         # (a running request's earlier blocks keep theirs: no per-step walk over every block it holds).
         first = 0 if plan is not None else len(req_blocks)
         new_blocks = orig(self, request_id, *args, **kwargs)
+        state.planner.fresh([b.block_id for b in new_blocks])
         state.planner.admitted([b.block_id for b in req_blocks[first:]], first)
+        if worn:  # moved too often in a low-precision cache: read by this request, then prepared again
+            self.block_pool.evict_blocks(set(worn))
+            WORN["blocks"] += len(worn)
         return duplicated + list(new_blocks)
 
     return allocate_new_blocks

@@ -111,6 +111,45 @@ def test_one_request_reading_a_block_at_two_positions_gets_a_copy():
 
 
 
+def test_a_block_moved_in_place_too_often_in_a_low_precision_cache_is_let_go():
+    """A cache below float32 rounds a block's keys once per move: a hot span read at ever new positions would
+    drift without end (bf16: ~7e-2 relative after 500 moves). The planner counts a cached block's in-place moves
+    and reports it worn at `max_moves` (the engine drops it from the prefix cache: the next reader prepares it
+    again); a block allocated anew starts from none; in float32 (`max_moves=None`) nothing is counted."""
+    readers: Counter[int] = Counter()
+    planner = CidraPlanner(BS, lambda b: readers[b], max_moves=3)
+    planner.admitted([7], 0)  # block 7 computed at position 0
+    worn = []
+    for k in range(1, 7):  # one reader at a time, each at another position (block index k % 2 + 1)
+        plan = planner.plan([0] * (k % 2 + 1) + [7])  # block 0 repeated: the reader's logical index for 7 varies
+        assert plan.moved == [7]
+        worn.append(planner.moved_in_place(plan.moved))
+        planner.admitted([7], k % 2 + 1)
+    assert worn == [[], [], [7], [], [], [7]]
+    planner.moved_in_place([7])
+    planner.fresh([7])  # computed anew: the count starts again
+    assert planner.moves.get(7) is None
+    exact = CidraPlanner(BS, lambda b: 0)
+    exact.admitted([7], 0)
+    assert exact.plan([0, 7]).moved == [7] and exact.moved_in_place([7] * 100) == []
+
+
+def test_the_engine_bounds_moves_only_in_a_cache_below_float32():
+    from types import SimpleNamespace
+
+    import torch
+
+    from spanq_backend.vllm_integration import engine_core
+
+    def manager(dtype):
+        return SimpleNamespace(block_pool=SimpleNamespace(blocks=[]), block_size=BS,
+                               kv_cache_spec=SimpleNamespace(dtype=dtype))  # fmt: skip
+
+    assert engine_core._manager_state(manager(torch.float32)).planner.max_moves is None
+    for dtype in (torch.bfloat16, torch.float16):
+        assert engine_core._manager_state(manager(dtype)).planner.max_moves == engine_core.MAX_MOVES_LOW_PRECISION
+
+
 @pytest.mark.vllm
 def test_eight_orders_in_one_batch_match_solo_runs_and_the_reference(tiny_backend, hf_model):
     from test_span_correctness import rag_query
