@@ -72,7 +72,9 @@ _HELP = {
 }
 _WORKER_HELP = {
     "blocks_relocated": ("moved_blocks", "KV blocks whose keys were moved to a new position (ReRoPE)."),
-    "span_duplicates": ("duplicates", "Private block copies planned for concurrent readers (CIDRA)."),
+    "span_duplicates": ("duplicates", "Private block copies made for concurrent readers (CIDRA)."),
+    "span_worn_blocks": ("worn_blocks", ("Span blocks dropped from the prefix cache after 8 in-place moves in a KV "
+                                         "cache below float32 (each rounds the keys once more); prepared again.")),
     "relocation_seconds": ("relocation_seconds", "Host time spent moving keys (on a GPU: launching the moves)."),
     "tier_loaded_blocks": ("tier_loaded_blocks", "KV blocks loaded from the span tier instead of computed."),
     "tier_saved_blocks": ("tier_saved_blocks", "KV blocks of prepared spans written to the span tier."),
@@ -124,7 +126,7 @@ def set_engine_stats(per_worker: list[dict[str, Any]]) -> None:
     """Counters read from the workers of an engine that runs in other processes (`spanq serve` reads them
     through `collective_rpc` after each query): summed over the workers."""
     global _engine_stats
-    keys = ("runtimes", "moved_blocks", "duplicates", "relocation_seconds", *(k for k, _ in _WORKER_HELP.values()
+    keys = ("runtimes", "moved_blocks", "duplicates", "worn_blocks", "relocation_seconds", *(k for k, _ in _WORKER_HELP.values()
                                                                              if k.startswith("tier_")), _TIER_GAUGE[0])
     with _lock:  # a counter no worker reports (the tier's, without one) stays absent
         _engine_stats = {k: sum(float(w.get(k, 0)) for w in per_worker) for k in keys if any(k in w for w in per_worker)}
