@@ -77,6 +77,7 @@ class QAItem:
     expect: tuple[str, ...] = ()  # what a correct answer names (each, as a word or phrase); default: the colour
     preamble: str = ""  # text of the user turn before the documents (a judge's source document)
     system_text: str = ""  # the system prompt, where it is not SYSTEM
+    docs_role: str = "user"  # the message the documents are content of: "system" as in LangChain's RAG template
 
     @property
     def gold(self) -> str:
@@ -141,13 +142,13 @@ TOP = 20  # log-probabilities per row (vLLM's default limit)
 def qa_query(item: QAItem, max_tokens: int, anchor: str | None = None, recompute: Any = None) -> Any:
     from spanq_integrations import cross, fragment, generate, plus, system, user
 
-    docs = plus(*[fragment(d, id=f"doc{i}") for i, d in enumerate(item.docs)], anchor=anchor)
+    docs = plus(*[fragment(d, id=f"doc{i}") for i, d in enumerate(item.docs)], anchor=anchor, role=item.docs_role)
     parts = [system(item.system_text or SYSTEM), *([user(item.preamble)] if item.preamble else []), docs,
              user(item.question)]
     return generate(cross(*parts), max_tokens=max_tokens, temperature=0.0, recompute=recompute)
 
 
-TASKS = ("qa", "cross", "judge", "demo")
+TASKS = ("qa", "cross", "judge", "demo", "system-prompt")
 
 
 def make_task_items(task: str, count: int, docs: int, *, seed: int, filler: int = 0) -> list[QAItem]:
@@ -159,10 +160,15 @@ def make_task_items(task: str, count: int, docs: int, *, seed: int, filler: int 
       in the user turn; the gold answer is the right candidate's number: does the span judge pick what the stock
       judge picks;
     - demo: the demo's two questions over its eight documents (`examples/rag/documents.json`), in `count` seeded
-      orders.
+      orders;
+    - system-prompt: the qa items with the documents in the system message, after its instruction (LangChain's RAG
+      template; a span group with `role="system"`).
     """
     if task == "qa":
         return make_items(count, docs, seed=seed, filler=filler)
+    if task == "system-prompt":
+        qa = make_items(count, docs, seed=seed, filler=filler)
+        return [replace(item, task="system-prompt", docs_role="system") for item in qa]
     rng = random.Random(f"spanq-quality-{task}:{seed}")
     if task == "cross":
         out = []

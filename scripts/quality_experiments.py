@@ -27,6 +27,13 @@
         span's own); with no recompute and with `question`, against full attention on the same layout (the tokens
         are the same in every row: the lead-in lives in the anchor only), each row's KL less the default's paired
         item by item. `--only A,B`: the rows whose names start so, and the default.
+    python scripts/quality_experiments.py roles [--items 20] [--filler 12] [--model default]
+        documents an application puts in its system prompt (LangChain's RAG template): against full attention on
+        that plain prompt (what stock vLLM reads) with the documents in the order the spans read them, the span layout before spanq kept the role (the documents a
+        user turn of their own, between the system prompt and the question), and after it, with each span's
+        anchor the template's opening of a user turn (spanq's: the anchor the same document has in a user
+        message, one cached copy for both) or of a system message; full attention on each layout, and span
+        attention with no recompute and with `question`.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 from benchmarks import hf_span
-from benchmarks.quality import bootstrap, make_items, make_task_items, qa_query
+from benchmarks.quality import SYSTEM, bootstrap, make_items, make_task_items, qa_query
 from spanq_backend.serving.generator import flattened_prompt_ids, load_chat_tokenizer
 from spanq_backend.serving.lowering import (
     BLOCK_SEPARATOR,
@@ -354,9 +361,59 @@ def leadin(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> No
         print(f"{name:40s} {_measures(rows, results[f'{name[:8]} {base_name}'])}  ({len(rows)} items)", flush=True)
 
 
+def _system_anchor(tokenizer: Any, pad: int) -> tuple[int, ...]:
+    """The anchor a span of a system message would have under the template's opening of a system message (the
+    lead-in after it), padded to a 32-token block: the alternative `roles` measures against spanq's."""
+    from spanq_backend.serving.lowering import render_chat
+
+    mark = "\u27e6spanq:anchor\u27e7"
+    chat = [{"role": "system", "content": NEUTRAL_LEAD_IN + BLOCK_SEPARATOR + mark}, {"role": "user", "content": "?"}]
+    head = render_chat(tokenizer, chat, add_generation_prompt=False).partition(mark)[0]
+    ids = tokenizer.encode(head, add_special_tokens=False)
+    return tuple(ids + [pad] * (-len(ids) % 32))
+
+
+def roles(model: Any, tokenizer: Any, pad: int, args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
+    from spanq_integrations import cross, plus, system, user
+
+    results: dict[str, list[tuple[float, float]]] = {}
+    system_anchor = _system_anchor(tokenizer, pad)
+    spanqs = "system, user-turn anchor (spanq's)"
+
+    def row(name: str, full: Any, lp: Any) -> None:
+        results.setdefault(name, []).append(
+            (float(hf_span.kl_divergence(full, lp).mean()), float((full.argmax(-1) == lp.argmax(-1)).double().mean())))
+
+    for item in make_task_items(args.task, args.items, 5, seed=0, filler=args.filler):
+        def query(role: str | None, item: Any = item, docs: list[str] | None = None) -> Any:
+            group = plus(*(docs or item.docs), role=role)
+            return cross(system(SYSTEM), group, user(item.question))
+
+        gold = tokenizer.encode(item.gold, add_special_tokens=False)
+        before = lower(query(None), tokenizer, 32, pad)
+        kept = lower(query("system"), tokenizer, 32, pad)
+        # The reference: the plain prompt with the documents in the order the spans read them (one per set).
+        plain = flattened_prompt_ids(tokenizer, query("system", docs=kept.in_span_order(item.docs)))
+        full = hf_span.full_attention_next_token_logprobs(model, plain, gold)
+        assert kept.table.anchors is not None  # canonical anchors, per span
+        system_anchored = replace(kept, table=replace(kept.table, anchors=(system_anchor,) * len(kept.table.spans)))
+        for name, low in (("user turn (before)", before), (spanqs, kept), ("system, system anchor", system_anchored)):
+            if name != "system, system anchor":
+                row(f"layout only   {name}", full, hf_span.full_attention_next_token_logprobs(model, low.token_ids, gold))
+            for setting in ("0", "question"):
+                plan = plan_recompute(low, choose_blocks(low, setting, pad) if setting != "0" else [])
+                lp = hf_span.span_attention_next_token_logprobs(model, low.token_ids, plan.lowered.table, gold)
+                row(f"{setting:13s} {name}", full, lp)
+    for name, rows in results.items():
+        base = results[name[:14] + spanqs] if "layout" not in name else None
+        print(f"{name:48s} {_measures(rows, base)}  ({len(rows)} items)", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("experiment", choices=("criteria", "padding", "temperature", "bias", "leadin"))
+    parser.add_argument("experiment", choices=("criteria", "padding", "temperature", "bias", "leadin", "roles"))
     parser.add_argument("--items", type=int, default=None)
     parser.add_argument("--filler", type=int, default=None)
     parser.add_argument("--model", default="default")
@@ -376,7 +433,7 @@ def main() -> int:
     model = hf_span.load_hf_model(path)
     pad = tokenizer.encode("\n", add_special_tokens=False)[-1]
     experiments = {"criteria": criteria, "padding": padding, "temperature": temperature, "bias": bias,
-                   "leadin": leadin}
+                   "leadin": leadin, "roles": roles}
     experiments[args.experiment](model, tokenizer, pad, args)
     return 0
 

@@ -523,3 +523,18 @@ def test_quality_bench(engines, tmp_path):
     rows = read_report(tmp_path / "demo", "quality-tiny")["rows"]
     assert [r["item"] for r in rows] == [0, 1, 2]
     assert rows[0]["same_kl"] == rows[2]["same_kl"] and rows[0]["spans_answer"] == rows[2]["spans_answer"]
+
+    # Documents in the system prompt (LangChain's RAG template): stock reads them there, and so do the spans.
+    from benchmarks.quality import make_task_items, qa_query
+    from spanq_backend.serving.generator import flattened_prompt_ids
+
+    item = make_task_items("system-prompt", 1, 3, seed=0)[0]
+    tokenizer = engines[1].engine.tokenizer
+    stock_ids = flattened_prompt_ids(tokenizer, qa_query(item, 2).input)
+    for ids in (stock_ids, engines[1].engine.generator.lower(qa_query(item, 2)).token_ids):
+        system_turn = tokenizer.decode(ids).split("<|im_start|>user")[0]
+        assert all(doc in system_turn for doc in item.docs)
+    shape = ["--model", "tiny", "--tasks", "system-prompt", "--items", "1", "--max-tokens", "2", "--recompute", "0",
+             "--hf-check", "0", "--speed-docs", "0", "--out", str(tmp_path / "system"), "--no-progress"]
+    assert main(shape, backends=engines) == 0
+    assert [r["task"] for r in read_report(tmp_path / "system", "quality-tiny")["rows"]] == ["system-prompt"]

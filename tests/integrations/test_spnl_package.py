@@ -90,13 +90,15 @@ def test_the_check_fails_on_forms_spnl_refuses() -> None:
 
 
 def test_spanqs_extensions_are_ones_spnl_refuses_and_written_only_when_used() -> None:
-    """spanq's own keys (a `plus` group's anchor, a fragment) are extensions spnl's parser does not read: a query
+    """spanq's own keys (a `plus` group's anchor or role, a fragment) are extensions spnl's parser does not read: a query
     that uses none of them is written without them, so spnl reads it; one that uses them is not spnl's."""
     docs = [fragment("Doc A."), fragment("Doc B.")]
     plain = to_json(generate(cross(system("s"), plus(*[user(d.text) for d in docs]), user("q")), model="m"))
     assert spnl_parse_error(plain) is None
     anchored = to_json(generate(cross(system("s"), plus(*docs, anchor="prefix"), user("q")), model="m"))
     assert DESERIALIZATION in spnl_parse_error(anchored)
+    in_system = to_json(generate(cross(system("s"), plus(*[user(d.text) for d in docs], role="system")), model="m"))
+    assert DESERIALIZATION in spnl_parse_error(in_system)
 
 
 def test_the_pypi_build_has_no_print_node() -> None:
