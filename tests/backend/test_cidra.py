@@ -151,6 +151,44 @@ def test_the_engine_bounds_moves_only_in_a_cache_below_float32():
 
 
 @pytest.mark.vllm
+def test_blocks_a_kv_connector_loads_are_recorded_where_their_reader_reads_them():
+    """vLLM's own KV cache manager (spanq's hooks on it), a request with no local hit whose first blocks a KV
+    connector (the span tier) loads: CIDRA must record every block it holds at its position, or a request
+    admitted next that hits one of those blocks elsewhere rotates it in place while this one reads it. Blocks a
+    connector loads are added before the hooked allocation; without a local hit no plan was kept, and they were
+    never recorded."""
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    from spanq_backend import vllm_integration
+    from spanq_backend.vllm_integration import engine_core
+
+    vllm_integration.register()  # spanq's patches of vLLM's classes (once per process)
+    bs = 16
+    hash_fn = get_hash_fn_by_name("sha256")
+    kcu.init_none_hash(hash_fn)
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    manager = KVCacheManager(config, max_model_len=1024, scheduler_block_size=bs, hash_block_size=bs)
+    request = Request("loaded", list(range(100, 100 + 3 * bs + 1)), SamplingParams(max_tokens=4), None,
+                      block_hasher=kcu.get_request_block_hasher(bs, hash_fn))  # fmt: skip
+    found = manager.get_computed_blocks(request)
+    assert found[1] == 0  # no local hit
+    assert manager.allocate_slots(request, num_new_tokens=bs + 1, new_computed_blocks=found[0],
+                                  num_external_computed_tokens=2 * bs) is not None  # fmt: skip
+    single = manager.coordinator.single_type_managers[0]
+    held = [b.block_id for b in single.req_to_blocks["loaded"]]
+    assert len(held) == 4
+    recorded = engine_core.manager_spans(single).planner.in_use_at
+    assert {b: recorded.get(b) for b in held} == {b: j * bs for j, b in enumerate(held)}
+
+
+@pytest.mark.vllm
 def test_eight_orders_in_one_batch_match_solo_runs_and_the_reference(tiny_backend, hf_model):
     from test_span_correctness import rag_query
     from vllm import SamplingParams
