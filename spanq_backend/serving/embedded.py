@@ -6,6 +6,7 @@ import asyncio
 import atexit
 import logging
 import threading
+import time
 from typing import Any
 
 from spanq_backend.serving.engine import EngineConfig, SpanEngine
@@ -17,6 +18,7 @@ from spanq_backend.serving.models import (
 )
 from spanq_backend.vllm_integration import openmp
 from spanq_integrations.backends.protocol import Backend, BackendCapabilities, Completion, TokenCallback
+from spanq_integrations.query.errors import BackendUnavailableError
 from spanq_integrations.query.ir import Generate
 
 __all__ = ["EmbeddedBackend", "shared_embedded_backend"]
@@ -89,11 +91,17 @@ class EmbeddedBackend(Backend):
 class _SharedEmbeddedBackend(EmbeddedBackend):
     """A process-wide engine: closing it through a query run does nothing; `shutdown()` stops it. An engine that
     failed (its thread stopped on an error) is started again by the next call, with a warning naming the failure:
-    every adapter holding this backend would otherwise be refused for the life of the process."""
+    every adapter holding this backend would otherwise be refused for the life of the process. A start that fails
+    is not tried again for `RESTART_BACKOFF_S` (calls meanwhile get its error at once)."""
+
+    RESTART_BACKOFF_S = 30.0
 
     def __init__(self, model: str) -> None:
         super().__init__(model)
-        self._restart_lock = threading.Lock()
+        self._restart_lock = threading.Lock()  # one start at a time
+        self._state_lock = threading.Lock()  # `engine` and `_shut_down`, read and set together
+        self._shut_down = False
+        self._failed_start: tuple[float, str] | None = None  # when the last start failed, and why
 
     async def generate(
         self,
@@ -103,18 +111,32 @@ class _SharedEmbeddedBackend(EmbeddedBackend):
         on_token: TokenCallback | None = None,
         span_output: bool = False,
     ) -> Completion:
-        if self.engine.closed:
+        if self.engine.closed and not self._shut_down:
             await asyncio.to_thread(self._restart)
         return await super().generate(call, path=path, on_token=on_token, span_output=span_output)
 
     def _restart(self) -> None:
         with self._restart_lock:
             stopped = self.engine
-            if not stopped.closed or self not in _shared.values():
+            if not stopped.closed or self._shut_down:
                 return  # started again meanwhile, or shut down (its calls are refused, as a closed engine's)
+            failed = self._failed_start
+            if failed is not None and time.monotonic() - failed[0] < self.RESTART_BACKOFF_S:
+                raise BackendUnavailableError(f"the shared embedded engine could not be started again: {failed[1]}")
             log.warning("the shared embedded engine on %s stopped (%s); starting a new one", self.model_name,
                         stopped.failure or "it was closed")  # fmt: skip
-            self.engine = SpanEngine(stopped.config)
+            stopped.join()  # its weights and KV cache let go first: a GPU has room for one engine
+            try:
+                started = SpanEngine(stopped.config)
+            except Exception as e:
+                self._failed_start = (time.monotonic(), str(e) or type(e).__name__)
+                raise
+            self._failed_start = None
+            with self._state_lock:
+                if not self._shut_down:
+                    self.engine, started = started, None
+            if started is not None:  # shut down while it started: it must not outlive the shutdown
+                started.close()
 
     async def aclose(self) -> None:
         return None
@@ -123,12 +145,16 @@ class _SharedEmbeddedBackend(EmbeddedBackend):
         return None
 
     def shutdown(self) -> None:
-        """Stop the engine; the next caller naming its model starts a new one."""
+        """Stop the engine; the next caller naming its model starts a new one. A start under way (after a
+        failure) is closed as soon as it is done."""
         with _shared_lock:
             for key, backend in list(_shared.items()):
                 if backend is self:
                     del _shared[key]
-        self.engine.close()
+        with self._state_lock:
+            self._shut_down = True
+            engine = self.engine
+        engine.close()
 
 
 _shared: dict[str, _SharedEmbeddedBackend] = {}

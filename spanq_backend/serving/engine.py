@@ -729,6 +729,10 @@ class SpanEngine:
                      "" if m.deferred_spans == 1 else "s", path)  # fmt: skip
         return completion
 
+    def join(self, timeout: float | None = 30) -> None:
+        """Wait for the engine's thread to have stopped (closed or failed) and let go of vLLM's engine."""
+        self._thread.join(timeout=timeout)
+
     @property
     def closed(self) -> bool:
         """Whether the engine has stopped (closed, or failed in its thread: `failure` says why)."""

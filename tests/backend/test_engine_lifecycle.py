@@ -102,6 +102,62 @@ async def test_a_shared_engine_that_failed_is_started_again_by_the_next_call_and
         await backend.generate(generate(user("hi"), max_tokens=2))
 
 
+async def test_a_shared_engine_that_cannot_start_again_is_not_retried_by_every_call_nor_outlives_a_shutdown(
+    tiny_model, monkeypatch
+):
+    """A start that fails (here: a tier path the OS refuses) is tried once for the calls waiting on it, not once
+    each (seconds to minutes apiece on a GPU); and a `shutdown()` while a start is under way closes that engine
+    when it is done: it ran on, in no registry, holding its memory, and the shut-down backend answered on it."""
+    import dataclasses
+    import logging
+    import threading
+
+    from spanq_backend.serving.embedded import shared_embedded_backend
+    from spanq_backend.serving.engine import ENGINE_THREAD_NAME
+
+    def engine_threads() -> int:
+        return sum(t.name == ENGINE_THREAD_NAME and t.is_alive() for t in threading.enumerate())
+
+    backend = shared_embedded_backend(str(tiny_model))
+    try:
+        failed = backend.engine
+        step = failed.llm_engine.step
+
+        def failing_step():
+            step()
+            raise RuntimeError("boom in step")
+
+        failed.llm_engine.step = failing_step
+        with pytest.raises(BackendUnavailableError, match="boom in step"):
+            await backend.generate(generate(user("hi"), max_tokens=5))
+        for _ in range(3000):  # its thread stopped and let go of vLLM's engine
+            if failed.llm_engine is None:
+                break
+            await asyncio.sleep(0.01)
+        baseline = engine_threads()
+        said: list[str] = []
+        monkeypatch.setattr(logging.getLogger("spanq.embedded"), "warning", lambda msg, *a: said.append(msg % a))
+        config = failed.config
+        failed.config = dataclasses.replace(config, tier_dir="/tmp/a\0b")  # its next start fails
+        outcomes = await asyncio.gather(*(backend.generate(generate(user("hi"), max_tokens=2)) for _ in range(3)),
+                                        return_exceptions=True)  # fmt: skip
+        assert all(isinstance(o, BackendError) for o in outcomes), outcomes
+        assert len(said) == 1, said  # one start tried for the three calls
+        assert "null byte" in str(outcomes[1]) + str(outcomes[2])  # the others told why at once
+
+        failed.config = config
+        backend._failed_start = None  # as after the back-off
+        call = asyncio.create_task(backend.generate(generate(user("hi"), max_tokens=2)))
+        while not backend._restart_lock.locked():  # the start under way
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(backend.shutdown)
+        with pytest.raises(BackendUnavailableError, match="closed|failed"):
+            await asyncio.wait_for(call, 120)
+        assert backend.engine is failed and engine_threads() == baseline  # the engine it started is closed
+    finally:
+        backend.shutdown()
+
+
 def test_an_engine_that_cannot_start_for_any_reason_says_so_and_does_not_hang(tiny_model):
     outcome: list[BaseException | None] = []
 
