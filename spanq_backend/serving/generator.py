@@ -1013,25 +1013,24 @@ class SpanGenerator:
         fit alone are prepared when the engine is idle, for shorter prompts that read them. Where the stock prompt
         does not fit either, its `ContextLengthError` (stock's own limit) is the call's."""
         stock, _ = self._lower(call, stock=True)
-        limit = self.max_model_len
-
-        def later() -> tuple[list[list[int]], list[list[int]]]:
-            try:  # the same layout, unchecked against the window: which of its spans fit alone
-                lowered = lower(call.input, self.tokenizer, self.block_size, self.pad_token_id, None,
-                                default_anchor=self.default_anchor, lead_in=self.lead_in_for(call),
-                                keep_order=self.keep_span_order)  # fmt: skip
-            except SpanQueryError:
-                return [], []
-            if not lowered.has_spans:
-                return [], []
-            self._note_spans(lowered)
-            cold = self.cold_span_indices(lowered)
-            prompts = [lowered.prepare_prompt(i) for i in cold]
-            return [p for p in prompts if limit is None or len(p) < limit], []
-
         texts = {c.text for _, n in walk(call.input) if isinstance(n, Plus) for c in n.children
                  if isinstance(c, (Fragment, User)) and c.text}  # fmt: skip
-        return CallLayout(stock, False, "context", spans=len(texts), later=later)
+        return CallLayout(stock, False, "context", spans=len(texts), later=lambda: self._prepares_that_fit(call))
+
+    def _prepares_that_fit(self, call: Generate) -> tuple[list[list[int]], list[list[int]]]:
+        """A call over-long as spans, read in context: the prepares of its cold spans that fit the window alone
+        (its layout worked out unchecked against the window), for shorter prompts that read them."""
+        try:
+            lowered = lower(call.input, self.tokenizer, self.block_size, self.pad_token_id, None,
+                            default_anchor=self.default_anchor, lead_in=self.lead_in_for(call),
+                            keep_order=self.keep_span_order)  # fmt: skip
+        except SpanQueryError:
+            return [], []
+        if not lowered.has_spans:
+            return [], []
+        self._note_spans(lowered)
+        prompts = [lowered.prepare_prompt(i) for i in self.cold_span_indices(lowered)]
+        return [p for p in prompts if self.max_model_len is None or len(p) < self.max_model_len], []
 
     def unseen_in_context(self, call: Generate, span_output: bool = False) -> CallLayout | None:
         """The layout of a call none of whose span texts this generator has laid out before, where its cold spans
@@ -1061,7 +1060,10 @@ class SpanGenerator:
             return None  # the cold span tokens may reach the threshold: count them on the span layout
 
         def later() -> tuple[list[list[int]], list[list[int]]]:
-            lowered, _ = self._lower(call)
+            try:
+                lowered, _ = self._lower(call)
+            except ContextLengthError:  # it fits only as stock lays it out: the spans that fit alone
+                return self._prepares_that_fit(call)
             if not lowered.has_spans:
                 return [], []
             self._note_spans(lowered)

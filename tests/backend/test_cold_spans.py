@@ -338,6 +338,19 @@ def test_a_prompt_that_fits_only_without_the_span_padding_is_read_as_stock_reads
     with pytest.raises(ContextLengthError, match="context"):
         asyncio.run(engine.generate(fill(n + 1)))
 
+    # The same, the first time any of its documents is seen (read in context at once; its prepares worked out
+    # after the answer): they are prepared too, so a shorter prompt over two of them reads both from the cache.
+    cards[:] = [card.replace("Shelf", "Tile") for card in cards]
+
+    async def first_seen():
+        await engine.generate(fill(n))
+        engine.settle()
+        short = generate(cross(system("Answer from the cards."), plus(cards[3], cards[7]), user("Which tile?")),
+                         max_tokens=2, temperature=0.0)  # fmt: skip
+        return await engine.generator.layout(short)
+
+    assert asyncio.run(first_seen()).mode == "warm"
+
 
 def test_a_document_whose_padded_last_block_alone_was_evicted_is_still_read_from_the_cache(engine):
     """The last document of a prompt keeps its partial last block as context: the answer computes it, and never
