@@ -32,6 +32,7 @@ class StepPlan:
 
     duplicate: list[int] = field(default_factory=list)
     moved: list[int] = field(default_factory=list)
+    hits: int = 0  # the request's blocks its lookup found cached (those after it are allocated anew)
 
 
 @dataclass(eq=False)

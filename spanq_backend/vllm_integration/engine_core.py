@@ -73,6 +73,10 @@ class RequestSpans:
     # for span blocks past the engine's own hit before they are re-keyed, `restore_span_keys`)
     span_keys: list[Any] | None = None
     keys_from: int = 0
+    # The request's own keys as its hasher made them, from block `own_from` on, kept at its first re-keying: each
+    # re-keyed block carries its own key, the same whichever lookup re-keyed it (a second one after a preemption).
+    own_keys: list[Any] | None = None
+    own_from: int = 0
 
 
 def _read_table(request: Any) -> RequestSpans:
@@ -231,13 +235,19 @@ def rekey_missed_spans(request: Any, num_computed_tokens: int, keep_span_keys: b
     elif keep_span_keys and j0 < state.keys_from:
         state.span_keys, state.keys_from = list(hashes[j0 : state.keys_from]) + state.span_keys, j0
     tokens = request.all_token_ids
+    if state.own_keys is None:
+        state.own_keys, state.own_from = list(hashes[j0:]), j0
+    elif j0 < state.own_from:
+        state.own_keys, state.own_from = list(hashes[j0 : state.own_from]) + state.own_keys, j0
+    own, own_from = state.own_keys, state.own_from
     # The re-keyed chain starts from the keys of the blocks before it — what this request reads there: a span's
     # KV under its anchor, a block computed in context, the prefix — not from their tokens alone: the same
     # tokens read another way (a span computed in context here, cached as a span there; another anchor) are
-    # other KV. Each block also carries its own original key, with the cache salt, LoRA and probe tags in it.
+    # other KV. Each block also carries its own key, with the cache salt, LoRA and probe tags in it.
     parent = hash_block_tokens(hash_fn, None, (), (CONTEXT_TAG, *hashes[:j0]))
     for j in range(j0, len(hashes)):
-        parent = hash_block_tokens(hash_fn, parent, tokens[j * bs : (j + 1) * bs], (CONTEXT_TAG, hashes[j]))
+        key = own[j - own_from] if j - own_from < len(own) else hashes[j]
+        parent = hash_block_tokens(hash_fn, parent, tokens[j * bs : (j + 1) * bs], (CONTEXT_TAG, key))
         hashes[j] = parent  # in place: vLLM holds views of this list
     state.rekeyed_from = j0
     log.info("request %s: span blocks from %d missed the cache; computed in context, not cached as spans",
@@ -323,6 +333,7 @@ def wrap_get_computed_blocks(orig: Any) -> Any:
             # every block it holds, those a KV connector (the span tier) loads included, which another request
             # must not rotate in place while this one reads them.
             state.cow_plans[request.request_id] = state.planner.plan(hit) if hit else StepPlan()
+            state.cow_plans[request.request_id].hits = len(hit)
             while len(state.cow_plans) > MAX_COW_PLANS:  # lookups of requests never admitted (aborted waiting)
                 del state.cow_plans[next(iter(state.cow_plans))]
         return result
@@ -367,8 +378,10 @@ def wrap_allocate_new_blocks(orig: Any) -> Any:
         # Positions to record: every block when a cache hit was just admitted, else only the blocks added now
         # (a running request's earlier blocks keep theirs: no per-step walk over every block it holds).
         first = 0 if plan is not None else len(req_blocks)
+        # Blocks added since the lookup's hit (a KV connector's loads, added before this call) and now: anew.
+        added = req_blocks[plan.hits :] if plan is not None else []
         new_blocks = orig(self, request_id, *args, **kwargs)
-        state.planner.fresh([b.block_id for b in new_blocks])
+        state.planner.fresh([b.block_id for b in (*added, *new_blocks)])
         state.planner.admitted([b.block_id for b in req_blocks[first:]], first)
         if worn:  # moved too often in a low-precision cache: read by this request, then prepared again
             self.block_pool.evict_blocks(set(worn))

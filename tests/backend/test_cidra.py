@@ -156,7 +156,7 @@ def test_blocks_a_kv_connector_loads_are_recorded_where_their_reader_reads_them(
     connector (the span tier) loads: CIDRA must record every block it holds at its position, or a request
     admitted next that hits one of those blocks elsewhere rotates it in place while this one reads it. Blocks a
     connector loads are added before the hooked allocation; without a local hit no plan was kept, and they were
-    never recorded."""
+    never recorded. Their move counts (`max_moves`) start again too: new contents."""
     import torch
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -179,13 +179,15 @@ def test_blocks_a_kv_connector_loads_are_recorded_where_their_reader_reads_them(
                       block_hasher=kcu.get_request_block_hasher(bs, hash_fn))  # fmt: skip
     found = manager.get_computed_blocks(request)
     assert found[1] == 0  # no local hit
+    single = manager.coordinator.single_type_managers[0]
+    planner = engine_core.manager_spans(single).planner
+    planner.moves.update({b: 7 for b in range(64)})  # moves counted for whatever these block ids held before
     assert manager.allocate_slots(request, num_new_tokens=bs + 1, new_computed_blocks=found[0],
                                   num_external_computed_tokens=2 * bs) is not None  # fmt: skip
-    single = manager.coordinator.single_type_managers[0]
     held = [b.block_id for b in single.req_to_blocks["loaded"]]
     assert len(held) == 4
-    recorded = engine_core.manager_spans(single).planner.in_use_at
-    assert {b: recorded.get(b) for b in held} == {b: j * bs for j, b in enumerate(held)}
+    assert {b: planner.in_use_at.get(b) for b in held} == {b: j * bs for j, b in enumerate(held)}
+    assert not any(b in planner.moves for b in held)  # new contents: no moves yet, loaded ones included
 
 
 @pytest.mark.vllm

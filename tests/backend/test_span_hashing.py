@@ -425,6 +425,19 @@ def test_rekeyed_blocks_depend_on_how_the_blocks_before_them_were_read(hashing, 
     assert len(set(keys.values())) == len(keys), "two ways of reading the same tokens share re-keyed blocks"
 
 
+def test_rekeying_again_from_an_earlier_block_gives_the_keys_of_one_rekeying(hashing, rekey):
+    """After a preemption a request can be looked up again with less of it cached: re-keyed from an earlier
+    block, it must get the keys a request re-keyed there at once gets (the same KV), not keys built on its
+    first re-keying's, which no other request shares."""
+    tokens, table = layout("ABCD")
+    twice = request(tokens, hashing.plugin, table=table)
+    rekey(twice, table.spans[2][0])  # C missed
+    rekey(twice, table.spans[1][0])  # then, looked up again, B missed
+    once = request(tokens, hashing.plugin, table=table)
+    rekey(once, table.spans[1][0])
+    assert twice.block_hashes == once.block_hashes
+
+
 def test_a_tier_lookup_after_a_preemption_keeps_the_blocks_computed_in_context_keyed_as_context(hashing):
     """A span tier's lookup restores a request's span keys before it looks them up again. After a preemption the
     engine's own lookup has already found the request's blocks computed in context (under their context keys) past
