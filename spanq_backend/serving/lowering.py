@@ -363,7 +363,8 @@ def lower(
     # The "system" anchor: the prompt's own leading system message, as the template renders it (its text parts
     # joined as they are in the prompt).
     first = messages[0] if messages[0].role == "system" else None
-    systems = (BLOCK_SEPARATOR.join(p for p in first.parts if isinstance(p, str)),) if first else ()
+    system_text = BLOCK_SEPARATOR.join(p for p in first.parts if isinstance(p, str)) if first else ""
+    systems = (system_text,) if system_text else ()  # (a system message of documents only: no system prompt)
 
     def anchor_for(slot: SpanPart, size: int) -> int | tuple[int, ...]:
         policy = slot.anchor or default_anchor

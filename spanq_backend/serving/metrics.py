@@ -12,7 +12,8 @@ and readable in process (`snapshot()`).
 | `spanq_deferred_spans_total`             | cold spans a call computed in context, to be prepared alone when idle  |
 | `spanq_in_context_calls_total`           | calls that read their documents in context again (no span read)       |
 | `spanq_blocks_relocated_total`           | KV blocks whose keys were moved to a new position (ReRoPE)            |
-| `spanq_span_duplicates_total`            | private block copies planned for concurrent readers (CIDRA)           |
+| `spanq_span_duplicates_total`            | private block copies made for concurrent readers (CIDRA)              |
+| `spanq_span_worn_blocks_total`           | span blocks let go after 8 in-place moves in a cache below float32    |
 | `spanq_relocation_seconds_total`         | host time spent moving keys (on a GPU: launching the moves)           |
 | `spanq_tier_loaded_blocks_total`, `spanq_tier_saved_blocks_total`, `spanq_tier_failed_loads_total`, `spanq_tier_failed_saves_total`, `spanq_tier_evicted_blocks_total`, `spanq_tier_bytes_read_total`, `spanq_tier_bytes_written_total` | an engine with a span tier: blocks loaded instead of computed, written, refused, not written, evicted; bytes |
 | `spanq_tier_blocks` (a gauge)            | the blocks its span tier holds                                        |

@@ -17,12 +17,13 @@ that cached span blocks follow is computed by a request of its own over the prom
 Which blocks (`choose_blocks`): `"first"` (each span's first block: the tokens that, computed alone, saw the
 least), `"last"` (each span's last block: what the text after the spans reads first), `"question"` (as many blocks
 as spans, those that share the most with the question by the score below, wherever they sit; none that shares
-nothing), `"attention"` (as many blocks as spans, those the question attends to most in the middle of the model,
+nothing — where the text after every document shares nothing with any span block, as when the question is asked
+before the documents, the text before the first span is read as the question), `"attention"` (as many blocks as spans, those the question attends to most in the middle of the model,
 read by a pass of the prompt before the recompute round: `vllm_integration/attention_probe.py`; the blocks'
 attention mass comes in as `block_mass`), or a share in (0, 1] of all
 span blocks, picked by a cheap criterion that needs no model pass: first the spans' first blocks, then the other
 blocks; within each, those that share the most with the text after the spans (the question, not the last span's
-tail left as context), each shared token weighted by its rarity among the span blocks (an inverse document
+tail left as context, nor a document read in context after the spans), each shared token weighted by its rarity among the span blocks (an inverse document
 frequency); ties to the earlier block.
 """
 

@@ -262,6 +262,12 @@ def test_documents_of_a_system_message_stay_in_it_and_are_the_same_spans_as_a_us
     assert lp.span_texts == in_user.span_texts
     for i in range(len(lp.span_texts)):
         assert lp.prepare_prompt(i) == in_user.prepare_prompt(i)
+    # A system message of documents only holds no system prompt: the "system" anchor is the template's then (it
+    # rendered an empty system message, which neither stock nor the template anchor reads).
+    only_docs = lower(cross(plus(*[fragment(DOCS[c]) for c in "AB"], role="system", anchor="system"), user(QUESTION)),
+                      tok, BS, marker)  # fmt: skip
+    templated = lower(cross(plus(*[fragment(DOCS[c]) for c in "AB"], role="system"), user(QUESTION)), tok, BS, marker)
+    assert only_docs.table.anchor_of(0) == templated.table.anchor_of(0)
 
 
 @pytest.mark.parametrize("groups", ["prefix", "prefix and template"])
