@@ -963,9 +963,10 @@ class SpanGenerator:
         try:
             lowered, flattened = self._lower(call, align_output=span_output)
         except ContextLengthError:
-            if span_output:
-                raise
-            return self._too_long_for_spans(call)
+            fallback = None if span_output else self._too_long_for_spans(call)
+            if fallback is None:
+                raise  # the span layout's error: it names the document that does not fit
+            return fallback
         if not lowered.has_spans:
             return CallLayout(lowered, flattened, "warm")
         spans = len(lowered.table.spans)
@@ -1007,12 +1008,15 @@ class SpanGenerator:
         )
         return CallLayout(relaid, flattened, mode, deferred=prompts, also=extra, spans=spans)
 
-    def _too_long_for_spans(self, call: Generate) -> CallLayout:
+    def _too_long_for_spans(self, call: Generate) -> CallLayout | None:
         """A call whose span layout does not fit the context window (its padding, up to a block less one token a
         span, counts against it) but whose stock prompt does: read as stock reads it, in context; the spans that
-        fit alone are prepared when the engine is idle, for shorter prompts that read them. Where the stock prompt
-        does not fit either, its `ContextLengthError` (stock's own limit) is the call's."""
-        stock, _ = self._lower(call, stock=True)
+        fit alone are prepared when the engine is idle, for shorter prompts that read them. None where the stock
+        prompt does not fit either (the span layout's error is the call's: it names the document)."""
+        try:
+            stock, _ = self._lower(call, stock=True)
+        except ContextLengthError:
+            return None
         texts = {c.text for _, n in walk(call.input) if isinstance(n, Plus) for c in n.children
                  if isinstance(c, (Fragment, User)) and c.text}  # fmt: skip
         return CallLayout(stock, False, "context", spans=len(texts), later=lambda: self._prepares_that_fit(call))

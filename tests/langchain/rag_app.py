@@ -42,9 +42,11 @@ TOWNS = [
 
 
 def town_documents(tag: str) -> list[Document]:
-    """The four town documents, made unique to `tag` so no other test has put them in the span cache."""
+    """The four town documents, made unique to `tag` so no other test has put them in the span cache: from their
+    first block on (a document's whole blocks are read from the cache wherever they were cached: with the tag at
+    its end, its first block was every test's)."""
     return [
-        Document(page_content=f"{text} (Record {tag}-{name}.)", id=f"{tag}-{name}", metadata={"source": name})
+        Document(page_content=f"(Record {tag}-{name}.) {text}", id=f"{tag}-{name}", metadata={"source": name})
         for name, text in TOWNS
     ]
 
