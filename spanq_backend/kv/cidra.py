@@ -70,7 +70,7 @@ class CidraPlanner:
                 dup.append(j)
             elif have is not None and have != j * bs:
                 moved.append(b)
-        return StepPlan(duplicate=dup, moved=moved)
+        return StepPlan(duplicate=dup, moved=moved, hits=len(hit_block_ids))
 
     def moved_in_place(self, block_ids: Sequence[int]) -> list[int]:
         """An admitted request's blocks rotated in place (`StepPlan.moved`): counted, and those now moved

@@ -535,10 +535,11 @@ class SpanGenerator:
 
     def _lower(
         self, call: Generate, align_output: bool = False, as_context: frozenset[str] = frozenset(),
-        stock: bool = False,
+        stock: bool = False, check_window: bool = True,
     ) -> tuple[LoweredPrompt, bool]:
         """The call's prompt, and whether its spans were flattened (a stock engine's layout; `stock`: laid out as a
-        stock engine lays it out, on a span engine too)."""
+        stock engine lays it out, on a span engine too; `check_window=False`: the span layout, not checked against
+        the context window)."""
         if (stock or not self.spans) and any(isinstance(n, Plus) for _, n in walk(call.input)):
             # A stock engine: the same messages, flattened, without span layout or padding (never laid out as
             # spans first: the padding would count against the context window).
@@ -550,7 +551,7 @@ class SpanGenerator:
             self.tokenizer,
             self.block_size,
             self.pad_token_id,
-            self.max_model_len,
+            self.max_model_len if check_window else None,
             call.max_tokens or 1,
             generated_ids=self.generated_ids,
             default_anchor=self.default_anchor,
@@ -1025,9 +1026,7 @@ class SpanGenerator:
         """A call over-long as spans, read in context: the prepares of its cold spans that fit the window alone
         (its layout worked out unchecked against the window), for shorter prompts that read them."""
         try:
-            lowered = lower(call.input, self.tokenizer, self.block_size, self.pad_token_id, None,
-                            default_anchor=self.default_anchor, lead_in=self.lead_in_for(call),
-                            keep_order=self.keep_span_order)  # fmt: skip
+            lowered, _ = self._lower(call, check_window=False)
         except SpanQueryError:
             return [], []
         if not lowered.has_spans:

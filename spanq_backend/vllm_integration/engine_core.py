@@ -333,7 +333,6 @@ def wrap_get_computed_blocks(orig: Any) -> Any:
             # every block it holds, those a KV connector (the span tier) loads included, which another request
             # must not rotate in place while this one reads them.
             state.cow_plans[request.request_id] = state.planner.plan(hit) if hit else StepPlan()
-            state.cow_plans[request.request_id].hits = len(hit)
             while len(state.cow_plans) > MAX_COW_PLANS:  # lookups of requests never admitted (aborted waiting)
                 del state.cow_plans[next(iter(state.cow_plans))]
         return result

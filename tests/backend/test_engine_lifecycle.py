@@ -67,6 +67,22 @@ async def test_when_the_engine_thread_fails_every_call_under_way_or_queued_ends_
         backend.close()
 
 
+async def _fail_in_step(backend):
+    """Make `backend`'s engine fail in its next step (the one vLLM call a failure stands for) through a call, which
+    ends with the failure; the failed engine."""
+    failed = backend.engine
+    step = failed.llm_engine.step
+
+    def failing_step():
+        step()
+        raise RuntimeError("boom in step")
+
+    failed.llm_engine.step = failing_step
+    with pytest.raises(BackendUnavailableError, match="boom in step"):
+        await backend.generate(generate(user("hi"), max_tokens=5))
+    return failed
+
+
 async def test_a_shared_engine_that_failed_is_started_again_by_the_next_call_and_a_shut_down_one_is_not(
     tiny_model, monkeypatch
 ):
@@ -79,16 +95,7 @@ async def test_a_shared_engine_that_failed_is_started_again_by_the_next_call_and
 
     backend = shared_embedded_backend(str(tiny_model))
     try:
-        failed = backend.engine
-        step = failed.llm_engine.step
-
-        def failing_step():
-            step()
-            raise RuntimeError("boom in step")
-
-        failed.llm_engine.step = failing_step
-        with pytest.raises(BackendUnavailableError, match="boom in step"):
-            await backend.generate(generate(user("hi"), max_tokens=5))
+        failed = await _fail_in_step(backend)
         said: list[str] = []
         monkeypatch.setattr(logging.getLogger("spanq.embedded"), "warning", lambda msg, *a: said.append(msg % a))
         again = await asyncio.gather(*(backend.generate(generate(user("hi"), max_tokens=2)) for _ in range(2)))
@@ -120,16 +127,7 @@ async def test_a_shared_engine_that_cannot_start_again_is_not_retried_by_every_c
 
     backend = shared_embedded_backend(str(tiny_model))
     try:
-        failed = backend.engine
-        step = failed.llm_engine.step
-
-        def failing_step():
-            step()
-            raise RuntimeError("boom in step")
-
-        failed.llm_engine.step = failing_step
-        with pytest.raises(BackendUnavailableError, match="boom in step"):
-            await backend.generate(generate(user("hi"), max_tokens=5))
+        failed = await _fail_in_step(backend)
         for _ in range(3000):  # its thread stopped and let go of vLLM's engine
             if failed.llm_engine is None:
                 break
