@@ -362,6 +362,7 @@ class SpanGenerator:
         # prompt (computed once), so that `cached_span_digests` can say which of them the cache still holds
         # (what a cluster router routes on).
         self._span_blocks: OrderedDict[str, tuple[Any, ...] | None] = OrderedDict()
+        self._remembered_blocks = 0  # the block hashes `_span_blocks` holds in all
         # A call whose documents the cache holds in context, as a stock prompt laid them out in the order an
         # earlier call of this generator read them in context, is read that way when that computes at most a
         # block more than the span layout would (`in_context`): stock canonical's speed and full attention.
@@ -467,17 +468,25 @@ class SpanGenerator:
         except SpanQueryError:
             return None
 
+    # The spans `cached_span_digests` can report: at most this many, holding at most REMEMBERED_BLOCKS block hashes
+    # among them (~65 bytes each, the anchor's blocks in every span's: a 1k-token document behind the lead-in holds
+    # ~40, and 65,536 of them held ~180 MB), the least recently used forgotten first.
     REMEMBERED_SPANS = 65536
+    REMEMBERED_BLOCKS = 1 << 18
 
     def _note_spans(self, lowered: LoweredPrompt) -> None:
         if self.span_probe is None:
             return  # nothing could tell later which of them the cache holds
         for i, text in enumerate(lowered.span_texts[: len(lowered.table.spans)]):
             key = span_digest(text)  # under the anchor it was last prepared on
-            self._span_blocks[key] = self.span_probe.block_hashes(lowered.prepare_prompt(i))
+            hashes = self.span_probe.block_hashes(lowered.prepare_prompt(i))
+            self._remembered_blocks += len(hashes or ()) - len(self._span_blocks.get(key) or ())
+            self._span_blocks[key] = hashes
             self._span_blocks.move_to_end(key)
-        while len(self._span_blocks) > self.REMEMBERED_SPANS:
-            self._span_blocks.popitem(last=False)
+        while len(self._span_blocks) > 1 and (
+            len(self._span_blocks) > self.REMEMBERED_SPANS or self._remembered_blocks > self.REMEMBERED_BLOCKS
+        ):
+            self._remembered_blocks -= len(self._span_blocks.popitem(last=False)[1] or ())
 
     def cached_span_digests(self) -> list[str]:
         """The digests (`span_digest` of the text) of the spans this generator prepared whose KV the engine's

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from spanq_backend.serving.lowering import span_digest
 from spanq_integrations import cross, fragment, generate, plus, system, user
 
 pytestmark = [pytest.mark.vllm]
@@ -116,3 +117,28 @@ def test_a_span_prepared_after_an_anchor_the_prompt_does_not_hold_leaves_the_cac
     read = lowered.table.anchor_len + sum(e - s for s, e in spans[:3])
     assert call.cached_tokens >= read, f"{call.cached_tokens} cached; the prefix and three documents are {read}"
     assert call.cached_tokens <= call.prompt_tokens - (spans[3][1] - spans[3][0]), "the prepared one is not cached"
+
+
+def test_the_spans_remembered_for_the_router_are_bounded_by_their_block_hashes(tiny_backend, monkeypatch):
+    """What `GET /v1/spans` reports (the spans a replica's cache holds, for the cluster's router) is remembered per
+    span with its prepare prompt's block hashes; over many documents that record stays within REMEMBERED_BLOCKS
+    hashes (it held 65,536 spans whatever their size: ~180 MB for 1k-token documents), the least recently used
+    forgotten first, and the recent ones still reported."""
+    engine = tiny_backend.engine
+    gen = engine.generator
+    tag = uuid.uuid4().hex[:8]
+    docs = [f"Ledger {i}{tag}. " + " ".join(f"Entry {j} of {i} reads {j * 7 % 13}." for j in range(12)) for i in range(6)]
+
+    def ask(*texts):
+        return generate(cross(system(f"Answer ({tag})."), plus(*[fragment(t) for t in texts]), user("Which entry?")),
+                        max_tokens=1, temperature=0.0, cold_spans="isolate")
+
+    asyncio.run(engine.generate(ask(docs[0])))
+    per_span = len(gen._span_blocks[span_digest(docs[0])])
+    monkeypatch.setattr(gen, "REMEMBERED_BLOCKS", 3 * per_span + per_span // 2, raising=False)  # three of these
+    for i in range(1, 6):
+        asyncio.run(engine.generate(ask(docs[i])))
+    remembered = {span_digest(d) for d in docs} & set(gen._span_blocks)
+    assert remembered == {span_digest(d) for d in docs[3:]}, "not the three most recent documents"
+    assert remembered <= set(gen.cached_span_digests())
+    assert gen._remembered_blocks == sum(len(h or ()) for h in gen._span_blocks.values()) <= gen.REMEMBERED_BLOCKS

@@ -37,7 +37,8 @@ def test_the_demo_fits_on_a_screen_and_shows_spanqs_progress():
     # the stock engine beside it neither checks nor claims span reuse (it printed "span reuse is on" until 2026-12-03)
     assert "spanq: starting a stock vLLM engine on tiny" in out and out.count("span reuse is on") == 1
     # Q1's eight small new documents, by default read in context and prepared when idle: said in one line
-    assert "spanq: read 8 new documents in context" in out
+    # (it named the call "$", its path in the query's JSON, until 2026-12-05)
+    assert "spanq: read 8 new documents in context for the query; preparing them as spans when idle" in out
     assert "TTFT, spans vs stock: Q1" in out and "; Q3 " in out  # the table is there
 
 
