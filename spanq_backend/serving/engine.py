@@ -566,6 +566,7 @@ class SpanEngine:
             return
         req.added_at_step = self.steps
         self._active[req.rid] = req
+        req.prompt_ids = []  # given to vLLM: `recent` keeps the request's steps, not 256 prompts' tokens
         self.recent.append(req)
 
     def _deliver(self, engine: Any, out: Any) -> None:
@@ -688,6 +689,7 @@ class SpanEngine:
             if tuple(prompt) in seen:
                 continue
             seen.add(tuple(prompt))
+            self.generator._note_spans(lowered)  # known to this engine's queries (and reported to a router) as prepared
             report["spans"] += 1
             if self._probe is not None and self.tier is not None and self._probe.tier_holds_all(prompt):
                 report["held"] += 1

@@ -10,6 +10,7 @@ running request reads elsewhere (invariant 6 of docs/design.md).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import inspect
@@ -718,16 +719,56 @@ class SpanGenerator:
             computed = done.result()
             metrics.count_prepared(1 if is_span and computed else 0, computed)
 
+    # Tokens of deferred prepares computed at once where this generator runs them (`spanq serve`; the embedded
+    # engine's queue has its own, `SpanEngine.IDLE_BATCH_TOKENS`): a call that arrives meanwhile waits for them,
+    # never for the whole backlog. A longer prompt goes in parts of whole blocks, each on the blocks the last cached.
+    IDLE_BATCH_TOKENS = 512
+
     async def _when_idle(self, items: list[tuple[list[int], concurrent.futures.Future[int]]]) -> None:
+        bs = self.block_size
+        counted = getattr(self.span_probe, "cached_blocks", None)
+        todo = collections.deque(items)
+        progress: dict[concurrent.futures.Future[int], tuple[int, int]] = {}  # tokens computed, prefix reached
         try:
-            while self.calls_running():
-                waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                self._deferred_waiters.append(waiter)
-                await waiter
-            started = [(p, done) for p, done in items if done.set_running_or_notify_cancel()]  # under way from here
-            computed = await self.compute_all([p for p, _ in started])
-            for (_, done), c in zip(started, computed):
-                done.set_result(c)
+            while todo:
+                while self.calls_running():
+                    waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                    self._deferred_waiters.append(waiter)
+                    await waiter
+                batch: list[tuple[list[int], concurrent.futures.Future[int], bool]] = []
+                budget = self.IDLE_BATCH_TOKENS
+                while todo and budget > 0:
+                    prompt, done = todo[0]
+                    if not done.running() and not done.set_running_or_notify_cancel():  # cancelled while queued
+                        todo.popleft()
+                        continue
+                    total, reached = progress.get(done, (0, 0))
+                    have = counted(prompt) * bs if counted is not None else 0  # what the cache holds of it now
+                    if counted is not None and have >= len(prompt) // bs * bs:
+                        todo.popleft()
+                        progress.pop(done, None)
+                        if not total:
+                            metrics.count_saved_prepare()  # cached meanwhile: no request
+                        done.set_result(total)
+                        continue
+                    # whole blocks past what is cached and past the last part (should the last part's blocks have
+                    # been evicted since, this one computes them again with its own: every part goes further)
+                    start = max(have, reached)
+                    cut = start + max(bs, budget // bs * bs)
+                    last = cut >= len(prompt)
+                    if last:
+                        todo.popleft()
+                    else:
+                        progress[done] = (total, cut)
+                    batch.append((prompt if last else prompt[:cut], done, last))
+                    budget -= (len(prompt) if last else cut) - start
+                computed = await self.compute_all([part for part, _, _ in batch])
+                for (_, done, last), c in zip(batch, computed):
+                    total, reached = progress.pop(done, (0, 0))
+                    if last:
+                        done.set_result(total + c)
+                    else:
+                        progress[done] = (total + c, reached)
         except BaseException as e:  # a deferred prepare is an optimisation: never an error of a call
             if not isinstance(e, asyncio.CancelledError):
                 log.warning("a deferred span prepare failed: %s", e)
@@ -739,22 +780,33 @@ class SpanGenerator:
     MAX_DEFERRED = 1024  # prompts waiting for the engine to be idle, at most (`defer`)
     PENDING_WAIT_S = 60.0  # the most a call waits for deferred prepares of its spans that are under way
 
+    PENDING_RECHECK_S = 0.05  # how often a waiting call looks again whether a queued prepare can still start
+
     async def _await_pending(self, prompts: list[list[int]]) -> None:
-        """Wait (at most `PENDING_WAIT_S`) for the deferred prepares of these prompts still to finish. While it
-        waits the call is not counted as running (`calls_running`), so prepares queued for a quiet engine can
-        start. Waiting never cancels a prepare (other calls may wait for it too); the caller's own cancellation
+        """Wait (at most `PENDING_WAIT_S`) for the deferred prepares of these prompts still to finish: those under
+        way, and those queued while no other call runs. While it waits the call is not counted as running
+        (`calls_running`), so prepares queued for a quiet engine can start; a queued one does not start while
+        other calls run, so it is not waited for then (the call computes those spans itself, as its cold policy
+        says). Waiting never cancels a prepare (other calls may wait for it too); the caller's own cancellation
         goes through."""
         futures = [f for p in prompts if (f := self._pending.get(tuple(p))) is not None]
         if not futures:
             return
-        waits = [asyncio.wrap_future(f) for f in futures]
-        for w in waits:  # a failed prepare is the queue's to log, not this call's
+        waits = {f: asyncio.wrap_future(f) for f in futures}
+        for w in waits.values():  # a failed prepare is the queue's to log, not this call's
             w.add_done_callback(lambda w: w.cancelled() or w.exception())
         self._waiting_calls += 1
         try:
             if not self.calls_running():
                 self._quiet()
-            await asyncio.wait(waits, timeout=self.PENDING_WAIT_S)  # on a timeout or a cancel none is cancelled
+            deadline = time.monotonic() + self.PENDING_WAIT_S
+            while (left := deadline - time.monotonic()) > 0:
+                busy = self.calls_running() > 0
+                wanted = [w for f, w in waits.items() if not f.done() and (f.running() or not busy)]
+                if not wanted:
+                    break
+                # on a timeout or a cancel none is cancelled; looked at again, as another call may have started
+                await asyncio.wait(wanted, timeout=min(left, self.PENDING_RECHECK_S), return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._waiting_calls -= 1
 

@@ -552,6 +552,62 @@ def test_a_call_waiting_for_deferred_prepares_never_cancels_them_and_never_waits
             gen._pending.pop(key, None)
 
 
+def test_a_call_does_not_wait_for_queued_prepares_that_cannot_start_while_other_calls_run(engine, monkeypatch):
+    """Deferred prepares start only when no call runs. A call whose documents' prepares are still queued behind
+    another call under way computes those documents itself, as its cold policy says, instead of waiting for
+    prepares that cannot start (it waited `PENDING_WAIT_S`, 60 s, beside a steady stream of other calls)."""
+    from spanq_backend.serving.generator import SpanGenerator
+
+    monkeypatch.setattr(SpanGenerator, "PENDING_WAIT_S", 600.0)
+    d = docs("queued")
+
+    async def scenario():
+        release = asyncio.Event()
+        streaming = asyncio.Event()
+
+        async def held(_piece: str) -> None:  # a call whose reader takes its time: under way until released
+            streaming.set()
+            await release.wait()
+
+        other = asyncio.ensure_future(engine.generate(query(docs("busy"), "A"), on_token=held))
+        await streaming.wait()
+        try:
+            cold = await engine.generate(query(d, "ABCD"))
+            queued = [engine.generator._pending.get(tuple(engine.lower(query(d, "BA")).prepare_prompt(i)))
+                      for i in range(2)]
+            # another instruction: not read in context again, so the subset reads spans, which are not cached yet
+            subset = await asyncio.wait_for(
+                engine.generate(query(d, "BA", "Which drawer keeps 2 keys?", instruction="Answer from these cards.")),
+                timeout=120)
+            return cold.metrics, queued, subset
+        finally:
+            release.set()
+            await other
+
+    cold, queued, subset = asyncio.run(scenario())
+    assert cold.deferred_spans == 4
+    assert all(f is not None and not f.running() for f in queued), "the prepares were not queued behind the call"
+    assert subset.metrics.extra["cold_spans"] == "context" and subset.texts[0] is not None
+    assert engine.settle(120)
+
+
+def test_documents_compiled_on_an_engine_without_a_tier_are_read_from_its_cache_by_the_first_query(engine):
+    """`SpanEngine.compile` (what `spanq prepare` runs) on an engine with no span tier puts the documents' spans in
+    its cache: the first query over them reads them there, and `GET /v1/spans` reports them to a router. The
+    compiled spans were unknown to the engine's record of spans it had prepared, so the first query over them was
+    laid out as new documents and read them in context (0 tokens from the cache), and no router heard of them."""
+    from spanq_backend.serving.lowering import span_digest
+
+    d = docs("compiled")
+    report = asyncio.run(engine.compile(list(d.values())))
+    assert report["prepared"] == 4
+    assert {span_digest(t) for t in d.values()} <= set(engine.generator.cached_span_digests())
+    first = asyncio.run(engine.generate(query(d, "CADB", "Which drawer keeps 4 keys?"))).metrics
+    lowered = engine.lower(query(d, "CADB", "Which drawer keeps 4 keys?"))
+    assert first.extra["cold_spans"] == "warm" and first.prepared_spans == 0 and first.deferred_spans == 0
+    assert first.cached_tokens >= sum(e - s for s, e in lowered.table.spans)
+
+
 def test_a_deferred_prepare_cancelled_before_it_starts_leaves_the_engine_serving(engine):
     """A deferred prepare whose future was cancelled while it waited in the engine's queue is skipped: set later,
     that future would raise in the engine's thread and take every request down with it."""

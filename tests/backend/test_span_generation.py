@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -252,3 +253,41 @@ def test_a_chat_template_that_refuses_the_messages_is_the_querys_error(tiny_mode
     with pytest.raises(QueryValidationError, match="chat template refused these messages.*system, user"):
         lower(cross(system("Be brief."), user("Hi")).model_copy(), strict, 32, 198)
     assert lower(user("Hi"), strict, 32, 198).token_ids  # what the template takes still renders
+
+
+def test_deferred_prepares_where_the_generator_runs_them_go_in_parts_and_a_call_comes_between(tokenizer):
+    """On `spanq serve` the generator runs deferred prepares itself, once no call runs: at most `IDLE_BATCH_TOKENS`
+    tokens at a time (a call that arrives meanwhile waits for one part, not the whole backlog), a longer prompt in
+    parts of whole blocks, each a prefix of it (what the last part cached is read, not computed), its future set to
+    every part's tokens when the last is done. (The whole backlog went to the engine as one batch.)"""
+    pytest.importorskip("vllm")
+    engine = ScriptedEngine(pieces=("x",))
+    gen = span_generator(engine, tokenizer)
+    limit, bs = getattr(gen, "IDLE_BATCH_TOKENS", 512), gen.block_size
+    long = [(i % 500) + 10 for i in range(40 * bs)]  # 1280 tokens: a stock prompt read in context again, say
+    short = [7] * (3 * bs)
+
+    async def scenario():
+        gen.defer([short], also=[long])
+        futures = [gen._pending[tuple(short)], gen._pending[tuple(long)]]
+        while len(engine.requests) < 1:  # the first batch is under way
+            await asyncio.sleep(0)
+        answer = await gen.generate(generate(user("Hello"), max_tokens=1))  # a call arriving meanwhile
+        for f in futures:
+            await asyncio.wrap_future(f)
+        return answer, [f.result() for f in futures]
+
+    answer, (short_tokens, long_tokens) = asyncio.run(scenario())
+    prompts = [r.prompt_ids[:-1] for r in engine.requests]  # each request's prompt, less the token past it
+    prepares = [p for p in prompts if p == short or p == long[: len(p)]]
+    assert answer.texts == ["x"]
+    assert len(prepares) == len(prompts) - 1 >= 3, "the backlog went as one batch"
+    parts = [len(p) for p in prepares if p != short]
+    assert parts == sorted(parts) and parts[-1] == len(long), "not parts of the long prompt, each further on"
+    assert all(n % bs == 0 for n in parts)  # whole blocks: each part's last block is cached for the next
+    # each batch computes at most `limit` new tokens: the short prompt and the first part, then one part each
+    assert len(short) + parts[0] <= limit and all(b - a <= limit for a, b in itertools.pairwise(parts)), parts
+    # the call ran between the parts (after the first batch), not after the whole backlog
+    call_at = next(i for i, p in enumerate(prompts) if p not in prepares)
+    assert 0 < call_at < len(prompts) - 1
+    assert short_tokens == len(short) and long_tokens == sum(parts)  # this engine caches nothing: every part computes all
