@@ -33,6 +33,7 @@ from spanq_integrations.query.errors import (
 )
 from spanq_integrations.query.flatten import block_text
 from spanq_integrations.query.ir import (
+    NODE_TYPES,
     Assistant,
     Chat,
     Combine,
@@ -49,6 +50,7 @@ from spanq_integrations.query.ir import (
     System,
     User,
     child_paths,
+    walk,
     with_children,
 )
 from spanq_integrations.runtime.reducers import Reducer, reducer_from_combine
@@ -243,6 +245,19 @@ _EVALUATORS: dict[type, Callable[[_Run, Any, str, bool], Awaitable[Node]]] = {
 """How the executor runs each node class."""
 
 
+def _check_runnable(query: Any) -> None:
+    """A query that would run nothing is the caller's mistake, said before a backend starts: a value that is not a
+    query node (a plain string), or a tree with no model call in it (its answer was "" from 0 calls)."""
+    if not isinstance(query, NODE_TYPES):
+        hint = " (for a question: execute(generate(user(text))))" if isinstance(query, str) else ""
+        raise TypeError(f"execute takes a span query (a node such as generate(...)), not {type(query).__name__}{hint}")
+    if not any(isinstance(node, (Generate, Chat, Map, Print)) for _, node in walk(query)):
+        raise QueryValidationError(
+            "$", "the query makes no model call (no generate, chat or map in it): there is nothing to answer; "
+            "wrap its messages in generate(...)"
+        )
+
+
 async def aexecute(
     query: Node,
     backend: Backend | str | None = None,
@@ -261,6 +276,7 @@ async def aexecute(
     the answer's text as it streams; `reducers` are the reducer instances `Combine` nodes may name (by default
     the built-in ones, built from the node's options).
     """
+    _check_runnable(query)
     be, owned = resolve_backend(backend)
     try:
         plan = query

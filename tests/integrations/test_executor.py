@@ -293,3 +293,21 @@ async def test_an_empty_map_runs_no_call_and_is_no_error():
     backend = ScriptedBackend()
     result = await aexecute(from_json({"map": {"inputs": []}}), backend, optimize=False)
     assert backend.events == [] and result.calls == []
+
+
+# --------------------------------------------------------------------------------------------- nothing to run
+
+
+def test_a_query_with_no_model_call_or_a_plain_string_is_refused_before_a_backend_starts():
+    """A newcomer's first mistakes: messages with no generate around them ran 0 calls and answered "" (after the
+    embedded engine's start, seconds), and a plain string failed inside the executor with an AttributeError."""
+    from spanq_integrations import QueryValidationError
+
+    backend = ScriptedBackend()
+    with pytest.raises(QueryValidationError, match=r"makes no model call .* wrap its messages in generate"):
+        execute(cross(system("Answer briefly."), user("What?")), backend)
+    with pytest.raises(TypeError, match=r"execute takes a span query .* not str .*execute\(generate\(user"):
+        execute("What color is it?", backend)
+    assert backend.inputs == []
+    # a generate anywhere in it runs, as before
+    assert execute(cross(system("s"), generate(user("hi"))), backend).calls
