@@ -32,10 +32,10 @@ def report(verdict: JudgeVerdict) -> None:
     chosen = verdict.selection.index if verdict.selection else None
     for i, candidate in enumerate(verdict.candidates):
         print(f"{'*' if i == chosen else ' '} candidate {i}: {candidate.strip()}")
-    print(
-        f"\nverdict: {verdict.verdict.strip()}"
-        + ("" if verdict.parsed is not None else " (names no candidate)")
-    )
+    if verdict.parsed is not None:
+        print(f"\nverdict: {verdict.verdict.strip()}")
+    else:  # SmolLM2-135M often cannot follow a judge's format (docs/haystack.md): say what it answered
+        print(f"\nno verdict: {verdict.parse_error}")
     print(
         f"{len(verdict.calls)} calls (tree reduction k={verdict.k}); the judges read "
         f"{len(verdict.reused_outputs)} generated outputs as spans; the root judge took "

@@ -93,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     chosen = verdict.selection.index if verdict.selection else None
     for i, candidate in enumerate(verdict.candidates):
         print(f"{'*' if i == chosen else ' '} candidate {i}: {candidate.strip()}")
-    print(f"\nverdict: {verdict.verdict.strip()}")
+    if verdict.parsed is not None:
+        print(f"\nverdict: {verdict.verdict.strip()}")
+    else:  # SmolLM2-135M often cannot follow a judge's format (docs/haystack.md): say what it answered
+        print(f"\nno verdict: {verdict.parse_error}")
     print(
         f"judge calls: {len(verdict.calls)}, cached prompt tokens of the root judge: {verdict.judge_cached_tokens}"
     )

@@ -199,7 +199,7 @@ class JudgeEnsemble(RunnableSerializable[Any, JudgeVerdict]):
         ]
         parse_error = None
         if root is not None and result.verdict is None:
-            parse_error = f"the reducer {result.reducer!r} could not read the root judge's answer"
+            parse_error = root.parse_error or f"the reducer {result.reducer!r} could not read the root judge's answer"
         return JudgeVerdict(
             question=question,
             verdict=result.answer,

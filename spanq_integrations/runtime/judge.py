@@ -495,6 +495,13 @@ async def ajudge(
         try:
             if call.kind == "code":
                 partials = [reader.parsed_of(i) for i in call.inputs]
+                unread = [c.parse_error for i in call.inputs for c in reader.judges if c.path == i.path and c.parse_error]
+                if call is root and unread and all(p is None for p in partials):
+                    # nothing to combine: say why, from the judges below (their output, what the reducer wanted)
+                    raise ReducerParseError(
+                        f"{call.path}: no verdict: none of the {len(partials)} judges below gave an answer the "
+                        f"{r.name} reducer can read; the first: {unread[0]}"
+                    )
                 combined = r.combine(partials)
                 call.parsed = (
                     r.verdict(combined, path=call.path, candidates=reader.texts) if call is root else combined

@@ -316,8 +316,10 @@ async def test_select_in_code_ties_go_to_the_lower_label_and_foreign_labels_are_
 
 async def test_select_in_code_with_no_readable_score_names_the_root_and_keeps_the_run():
     backend = ScriptedJudge(answer=lambda path, body, instruction: "they are all lovely")
-    with pytest.raises(ReducerParseError, match=r"^\$: the select reducer") as caught:
+    with pytest.raises(ReducerParseError, match=r"^\$: no verdict: none of the 4 judges below") as caught:
         await ajudge(CANDIDATES, "Which is best?", k=2, reducer="select", backend=backend)
+    # what the leaves answered and what the reducer wanted (the root's own error showed an empty output, '')
+    assert "they are all lovely" in str(caught.value) and "no score for any of the labels" in str(caught.value)
     partial = caught.value.result
     assert partial.verdict is None and [len(level.calls) for level in partial.levels] == [4, 1]
     assert all(c.parse_error for c in partial.levels[0].calls)

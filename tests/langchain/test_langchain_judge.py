@@ -99,6 +99,8 @@ def test_strict_raises_when_the_judge_names_no_candidate(llm):
     if lenient.selection is not None:
         pytest.skip("this model's judge named a candidate")
     assert lenient.parse_error and lenient.verdict == lenient.levels[-1].calls[0].output
+    # the reason is the root's own (what the judge answered, what the reducer wanted), not a generic line
+    assert lenient.parse_error == lenient.levels[-1].calls[0].parse_error
     with pytest.raises(ReducerParseError, match="select"):
         JudgeEnsemble(llm=llm, strict=True).invoke({"question": QUESTION, "candidates": candidates})
 
