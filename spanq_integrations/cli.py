@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -242,11 +243,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.verbose:
         os.environ["SPANQ_LOG_LEVEL"] = "INFO"  # read by the embedded engine when it starts
     streamed: list[str] = []
+    line_open = [False]  # the streamed answer's last line not ended yet
+
+    def end_line(_record: Any) -> bool:  # before a line of spanq's progress (stderr): end the answer's line
+        if line_open[0]:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            line_open[0] = False
+        return True
 
     def echo(piece: str) -> None:
         streamed.append(piece)
         sys.stdout.write(piece)
         sys.stdout.flush()
+        if piece:
+            line_open[0] = not piece.endswith("\n")
+        for handler in logging.getLogger("spanq").handlers:  # set up by the engine's start, before any piece
+            handler.addFilter(end_line)  # (once: a filter already there is not added again)
 
     backend: Any = args.backend
     if args.model and backend in (None, "embedded"):
@@ -290,12 +303,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     answered = result.answer_call
     if answered is not None and len(answered.choices) > 1:  # n choices: each, in order (choice 0 streamed)
-        if streamed:
+        if line_open[0]:
             print()
         for k, choice in enumerate(answered.choices):
             print(f"--- choice {k} ---\n{choice}")
     elif streamed:
-        print()
+        if line_open[0]:
+            print()
     else:
         print(result.answer)
     for unread in result.unread:

@@ -134,11 +134,6 @@ KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU platform reads it at every
 _ENV_LOCK = threading.Lock()
 
 
-def _where(path: str) -> str:
-    """A call's place for the log: "the query" for the query's own generate ("$"), else its path in the query."""
-    return "the query" if path == "$" else f"the generate at {path}"
-
-
 @contextlib.contextmanager
 def _kv_cache_size_of_its_own(config: EngineConfig) -> Iterator[None]:
     """While an engine with its own KV cache size is configured: vLLM's CPU platform would replace that size by
@@ -726,15 +721,7 @@ class SpanEngine:
     ) -> Completion:
         """Run one closed `Generate`: lower, prepare spans, run; with TTFT and cache usage measured.
         `span_output`: an outer generate reads the output as a span (`SpanGenerator.generate`)."""
-        completion = await self.generator.generate(call, path=path, on_token=on_token, span_output=span_output)
-        m = completion.metrics
-        if m.prepared_spans:
-            log.info("prepared %d span%s (%d tokens) for %s", m.prepared_spans, "" if m.prepared_spans == 1 else "s",
-                     m.prepared_tokens, _where(path))  # fmt: skip
-        if m.deferred_spans:
-            log.info("read %d new document%s in context for %s; preparing them as spans when idle", m.deferred_spans,
-                     "" if m.deferred_spans == 1 else "s", _where(path))  # fmt: skip
-        return completion
+        return await self.generator.generate(call, path=path, on_token=on_token, span_output=span_output)
 
     def join(self, timeout: float | None = 30) -> None:
         """Wait for the engine's thread to have stopped (closed or failed) and let go of vLLM's engine."""

@@ -267,6 +267,18 @@ def in_order(node: Any, order_of: Callable[[frozenset[str]], tuple[str, ...] | N
     return transform(node, reorder)
 
 
+def _log_progress(m: CallMetrics, path: str) -> None:
+    """A call's line of progress (shown by default, `logs.py`): the spans it prepared, or the new documents it read in
+    context and will prepare when the engine is idle; named "the query" where it is the query's own call."""
+    where = "the query" if path == "$" else f"the generate at {path}"
+    if m.prepared_spans:
+        log.info("prepared %d span%s (%d tokens) for %s", m.prepared_spans, "" if m.prepared_spans == 1 else "s",
+                 m.prepared_tokens, where)  # fmt: skip
+    if m.deferred_spans:
+        log.info("read %d new document%s in context for %s; preparing them as spans when idle", m.deferred_spans,
+                 "" if m.deferred_spans == 1 else "s", where)  # fmt: skip
+
+
 def settle_deferred(done: concurrent.futures.Future[int], why: object) -> None:
     """End a deferred prepare that will not run or finish: cancelled while queued; failed once under way (a future
     under way cannot be cancelled, and one left pending would keep the calls that wait for it waiting)."""
@@ -931,11 +943,13 @@ class SpanGenerator:
         self.active_calls += 1
         try:
             await self._refuse_over_long(call)
-            return await self._generate(call, path, on_token, span_output, t0)
+            completion = await self._generate(call, path, on_token, span_output, t0)
         finally:
             self.active_calls -= 1
             if not self.calls_running():
                 self._quiet()
+        _log_progress(completion.metrics, path)
+        return completion
 
     async def _refuse_over_long(self, call: Generate) -> None:
         """`ContextLengthError` for a prompt of over `LONG_PROMPT_CHARS` characters that does not fit the context

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -333,13 +334,20 @@ def serve_main(argv: list[str]) -> int:
     limits = limits_of(args)
     anchor, redo = args.spanq_span_anchor, args.spanq_recompute
     lead_in = args.spanq_span_lead_in
-    with query_route_mounted(
-        lambda: build_query_router(
+    started = time.perf_counter()
+    log.info("starting a span-aware vLLM server on %s …", args.model)
+
+    def router() -> Any:  # vLLM builds the app once its engine is up: said as the embedded engine says it
+        name = args.served_model_name[0] if args.served_model_name else args.model
+        log.info("%s ready in %.1f s; serving on http://%s:%d (POST /v1/query/execute, /v1/chat/completions)",
+                 name, time.perf_counter() - started, args.host or "0.0.0.0", args.port)  # fmt: skip
+        return build_query_router(
             tokenizer, args.served_model_name, limits, anchor, redo, lead_in,
             args.spanq_cold_spans, args.spanq_isolate_min_tokens, args.spanq_read_in_context,
             args.spanq_keep_span_order,
         )
-    ):
+
+    with query_route_mounted(router):
         guard.deadline_s += args.shutdown_timeout  # vLLM's drain (--shutdown-timeout) comes first
         try:
             uvloop.run(_run_server(args, guard))

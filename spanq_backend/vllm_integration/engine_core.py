@@ -250,7 +250,7 @@ def rekey_missed_spans(request: Any, num_computed_tokens: int, keep_span_keys: b
         parent = hash_block_tokens(hash_fn, parent, tokens[j * bs : (j + 1) * bs], (CONTEXT_TAG, key))
         hashes[j] = parent  # in place: vLLM holds views of this list
     state.rekeyed_from = j0
-    log.info("request %s: span blocks from %d missed the cache; computed in context, not cached as spans",
+    log.debug("request %s: span blocks from %d missed the cache; computed in context, not cached as spans",
              getattr(request, "request_id", "?"), j0)
     return len(hashes) - j0
 

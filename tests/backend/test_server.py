@@ -672,6 +672,28 @@ def test_queries_over_a_limit_are_400s_naming_the_limit_and_the_server_stays_up(
     assert server.rss_bytes() < rss + (512 << 20), "refused queries must not grow the server"
 
 
+def test_spanq_serve_says_when_it_is_ready_and_what_a_query_prepares(server: SpanqServe):
+    """The server's log shows spanq's progress as the embedded engine's does (README, "Logs"): a line as it starts,
+    one when its engine is up with the address it serves on, and one for a query's new documents. It showed only the
+    model's family (vLLM's own INFO lines, its "ready" among them, are off by default)."""
+    log = server.log.read_text("utf-8", "replace")
+    assert re.search(r"^spanq: starting a span-aware vLLM server on \S+", log, re.M), log[-3000:]
+    assert re.search(r"^spanq: \S+ ready in \d+\.\d s; serving on http://\S+:\d+ ", log, re.M), log[-3000:]
+    logged = server.log.stat().st_size
+    fresh = {c: f"Logbook {c} {time.time_ns()}. " + DOCS[c] for c in "AB"}
+    answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(rag_query("AB", max_tokens=2, docs=fresh)), timeout=60)
+    assert answer.status_code == 200
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(server.log, "rb") as f:
+            f.seek(logged)
+            written = f.read().decode("utf-8", "replace")
+        if "new documents" in written:
+            break
+        time.sleep(0.1)
+    assert "spanq: read 2 new documents in context for the query; preparing them as spans when idle" in written
+
+
 def test_a_client_gone_during_its_upload_is_no_server_error(server: SpanqServe):
     """A client that sends half its body and closes the connection is not the server's failure: no 500 and no
     traceback in the log (an operator paged for a client's hang-up learns nothing), and the server answers on."""

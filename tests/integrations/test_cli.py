@@ -343,3 +343,18 @@ def test_serve_refuses_values_that_cannot_work_in_one_line(flags, message, capsy
     assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+@pytest.mark.vllm
+def test_an_embedded_run_ends_the_answers_line_before_spanqs_progress(tmp_path):
+    """The answer streams to stdout and the engine's progress ("read 3 new documents in context…") goes to stderr
+    when the call ends, before the answer's line was: in a terminal it landed on it ("…Widgetspanq: read 3…")."""
+    doc = json.loads(json.dumps(SPNL_QUERY))
+    doc["g"].update(model="", temperature=0.0)
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps(doc))
+    done = subprocess.run([*spanq_command(), "run", str(path), "--model", "tiny"], check=False, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert "spanq: read" in done.stdout  # the progress line this is about
+    assert not [line for line in done.stdout.splitlines() if "spanq:" in line and not line.startswith("spanq:")], done.stdout
