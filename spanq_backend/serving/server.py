@@ -68,29 +68,34 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         FlexibleArgumentParser(
             prog="spanq serve",
             description="vLLM's OpenAI-compatible server with span-aware KV reuse and POST /v1/query/execute. "
-            "--model takes default (SmolLM2-135M-Instruct), tiny, or a model folder; every other "
-            "`vllm serve` option passes through.",
+            "--model takes default (SmolLM2-135M-Instruct), tiny, tiny-<family>, a model folder or a Hugging Face "
+            "id already in the local cache; every other `vllm serve` option passes through. spanq's own options: "
+            "--help=spanq; the query limits: --help=limits; everything: --help=all.",
         )
     )
     limits = parser.add_argument_group(
-        "spanq query limits", "what one POST /v1/query/execute may ask for; a query over a limit is a 400 naming it"
+        "limits", "spanq's query limits: what one POST /v1/query/execute may ask for; a query over a limit is a 400 "
+        "naming it"
     )
     for name, default in DEFAULT_LIMITS.describe().items():
         limits.add_argument(f"--{name.replace('_', '-')}", dest=f"spanq_{name}", type=positive_int, default=default,
-                            metavar="N", help=f"(default {default})")
-    parser.add_argument(
+                            metavar="N", help=f"the most {QueryLimits.meaning(name)}")
+    spanq = parser.add_argument_group(
+        "spanq", "spanq's own options: how documents are read as spans, cold documents, recompute, the span tier, logs"
+    )
+    spanq.add_argument(
         "--span-anchor", dest="spanq_span_anchor", choices=ANCHOR_POLICIES, default=DEFAULT_ANCHOR,
         help="what a document's KV is computed after when its plus names no anchor: template (reused after any "
         "prefix, the default), system (after the query's system prompt), prefix (exact, after the same prefix)",
     )
-    parser.add_argument(
+    spanq.add_argument(
         "--span-lead-in", dest="spanq_span_lead_in", default=LEAD_IN_NEUTRAL, metavar="neutral|auto|none|TEXT",
         help="what a template or system anchor reads before each document, as if other documents came first: "
         "neutral (the default: eight short passages of plain prose, the same on every server), auto (the start of "
         "the first document the server reads, kept: closer to full attention, but answers then depend on which "
         "document came first, so replicas differ), none, or a text",
     )
-    parser.add_argument(
+    spanq.add_argument(
         "--cold-spans", dest="spanq_cold_spans", choices=COLD_SPAN_POLICIES, default="auto",
         help="documents not cached yet: as their size says (auto, the default: isolate from --isolate-min-tokens "
         f"cold tokens, {ISOLATE_MIN_TOKENS} by default, else context); prepared alone first, so the first answer "
@@ -98,41 +103,41 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         "ones); computed in context by the query as stock vLLM would, and prepared alone when the engine is idle "
         "(context: a stock answer first, at stock's speed, span answers after)",
     )
-    parser.add_argument(
+    spanq.add_argument(
         "--no-read-in-context", dest="spanq_read_in_context", action="store_false",
         help="always read documents as spans; by default a query whose documents the cache holds in context (an "
         "earlier query read them so, in some order) is read in that order as stock reads it, where that computes "
         "at most a block more than the spans: stock's speed and full attention's answer",
     )
-    parser.add_argument(
+    spanq.add_argument(
         "--keep-span-order", dest="spanq_keep_span_order", action="store_true",
         help="read a group's documents in the order given; by default a group is read in one order per set of "
         "documents (a plus is order-free: by a digest of each text, the one whose last partial block is shortest "
         "last), so the same documents asked about again are not relocated and a query computes fewer tokens, at "
         "answers a little further from a stock answer in the given order (docs/benchmarks.md, 'One order per set')",
     )
-    parser.add_argument(
+    spanq.add_argument(
         "--isolate-min-tokens", dest="spanq_isolate_min_tokens", type=positive_int, default=ISOLATE_MIN_TOKENS,
         metavar="N", help="--cold-spans auto: cold document tokens from which they are prepared alone first",
     )
-    parser.add_argument(
+    spanq.add_argument(
         "--recompute", dest="spanq_recompute", type=recompute_arg, default=DEFAULT_RECOMPUTE, metavar="SETTING",
         help="span blocks recomputed in context for quality when a query says nothing: question (the default: "
         "as many blocks as spans, those the question shares most with), none (raw span speed), first, last (each "
         "span's first / last block), attention (as many blocks, those the question attends to most, read by a pass "
         "of its own first), or a share of span blocks such as 0.1",
     )
-    parser.add_argument(
+    spanq.add_argument(
         "--tier-dir", dest="spanq_tier_dir", default=None, metavar="DIR",
         help="a span tier: a folder where span KV outlives the server (spans this server prepares are saved there; "
         "spans found there, by this server, another replica or `spanq prepare`, are loaded instead of computed)",
     )
-    parser.add_argument(
+    spanq.add_argument(
         "--tier-max-gb", dest="spanq_tier_max_gb", type=float, default=None, metavar="GB",
         help="with --tier-dir: the tier's capacity; past it the least recently used blocks not pinned (`spanq "
         "prepare --pin`) are removed (default: no limit)",
     )
-    parser.add_argument(
+    spanq.add_argument(
         "--verbose", dest="spanq_verbose", action="store_true",
         help="show vLLM's INFO log lines (by default its warnings and errors only; or set SPANQ_LOG_LEVEL)",
     )  # fmt: skip

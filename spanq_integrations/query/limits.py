@@ -8,7 +8,7 @@ what one query may ask for; `check_limits` walks the tree once, without recursio
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from spanq_integrations.query.errors import QueryValidationError
@@ -38,15 +38,24 @@ class QueryLimitError(QueryValidationError):
 class QueryLimits:
     """What one query may ask for. `spanq serve` takes each as `--max-...` (for example `--max-n 64`)."""
 
-    max_body_bytes: int = 8 << 20  # the request body, before it is parsed
-    max_depth: int = 64  # nesting of query nodes
-    max_n: int = 16  # choices of one generate call (`n`)
-    max_bulk: int = 256  # copies of a `repeat`, inputs of a `map`
-    max_calls: int = 1024  # generate calls in the whole query, choices and bulk copies included
-    max_fragments: int = 512  # spans in the whole query: fragments, retrieved ones (`k` each), a plus's messages
+    max_body_bytes: int = field(default=8 << 20, metadata={"help": "bytes of the request body, before it is parsed"})
+    max_depth: int = field(default=64, metadata={"help": "nesting of query nodes"})
+    max_n: int = field(default=16, metadata={"help": "choices of one generate call (n)"})
+    max_bulk: int = field(default=256, metadata={"help": "copies of a repeat, inputs of a map"})
+    max_calls: int = field(
+        default=1024, metadata={"help": "generate calls in the whole query, choices and bulk copies included"}
+    )
+    max_fragments: int = field(
+        default=512, metadata={"help": "spans in the whole query: fragments, retrieved ones (k each), a plus's messages"}
+    )
 
     def describe(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @staticmethod
+    def meaning(name: str) -> str:
+        """What the limit `name` bounds, in words (`spanq serve --help`)."""
+        return next(f.metadata["help"] for f in fields(QueryLimits) if f.name == name)
 
 
 DEFAULT_LIMITS = QueryLimits()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -288,6 +289,21 @@ def test_serve_help_shows_every_flag_of_the_command(capsys):
     for flag in ("--replicas", "--routing", "--ray-address", "--max-imbalance", "--recompute", "--span-anchor",
                  "--max-body-bytes", "--model", "--cold-spans", "--no-read-in-context"):
         assert flag in shown, flag
+    # vLLM's --help lists its groups only: spanq's own options and limits have groups of their own, named there,
+    # whose help describes each flag (they were in vLLM's unnamed group, described under --help=all alone)
+    assert "--help=spanq" in shown and "--help=limits" in shown
+
+    def group_help(name: str) -> str:
+        with pytest.raises(SystemExit):
+            serve_main([f"--help={name}"])
+        return capsys.readouterr().out
+
+    own = group_help("spanq")
+    for flag in ("--span-anchor", "--span-lead-in", "--cold-spans", "--recompute", "--tier-dir", "--verbose"):
+        assert re.search(rf"^  {flag}\b.*\n\s+\S", own, re.MULTILINE), (flag, own)
+    limits = group_help("limits")
+    assert re.search(r"--max-n N\s+the most choices of one generate call \(n\) \(default: 16\)", limits), limits
+    assert "(default 16)" not in limits  # said once
 
 
 def test_serve_refuses_a_cluster_flag_without_replicas(capsys):
