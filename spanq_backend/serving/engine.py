@@ -30,6 +30,7 @@ from spanq_backend.serving.generator import (
     ISOLATE_MIN_TOKENS,
     LEAD_IN_NEUTRAL,
     SpanGenerator,
+    between_parts,
     engine_error,
     load_chat_tokenizer,
     settle_deferred,
@@ -487,6 +488,7 @@ class SpanEngine:
                 settle_deferred(done, e)
                 continue
             self._idle_running[rid] = (len(prompt) - 1, done, not part)
+            between_parts(done, False)
             if part:
                 self._idle_parts[done] = (computed, cut)
                 self._idle.appendleft((ids, done))  # the rest, first, once this part is done
@@ -574,6 +576,7 @@ class SpanEngine:
                     done.set_result(computed)  # counted by its generator
                 else:
                     self._idle_parts[done] = (computed, reached)
+                    between_parts(done, True)  # its next part starts when no call runs
             return
         req = self._active.get(out.request_id)
         if req is None:

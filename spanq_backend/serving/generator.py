@@ -279,6 +279,17 @@ def _log_progress(m: CallMetrics, path: str) -> None:
                  "" if m.deferred_spans == 1 else "s", where)  # fmt: skip
 
 
+def between_parts(done: concurrent.futures.Future[int], waiting: bool) -> None:
+    """Mark a deferred prompt computed in parts as waiting for its next part (queued again until no call runs) or
+    not: a call waits only for a prepare that can finish while it waits (`SpanGenerator._await_pending`)."""
+    done.spanq_between_parts = waiting  # type: ignore[attr-defined]
+
+
+def _can_finish_while_others_run(done: concurrent.futures.Future[int]) -> bool:
+    """A deferred prepare under way in the engine (not queued, nor between its parts): it finishes beside calls."""
+    return done.running() and not getattr(done, "spanq_between_parts", False)
+
+
 def settle_deferred(done: concurrent.futures.Future[int], why: object) -> None:
     """End a deferred prepare that will not run or finish: cancelled while queued; failed once under way (a future
     under way cannot be cancelled, and one left pending would keep the calls that wait for it waiting)."""
@@ -772,6 +783,7 @@ class SpanGenerator:
                         todo.popleft()
                     else:
                         progress[done] = (total, cut)
+                    between_parts(done, False)
                     batch.append((prompt if last else prompt[:cut], done, last))
                     budget -= (len(prompt) if last else cut) - start
                 computed = await self.compute_all([part for part, _, _ in batch])
@@ -781,6 +793,7 @@ class SpanGenerator:
                         done.set_result(total + c)
                     else:
                         progress[done] = (total + c, reached)
+                        between_parts(done, True)  # the next part waits for no call to run
         except BaseException as e:  # a deferred prepare is an optimisation: never an error of a call
             if not isinstance(e, asyncio.CancelledError):
                 log.warning("a deferred span prepare failed: %s", e)
@@ -796,11 +809,11 @@ class SpanGenerator:
 
     async def _await_pending(self, prompts: list[list[int]]) -> None:
         """Wait (at most `PENDING_WAIT_S`) for the deferred prepares of these prompts still to finish: those under
-        way, and those queued while no other call runs. While it waits the call is not counted as running
-        (`calls_running`), so prepares queued for a quiet engine can start; a queued one does not start while
-        other calls run, so it is not waited for then (the call computes those spans itself, as its cold policy
-        says). Waiting never cancels a prepare (other calls may wait for it too); the caller's own cancellation
-        goes through."""
+        way, and those queued or between their parts while no other call runs. While it waits the call is not
+        counted as running (`calls_running`), so prepares queued for a quiet engine can start; a queued one (or the
+        next part of one) does not start while other calls run, so it is not waited for then (the call computes
+        those spans itself, as its cold policy says). Waiting never cancels a prepare (other calls may wait for it
+        too); the caller's own cancellation goes through."""
         futures = [f for p in prompts if (f := self._pending.get(tuple(p))) is not None]
         if not futures:
             return
@@ -814,7 +827,7 @@ class SpanGenerator:
             deadline = time.monotonic() + self.PENDING_WAIT_S
             while (left := deadline - time.monotonic()) > 0:
                 busy = self.calls_running() > 0
-                wanted = [w for f, w in waits.items() if not f.done() and (f.running() or not busy)]
+                wanted = [w for f, w in waits.items() if not f.done() and (not busy or _can_finish_while_others_run(f))]
                 if not wanted:
                     break
                 # on a timeout or a cancel none is cancelled; looked at again, as another call may have started

@@ -591,6 +591,46 @@ def test_a_call_does_not_wait_for_queued_prepares_that_cannot_start_while_other_
     assert engine.settle(120)
 
 
+def test_a_call_does_not_wait_for_a_prepare_between_its_parts_while_other_calls_run(engine, monkeypatch):
+    """A long document's deferred prepare goes in parts, each started when no call runs. One that has begun (its
+    first part computed) waits for its next part while other calls run: a call that needs that document does not
+    wait for it then either (it waited the full `PENDING_WAIT_S` for a prepare "under way")."""
+    from spanq_backend.serving.generator import SpanGenerator
+
+    monkeypatch.setattr(SpanGenerator, "PENDING_WAIT_S", 600.0)
+    long_doc = "Ledger. " + " ".join(f"Drawer L{i} keeps {i * 3 % 7} keys." for i in range(150))
+    d = {"A": long_doc}
+    assert len(engine.tokenizer.encode(long_doc)) > 3 * type(engine).IDLE_BATCH_TOKENS - 200  # three parts or more
+
+    async def scenario():
+        cold = await engine.generate(query(d, "A"))
+        (pending,) = [engine.generator._pending[tuple(engine.lower(query(d, "A")).prepare_prompt(0))]]
+        while not pending.running():  # nothing runs: its first part starts
+            await asyncio.sleep(0.002)
+        release, streaming = asyncio.Event(), asyncio.Event()
+
+        async def held(_piece: str) -> None:
+            streaming.set()
+            await release.wait()
+
+        other = asyncio.ensure_future(engine.generate(query(docs("busy2"), "A"), on_token=held))
+        await streaming.wait()
+        try:
+            again = await asyncio.wait_for(
+                engine.generate(query(d, "A", "Which drawer keeps 2 keys?", instruction="Answer from these cards.")),
+                timeout=120)
+            return cold.metrics, pending.done(), again
+        finally:
+            release.set()
+            await other
+
+    cold, finished_first, again = asyncio.run(scenario())
+    assert cold.deferred_spans == 1
+    assert not finished_first, "the prepare ended before the other call began: nothing was checked"
+    assert again.metrics.extra["cold_spans"] == "context" and again.texts[0] is not None
+    assert engine.settle(120)
+
+
 def test_documents_compiled_on_an_engine_without_a_tier_are_read_from_its_cache_by_the_first_query(engine):
     """`SpanEngine.compile` (what `spanq prepare` runs) on an engine with no span tier puts the documents' spans in
     its cache: the first query over them reads them there, and `GET /v1/spans` reports them to a router. The
