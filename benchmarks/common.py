@@ -185,6 +185,15 @@ def close_backend(backend: Any) -> None:
         backend.close()
 
 
+def settle(backend: Any) -> None:
+    """Wait until the span engine has nothing left to do in the background (`SpanEngine.settle`: deferred prepares,
+    documents read in context when idle): done before every measurement, the baseline's too, since on a shared CPU
+    that work would slow it, and before a cache reset, which work queued before it would otherwise outlive."""
+    engine = getattr(backend, "engine", None)
+    if engine is not None and hasattr(engine, "settle"):
+        engine.settle()
+
+
 def reset_cache(backend: Any) -> None:
     """Empty the prefix cache of a backend made by `make_backend` or `engine_pair`, so the next measurement starts
     cold (spans anchored on the chat template are reused across system prompts, so a new system prompt is not

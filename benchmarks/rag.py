@@ -47,6 +47,7 @@ from benchmarks.common import (
     model_label,
     new_figure,
     progress,
+    settle,
     summarize,
     ttft_of,
 )
@@ -185,13 +186,6 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
     report.write(plot_grid(report.summary, args) if args.grid else plot(report.summary, args))
     report.print_files()
     return 0
-
-
-def settle(backend: Any) -> None:
-    """Wait until the span engine has nothing left to do in the background (`SpanEngine.settle`)."""
-    engine = getattr(backend, "engine", None)
-    if engine is not None and hasattr(engine, "settle"):
-        engine.settle()
 
 
 def cell_key(n: int, tokens: int) -> str:
