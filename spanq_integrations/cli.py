@@ -289,6 +289,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"the embedded backend needs the backend extra ({BACKEND_EXTRA_HINT}; missing module {e.name!r}), "
             "or pass --backend URL of a running server"
         ) from e
+    finally:  # the answer's line is this call's: later progress lines (and later runs in this process) go as they are
+        for handler in logging.getLogger("spanq").handlers:
+            handler.removeFilter(end_line)
     if args.json:
         from spanq_integrations.query.spnl_json import to_json
 

@@ -492,7 +492,7 @@ class SpanEngine:
             if part:
                 self._idle_parts[done] = (computed, cut)
                 self._idle.appendleft((ids, done))  # the rest, first, once this part is done
-            budget -= len(prompt) - have
+            budget = (budget - (len(prompt) - have)) // bs * bs  # whole blocks left
 
     def _answer_settled(self) -> None:
         """Tell `settle` callers once no deferred prepare is waiting or running."""

@@ -361,6 +361,9 @@ class SpanGenerator:
         # Long stock prompts tokenized on a thread (`_refuse_over_long`), by text: their layout reuses the tokens.
         self._long_prompts: OrderedDict[str, list[int]] = OrderedDict()
         self._background_tasks: set[asyncio.Task[None]] = set()
+        # Deferred prepares this generator runs itself (no `background` host: `spanq serve`), and their one worker
+        self._idle_todo: collections.deque[tuple[list[int], concurrent.futures.Future[int]]] = collections.deque()
+        self._idle_worker: asyncio.Task[None] | None = None
         # Deferred prepares handed to the engine and not done yet: prompt -> done (tokens computed)
         self._pending: dict[tuple[int, ...], concurrent.futures.Future[int]] = {}
         self._deferred_full = False  # `MAX_DEFERRED` reached (said once in the log until the queue moves)
@@ -732,9 +735,15 @@ class SpanGenerator:
         if self.background is not None:
             self.background([(p + [self.pad_token_id], f) for p, f in items])
             return
-        task = asyncio.get_running_loop().create_task(self._when_idle(items))
-        self._background_tasks.add(task)
-        task.add_done_callback(self._background_tasks.discard)
+        # One queue and one worker for the generator (`spanq serve`): the cap on what runs at once holds for the
+        # server, however many calls deferred prepares.
+        self._idle_todo.extend(items)
+        loop = asyncio.get_running_loop()
+        worker = self._idle_worker
+        if worker is None or worker.done() or worker.get_loop() is not loop:
+            worker = self._idle_worker = loop.create_task(self._when_idle())
+            self._background_tasks.add(worker)
+            worker.add_done_callback(self._background_tasks.discard)
 
     def _deferred_done(self, key: tuple[int, ...], done: concurrent.futures.Future[int], is_span: bool) -> None:
         self._pending.pop(key, None)
@@ -747,18 +756,20 @@ class SpanGenerator:
     # never for the whole backlog. A longer prompt goes in parts of whole blocks, each on the blocks the last cached.
     IDLE_BATCH_TOKENS = 512
 
-    async def _when_idle(self, items: list[tuple[list[int], concurrent.futures.Future[int]]]) -> None:
+    async def _when_idle(self) -> None:
+        """The generator's deferred prepares (`_idle_todo`), when no call runs, until none is left."""
         bs = self.block_size
         counted = getattr(self.span_probe, "cached_blocks", None)
-        todo = collections.deque(items)
+        todo = self._idle_todo
         progress: dict[concurrent.futures.Future[int], tuple[int, int]] = {}  # tokens computed, prefix reached
+        batch: list[tuple[list[int], concurrent.futures.Future[int], bool]] = []
         try:
             while todo:
                 while self.calls_running():
                     waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
                     self._deferred_waiters.append(waiter)
                     await waiter
-                batch: list[tuple[list[int], concurrent.futures.Future[int], bool]] = []
+                batch = []
                 budget = self.IDLE_BATCH_TOKENS
                 while todo and budget > 0:
                     prompt, done = todo[0]
@@ -785,7 +796,7 @@ class SpanGenerator:
                         progress[done] = (total, cut)
                     between_parts(done, False)
                     batch.append((prompt if last else prompt[:cut], done, last))
-                    budget -= (len(prompt) if last else cut) - start
+                    budget = (budget - ((len(prompt) if last else cut) - start)) // bs * bs  # whole blocks left
                 computed = await self.compute_all([part for part, _, _ in batch])
                 for (_, done, last), c in zip(batch, computed):
                     total, reached = progress.pop(done, (0, 0))
@@ -797,8 +808,9 @@ class SpanGenerator:
         except BaseException as e:  # a deferred prepare is an optimisation: never an error of a call
             if not isinstance(e, asyncio.CancelledError):
                 log.warning("a deferred span prepare failed: %s", e)
-            for _, done in items:
+            for done in [*(d for _, d, _ in batch), *progress, *(d for _, d in todo)]:
                 settle_deferred(done, e)
+            todo.clear()
             if isinstance(e, asyncio.CancelledError):
                 raise
 

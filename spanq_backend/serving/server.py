@@ -344,8 +344,10 @@ def serve_main(argv: list[str]) -> int:
 
     def router() -> Any:  # vLLM builds the app once its engine is up: said as the embedded engine says it
         name = args.served_model_name[0] if args.served_model_name else args.model
-        log.info("%s ready in %.1f s; serving on http://%s:%d (POST /v1/query/execute, /v1/chat/completions)",
-                 name, time.perf_counter() - started, args.host or "0.0.0.0", args.port)  # fmt: skip
+        scheme = "https" if args.ssl_certfile else "http"
+        where = f"unix socket {args.uds}" if args.uds else f"{scheme}://{args.host or '0.0.0.0'}:{args.port}"
+        log.info("%s ready in %.1f s; the HTTP server starts on %s (POST /v1/query/execute, /v1/chat/completions)",
+                 name, time.perf_counter() - started, where)  # fmt: skip
         return build_query_router(
             tokenizer, args.served_model_name, limits, anchor, redo, lead_in,
             args.spanq_cold_spans, args.spanq_isolate_min_tokens, args.spanq_read_in_context,

@@ -42,10 +42,12 @@ from spanq_integrations.query.ir import (
     NODE_TYPES,
     AnchorPolicy,
     Assistant,
+    Chat,
     Combine,
     Cross,
     Fragment,
     Generate,
+    Map,
     Monad,
     Node,
     Plus,
@@ -55,6 +57,7 @@ from spanq_integrations.query.ir import (
     User,
     child_paths,
     transform,
+    walk,
 )
 from spanq_integrations.runtime.executor import ExecutionResult, aexecute, shown_texts
 from spanq_integrations.runtime.reducers import Reducer, resolve_reducer
@@ -426,6 +429,9 @@ async def _lone(
     generation among the candidates still runs, alone)."""
     if isinstance(candidate, _TEXT_TYPES):
         return JudgeResult(verdict=r.lone(candidate.text), reducer=r.name, k=k, candidates=[candidate.text])
+    if not any(isinstance(node, (Generate, Chat, Map)) for _, node in walk(candidate)):
+        text = block_text(candidate)  # messages only (a question and its answer, say): nothing to run
+        return JudgeResult(verdict=r.lone(text), reducer=r.name, k=k, candidates=[text])
     from spanq_integrations.optimizer import optimize
 
     plan = optimize(candidate, backend.capabilities)
@@ -498,10 +504,12 @@ async def ajudge(
                 unread = [c.parse_error for i in call.inputs for c in reader.judges if c.path == i.path and c.parse_error]
                 if call is root and unread and all(p is None for p in partials):
                     # nothing to combine: say why, from the judges below (their output, what the reducer wanted)
-                    raise ReducerParseError(
+                    error = ReducerParseError(
                         f"{call.path}: no verdict: none of the {len(partials)} judges below gave an answer the "
                         f"{r.name} reducer can read; the first: {unread[0]}"
                     )
+                    error.path, error.output = call.path, ""  # type: ignore[attr-defined]  # as parse_error's
+                    raise error
                 combined = r.combine(partials)
                 call.parsed = (
                     r.verdict(combined, path=call.path, candidates=reader.texts) if call is root else combined

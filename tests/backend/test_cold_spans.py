@@ -604,8 +604,11 @@ def test_a_call_does_not_wait_for_a_prepare_between_its_parts_while_other_calls_
 
     async def scenario():
         cold = await engine.generate(query(d, "A"))
-        (pending,) = [engine.generator._pending[tuple(engine.lower(query(d, "A")).prepare_prompt(0))]]
-        while not pending.running():  # nothing runs: its first part starts
+        pending = engine.generator._pending.get(tuple(engine.lower(query(d, "A")).prepare_prompt(0)))
+        assert pending is not None, "the document's prepare was not deferred"
+        deadline = asyncio.get_running_loop().time() + 60
+        while not (pending.running() or pending.done()):  # nothing runs: its first part starts
+            assert asyncio.get_running_loop().time() < deadline, "the deferred prepare never started"
             await asyncio.sleep(0.002)
         release, streaming = asyncio.Event(), asyncio.Event()
 

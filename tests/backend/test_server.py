@@ -678,7 +678,7 @@ def test_spanq_serve_says_when_it_is_ready_and_what_a_query_prepares(server: Spa
     model's family (vLLM's own INFO lines, its "ready" among them, are off by default)."""
     log = server.log.read_text("utf-8", "replace")
     assert re.search(r"^spanq: starting a span-aware vLLM server on \S+", log, re.MULTILINE), log[-3000:]
-    assert re.search(r"^spanq: \S+ ready in \d+\.\d s; serving on http://\S+:\d+ ", log, re.MULTILINE), log[-3000:]
+    assert re.search(r"^spanq: \S+ ready in \d+\.\d s; the HTTP server starts on http://\S+:\d+ ", log, re.MULTILINE), log[-3000:]
     logged = server.log.stat().st_size
     fresh = {c: f"Logbook {c} {time.time_ns()}. " + DOCS[c] for c in "AB"}
     answer = httpx.post(f"{server.url}{EXECUTE}", json=to_json(rag_query("AB", max_tokens=2, docs=fresh)), timeout=60)

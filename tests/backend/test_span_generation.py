@@ -257,9 +257,10 @@ def test_a_chat_template_that_refuses_the_messages_is_the_querys_error(tiny_mode
 
 def test_deferred_prepares_where_the_generator_runs_them_go_in_parts_and_a_call_comes_between(tokenizer):
     """On `spanq serve` the generator runs deferred prepares itself, once no call runs: at most `IDLE_BATCH_TOKENS`
-    tokens at a time (a call that arrives meanwhile waits for one part, not the whole backlog), a longer prompt in
-    parts of whole blocks, each a prefix of it (what the last part cached is read, not computed), its future set to
-    every part's tokens when the last is done. (The whole backlog went to the engine as one batch.)"""
+    tokens at a time, however many calls deferred them (a call that arrives meanwhile waits for one part, not the
+    whole backlog), a longer prompt in parts of whole blocks, each a prefix of it (what the last part cached is read,
+    not computed), its future set to every part's tokens when the last is done. (The whole backlog went to the
+    engine as one batch; then each call's deferred prepares as a batch of their own, all at once.)"""
     pytest.importorskip("vllm")
     engine = ScriptedEngine(pieces=("x",))
     gen = span_generator(engine, tokenizer)
@@ -268,7 +269,8 @@ def test_deferred_prepares_where_the_generator_runs_them_go_in_parts_and_a_call_
     short = [7] * (3 * bs)
 
     async def scenario():
-        gen.defer([short], also=[long])
+        gen.defer([short])  # two calls' deferred prepares: the bound is the server's, not each call's
+        gen.defer([], also=[long])
         futures = [gen._pending[tuple(short)], gen._pending[tuple(long)]]
         while len(engine.requests) < 1:  # the first batch is under way
             await asyncio.sleep(0)

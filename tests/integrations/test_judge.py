@@ -320,6 +320,7 @@ async def test_select_in_code_with_no_readable_score_names_the_root_and_keeps_th
         await ajudge(CANDIDATES, "Which is best?", k=2, reducer="select", backend=backend)
     # what the leaves answered and what the reducer wanted (the root's own error showed an empty output, '')
     assert "they are all lovely" in str(caught.value) and "no score for any of the labels" in str(caught.value)
+    assert caught.value.path == "$" and caught.value.output == ""  # as every ReducerParseError of ajudge carries
     partial = caught.value.result
     assert partial.verdict is None and [len(level.calls) for level in partial.levels] == [4, 1]
     assert all(c.parse_error for c in partial.levels[0].calls)
@@ -513,3 +514,16 @@ async def test_empty_merge_is_a_parse_error():
     backend = ScriptedJudge(answer=lambda path, body, instruction: "  ")
     with pytest.raises(ReducerParseError, match=r"^\$: the merge reducer"):
         await ajudge(CANDIDATES[:2], "Merge.", reducer=MergeReducer(), backend=backend)
+
+
+async def test_a_lone_candidate_of_messages_is_its_own_verdict_without_a_call():
+    """One candidate holding no model call (a question and its answer as messages) is the verdict as it reads; the
+    executor refuses a query with no model call, and the judge must not hand it one."""
+    from spanq_integrations import assistant, cross
+
+    backend = ScriptedJudge()
+    result = await ajudge([cross(user("What is the capital?"), assistant("Paris"))], "best?", reducer="select",
+                          backend=backend)
+    assert result.verdict.index == 0 and result.candidates == ["What is the capital?\n\nParis"]
+    assert result.calls == []
+
