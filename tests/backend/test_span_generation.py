@@ -293,3 +293,26 @@ def test_deferred_prepares_where_the_generator_runs_them_go_in_parts_and_a_call_
     call_at = next(i for i, p in enumerate(prompts) if p not in prepares)
     assert 0 < call_at < len(prompts) - 1
     assert short_tokens == len(short) and long_tokens == sum(parts)  # this engine caches nothing: every part computes all
+
+
+def test_a_batch_of_deferred_prepares_never_holds_two_parts_of_one_prompt(tokenizer):
+    """After a prompt that ends inside a block, what is left of a batch's budget is whole blocks: the next prompt's
+    part takes all of it, and the next batch goes on from there (a remainder under a block took a second part of the
+    same prompt into the batch, computing a block again beside the first)."""
+    pytest.importorskip("vllm")
+    engine = ScriptedEngine(pieces=("x",))
+    gen = span_generator(engine, tokenizer)
+    limit, bs = getattr(gen, "IDLE_BATCH_TOKENS", 512), gen.block_size
+    odd = [5] * (bs + 8)  # a stock prompt ends inside a block
+    long = [(i % 500) + 10 for i in range(40 * bs)]
+
+    async def scenario():
+        gen.defer([], also=[odd, long])
+        for f in [gen._pending[tuple(odd)], gen._pending[tuple(long)]]:
+            await asyncio.wrap_future(f)
+
+    asyncio.run(scenario())
+    parts = [len(r.prompt_ids) - 1 for r in engine.requests if r.prompt_ids[:-1] == long[: len(r.prompt_ids) - 1]]
+    assert parts[-1] == len(long)
+    # each batch after the first: one part of `limit` new tokens (the last: what is left)
+    assert all(b - a == limit for a, b in itertools.pairwise(parts[:-1])), parts
