@@ -501,19 +501,23 @@ async def ajudge(
         try:
             if call.kind == "code":
                 partials = [reader.parsed_of(i) for i in call.inputs]
-                unread = [c.parse_error for i in call.inputs for c in reader.judges if c.path == i.path and c.parse_error]
-                if call is root and unread and all(p is None for p in partials):
+                combined = r.combine(partials)
+                try:
+                    call.parsed = (
+                        r.verdict(combined, path=call.path, candidates=reader.texts) if call is root else combined
+                    )
+                except ReducerParseError:
+                    unread = [c.parse_error for i in call.inputs for c in reader.judges
+                              if c.path == i.path and c.parse_error]  # fmt: skip
+                    if not unread or any(p is not None for p in partials):
+                        raise
                     # nothing to combine: say why, from the judges below (their output, what the reducer wanted)
                     error = ReducerParseError(
                         f"{call.path}: no verdict: none of the {len(partials)} judges below gave an answer the "
                         f"{r.name} reducer can read; the first: {unread[0]}"
                     )
                     error.path, error.output = call.path, ""  # type: ignore[attr-defined]  # as parse_error's
-                    raise error
-                combined = r.combine(partials)
-                call.parsed = (
-                    r.verdict(combined, path=call.path, candidates=reader.texts) if call is root else combined
-                )
+                    raise error from None
             elif call.path in reader.leaves:
                 call.parsed = r.read_leaf(call.output, path=call.path, shown=reader.leaves[call.path])
             else:

@@ -527,3 +527,18 @@ async def test_a_lone_candidate_of_messages_is_its_own_verdict_without_a_call():
     assert result.verdict.index == 0 and result.candidates == ["What is the capital?\n\nParis"]
     assert result.calls == []
 
+
+
+async def test_a_reducer_whose_verdict_reads_no_scores_still_gives_its_verdict():
+    """A reducer of one's own may give a verdict when no leaf could be read (a default candidate, say): the judge
+    runtime's "no verdict" error is only for a verdict that fails."""
+    from spanq_integrations.runtime.reducers import Selection, SelectReducer
+
+    class FirstByDefault(SelectReducer):
+        def verdict(self, combined, *, path, candidates):
+            return Selection(index=0, text=candidates[0]) if combined is None else super().verdict(
+                combined, path=path, candidates=candidates)
+
+    backend = ScriptedJudge(answer=lambda path, body, instruction: "they are all lovely")
+    result = await ajudge(CANDIDATES, "Which is best?", k=2, reducer=FirstByDefault(), backend=backend)
+    assert result.verdict.index == 0 and all(c.parse_error for c in result.levels[0].calls)
