@@ -245,13 +245,18 @@ _EVALUATORS: dict[type, Callable[[_Run, Any, str, bool], Awaitable[Node]]] = {
 """How the executor runs each node class."""
 
 
+def runs_anything(query: Node) -> bool:
+    """Whether running `query` does anything: a model call (generate, chat, map) or a print in it."""
+    return any(isinstance(node, (Generate, Chat, Map, Print)) for _, node in walk(query))
+
+
 def _check_runnable(query: Any) -> None:
     """A query that would run nothing is the caller's mistake, said before a backend starts: a value that is not a
     query node (a plain string), or a tree with no model call in it (its answer was "" from 0 calls)."""
     if not isinstance(query, NODE_TYPES):
         hint = " (for a question: execute(generate(user(text))))" if isinstance(query, str) else ""
         raise TypeError(f"execute takes a span query (a node such as generate(...)), not {type(query).__name__}{hint}")
-    if not any(isinstance(node, (Generate, Chat, Map, Print)) for _, node in walk(query)):
+    if not runs_anything(query):
         raise QueryValidationError(
             "$", "the query makes no model call (no generate, chat or map in it): there is nothing to answer; "
             "wrap its messages in generate(...)"

@@ -42,12 +42,10 @@ from spanq_integrations.query.ir import (
     NODE_TYPES,
     AnchorPolicy,
     Assistant,
-    Chat,
     Combine,
     Cross,
     Fragment,
     Generate,
-    Map,
     Monad,
     Node,
     Plus,
@@ -57,9 +55,8 @@ from spanq_integrations.query.ir import (
     User,
     child_paths,
     transform,
-    walk,
 )
-from spanq_integrations.runtime.executor import ExecutionResult, aexecute, shown_texts
+from spanq_integrations.runtime.executor import ExecutionResult, aexecute, runs_anything, shown_texts
 from spanq_integrations.runtime.reducers import Reducer, resolve_reducer
 from spanq_integrations.runtime.sync import run_sync
 
@@ -429,7 +426,7 @@ async def _lone(
     generation among the candidates still runs, alone)."""
     if isinstance(candidate, _TEXT_TYPES):
         return JudgeResult(verdict=r.lone(candidate.text), reducer=r.name, k=k, candidates=[candidate.text])
-    if not any(isinstance(node, (Generate, Chat, Map)) for _, node in walk(candidate)):
+    if not runs_anything(candidate):
         text = block_text(candidate)  # messages only (a question and its answer, say): nothing to run
         return JudgeResult(verdict=r.lone(text), reducer=r.name, k=k, candidates=[text])
     from spanq_integrations.optimizer import optimize
