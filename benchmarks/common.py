@@ -185,6 +185,11 @@ def close_backend(backend: Any) -> None:
         backend.close()
 
 
+def paired_speedup(slow: dict[int, float], fast: dict[int, float]) -> float:
+    """The median over repetitions of slow / fast, each repetition's two runs measured back to back."""
+    return summarize([slow[k] / fast[k] for k in fast if k in slow and fast[k] > 0])["median"]
+
+
 def settle(backend: Any) -> None:
     """Wait until the span engine has nothing left to do in the background (`SpanEngine.settle`: deferred prepares,
     documents read in context when idle): done before every measurement, the baseline's too, since on a shared CPU

@@ -523,7 +523,7 @@ def summarize_rows(rows: list[dict[str, Any]], speed: list[dict[str, Any]], args
     out: dict[str, Any] = {"items": len({r["item"] for r in rows}), "chance": 1.0 / args.docs, "settings": {}}
     labels = [setting_label(s) for s in args.recompute]
     if speed:
-        from benchmarks.rag import paired_speedup
+        from benchmarks.common import paired_speedup
 
         stock_rows = {r["rep"]: r["ttft_s"] for r in speed if r["mode"] == "stock_reordered"}
         stock_ttft = summarize(list(stock_rows.values()))["mean"]

@@ -46,6 +46,7 @@ from benchmarks.common import (
     make_documents,
     model_label,
     new_figure,
+    paired_speedup,
     progress,
     settle,
     summarize,
@@ -249,11 +250,6 @@ def summarize_rows(rows: list[dict[str, Any]], sizes: Sequence[int]) -> dict[str
         )
         out[str(n)] = entry
     return out
-
-
-def paired_speedup(slow: dict[int, float], fast: dict[int, float]) -> float:
-    """The median over repetitions of slow / fast, each repetition's two runs measured back to back."""
-    return summarize([slow[k] / fast[k] for k in fast if k in slow and fast[k] > 0])["median"]
 
 
 def _ms_share(x: Any, total: float) -> str:
