@@ -602,9 +602,15 @@ class SpanGenerator:
         """`flattened_prompt_ids`, taken from `_long_prompts` where this text was tokenized there."""
         if not self._long_prompts:
             return flattened_prompt_ids(self.tokenizer, node)
+        return self._text_ids(self._stock_text(node))
+
+    def _stock_text(self, node: Any) -> str:
+        """The text of a generate input's prompt as a stock engine reads it (`flattened_prompt_ids`'s)."""
         from spanq_integrations.query.flatten import to_chat_messages
 
-        text = render_chat(self.tokenizer, to_chat_messages(node), add_generation_prompt=True)
+        return render_chat(self.tokenizer, to_chat_messages(node), add_generation_prompt=True)
+
+    def _text_ids(self, text: str) -> list[int]:
         ids = self._long_prompts.get(text)
         return list(ids) if ids is not None else list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -1061,6 +1067,9 @@ class SpanGenerator:
         first_seen = self.unseen_in_context(call, span_output)
         if first_seen is not None:
             return first_seen
+        seen = self.seen_in_context(call, span_output)
+        if seen is not None:
+            return seen
         try:
             lowered, flattened = self._lower(call, align_output=span_output)
         except ContextLengthError:
@@ -1175,6 +1184,64 @@ class SpanGenerator:
             return [lowered.prepare_prompt(i) for i in cold], also
 
         return CallLayout(stock, False, "context", spans=len(set(texts)), later=later)
+
+    def seen_in_context(self, call: Generate, span_output: bool = False) -> CallLayout | None:
+        """The layout of a call over documents this generator read in context before, in an order it remembers
+        for each group, whose stock prompt in those orders finds every document cached (all but the block where
+        the last one ends): stock's prompt, at once — what `in_context` chooses on the span layout, decided on the
+        stock prompt alone. The span layout, its hashes and the span probes (each a pass over every document)
+        would cost more before the first token than the stock prompt costs; they are worked out after the answer
+        (`later`), for the prepares of the spans the cache lacks. None: `layout` decides on the span layout."""
+        counted = getattr(self.span_probe, "cached_blocks", None)
+        if not self.spans or not self.read_in_context or counted is None or span_output:
+            return None
+        if (call.cold_spans or self.cold_spans) == "isolate":
+            return None
+        texts: list[str] = []
+        groups = 0
+        for _, node in walk(call.input):
+            if isinstance(node, Plus):
+                if _plus_texts(node) is None:
+                    return None  # a generated output, a nested group, a repeated or an empty one: the span layout
+                groups += 1
+                texts += [c.text for c in node.children if c.text]
+        orders = plus_orders(call.input)
+        if not texts or len(orders) != groups or any(frozenset(o) not in self._orders for o in orders):
+            return None
+        node = in_order(call.input, self._orders.get)
+        text = self._stock_text(node)
+        # Where the documents end in it: the last end of any of their texts (a later copy, say in the question,
+        # only makes what follows shorter and the test stricter).
+        ends = [text.rfind(t) for t in texts]
+        if min(ends) < 0:
+            return None  # a document the template rewrote: not found as given
+        end = max(at + len(t) for at, t in zip(ends, texts))
+        ids = self._text_ids(text)
+        try:
+            check_fits(ids, 0, self.max_model_len, call.max_tokens or 1)
+        except ContextLengthError:
+            return None  # the span layout's error, or its fallback, says what does not fit
+        after = len(self.tokenizer.encode(text[end:], add_special_tokens=False))
+        if len(ids) - counted(ids) * self.block_size > after + self.block_size:
+            return None  # not every document is cached in context (evicted, or read so only in part)
+        self._remember_orders(node)  # read in this order again: the most recent
+
+        def later() -> tuple[list[list[int]], list[list[int]]]:
+            # The spans the cache lacks are prepared when the engine is idle, as in `layout`'s in-context reading:
+            # another set or order of these documents reads them as spans.
+            try:
+                lowered, _ = self._lower(call)
+            except ContextLengthError:  # it fits only as stock lays it out: the spans that fit alone
+                return self._prepares_that_fit(call)
+            if not lowered.has_spans:
+                return [], []
+            self._note_spans(lowered)
+            cold = [i for i in self.cold_span_indices(lowered, count=False)
+                    if tuple(lowered.prepare_prompt(i)) not in self._pending]  # fmt: skip
+            return [lowered.prepare_prompt(i) for i in cold], []
+
+        stock = LoweredPrompt(token_ids=ids, table=SpanTable(self.block_size, ()))
+        return CallLayout(stock, False, "in-context", spans=len(set(texts)), later=later)
 
     async def _generate(
         self, call: Generate, path: str, on_token: TokenCallback | None, span_output: bool, t0: float
