@@ -12,7 +12,8 @@ not streamed also when its replica dies mid-answer. Clients are unchanged: the i
 (`/v1/query/execute`, `/v1/chat/completions`, `/v1/models`, `/health`, ...) as one `spanq serve`.
 
 `routing="affinity"` uses `SpanAffinityRouter`; `routing="default"` keeps Ray Serve's own (power of two
-choices on queue length), for comparison (`spanq bench cluster`).
+choices on queue length), for comparison (`spanq bench cluster`), with a replica the ingress saw fail tried last
+as affinity routing does (`HealthyFirstRouter`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ __all__ = ["ForwardedRequest", "SpanReplica", "build_app", "free_port", "serve_c
 log = logging.getLogger("spanq.cluster")
 
 ROUTER_CLASS = "spanq_backend.cluster.routing:SpanAffinityRouter"
+DEFAULT_ROUTER_CLASS = "spanq_backend.cluster.routing:HealthyFirstRouter"  # Ray Serve's own, failing replicas last
 RETRY_PAUSE_S = 0.5  # between tries of a request whose replica failed
 END_GRACE_S = 5.0  # on stopping a local Ray: how long what it started has to exit after Ray's shutdown, then killed
 CLUSTER_HINT = "spanq serve --replicas needs Ray Serve: pip install 'spanq[cluster]'"
@@ -380,7 +382,7 @@ def build_app(
             request_routing_stats_timeout_s=max(5.0, 5 * stats_period_s),
         )
         if routing == "affinity"
-        else RequestRouterConfig()
+        else RequestRouterConfig(request_router_class=DEFAULT_ROUTER_CLASS)
     )
     replica = serve.deployment(
         SpanReplica,

@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from spanq_backend.serving.lowering import span_digest
 
 UNKNOWN_QUEUE = 1 << 20  # a replica whose queue length could not be read: ranked last
 
-__all__ = ["Recent", "ReplicaView", "footprint", "forget_failing", "is_failing", "mark_failing", "query_span_digests", "rank_replicas"]
+__all__ = [
+    "Recent", "ReplicaView", "footprint", "forget_failing", "healthy_first", "is_failing", "mark_failing",
+    "query_span_digests", "rank_replicas",
+]
 
 
 @dataclass
@@ -61,6 +65,28 @@ def forget_failing(live: AbstractSet[str]) -> None:
     """Drop the marks of replicas that are gone (Ray replaced them: new ids)."""
     for rid in [r for r in _FAILING if r not in live]:
         _FAILING.pop(rid, None)
+
+
+R = TypeVar("R")
+
+
+def healthy_first(
+    ranks: list[list[R]], candidates: Sequence[R], failing: Callable[[R], bool], rng: random.Random | None = None
+) -> list[list[R]]:
+    """Another router's ranks (Ray Serve's power of two choices, `--routing default`) with the replicas the
+    ingress saw fail taken out and tried last: the choice among the others is that router's; where it chose only
+    failing ones, two others at random (its own rule) instead. Unchanged where none is failing. A replica whose
+    server died answers Ray's queue probe from its actor, with the shortest queue: without this the ingress's
+    retries could go to it every time."""
+    bad = [c for c in candidates if failing(c)]
+    if not bad:
+        return ranks
+    kept = [rank for rank in ([r for r in rank if not failing(r)] for rank in ranks) if rank]
+    if not kept:
+        healthy = [c for c in candidates if not failing(c)]
+        if healthy:
+            kept = [(rng or random).sample(healthy, min(2, len(healthy)))]
+    return [*kept, bad]
 
 
 def _rendezvous(key: str, replica_id: str) -> int:

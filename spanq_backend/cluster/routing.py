@@ -7,6 +7,9 @@ holds, read from vLLM's KV cache events, every `request_routing_stats_period_s`)
 also remembers where it sent each span itself, so a burst of queries on new documents does not spread them over
 the fleet before the first report arrives. A replica the ingress saw fail is tried last until Ray's health check
 decides about it; one Ray reports dead is forgotten.
+
+`HealthyFirstRouter` is Ray Serve's own router (power of two choices on queue length: `--routing default`, the
+baseline of `spanq bench cluster`) with the same rule for failing replicas (`policy.healthy_first`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from typing import Any
 
+from ray.serve._private.request_router import (
+    PowerOfTwoChoicesRequestRouter,  # `RequestRouterConfig`'s default
+)
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from spanq_backend.cluster.policy import (
@@ -21,12 +27,13 @@ from spanq_backend.cluster.policy import (
     Recent,
     ReplicaView,
     forget_failing,
+    healthy_first,
     is_failing,
     query_span_digests,
     rank_replicas,
 )
 
-__all__ = ["SpanAffinityRouter"]
+__all__ = ["HealthyFirstRouter", "SpanAffinityRouter"]
 
 
 class SpanAffinityRouter(RequestRouter):
@@ -125,3 +132,21 @@ class SpanAffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: Any) -> None:
         self.recent.forget(replica_id.to_full_id_str())
         super().on_replica_actor_died(replica_id)
+
+
+def _failing(replica: RunningReplica) -> bool:
+    return is_failing(replica.replica_id.to_full_id_str())
+
+
+class HealthyFirstRouter(PowerOfTwoChoicesRequestRouter):
+    """Ray Serve's default request router, with the replicas the ingress saw fail tried last (`healthy_first`)."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        ranks = await super().choose_replicas(candidate_replicas, pending_request)
+        return healthy_first(ranks, candidate_replicas, _failing)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        forget_failing({r.replica_id.to_full_id_str() for r in replicas})

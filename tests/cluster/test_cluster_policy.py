@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 
@@ -57,6 +58,31 @@ def test_a_failing_replica_goes_last_and_no_spans_means_least_busy_first():
     from spanq_backend.cluster.policy import is_failing
 
     assert is_failing("r-x") and not is_failing("r-y")
+
+
+def test_default_routing_tries_a_failing_replica_last_as_affinity_does():
+    """`--routing default` (Ray Serve's power of two choices) with the ingress's marks: a replica whose server died
+    answers Ray's queue probe with the shortest queue, so its pick would be the dead one on every retry."""
+    from spanq_backend.cluster.app import DEFAULT_ROUTER_CLASS
+    from spanq_backend.cluster.policy import healthy_first
+    from spanq_backend.cluster.routing import HealthyFirstRouter
+
+    dead = {"r1"}
+    failing = dead.__contains__
+    rng = random.Random(0)
+    # Ray's pick of two, the dead one among them: the other alone first, the dead one last (Ray's ranks as they
+    # were, the way before, fail this: the dead one is in the first rank).
+    assert healthy_first([["r1", "r2"]], ["r1", "r2", "r3"], failing, rng) == [["r2"], ["r1"]]
+    # Ray's pick held only the dead one: two others instead, never the dead one before them.
+    for _ in range(20):
+        first, last = healthy_first([["r1"]], ["r1", "r2", "r3"], failing, rng)
+        assert sorted(first) == ["r2", "r3"] and last == ["r1"]
+    # None failing, or all of them: Ray's own choice, unchanged.
+    assert healthy_first([["r3", "r2"]], ["r2", "r3"], failing, rng) == [["r3", "r2"]]
+    assert healthy_first([["r1"]], ["r1"], failing, rng) == [["r1"]]
+    # And `--routing default` runs it (loaded by the path Ray Serve loads it by).
+    module, name = DEFAULT_ROUTER_CLASS.split(":")
+    assert getattr(importlib.import_module(module), name) is HealthyFirstRouter
 
 
 def test_recent_sends_move_with_the_span_and_are_bounded():
