@@ -368,6 +368,16 @@ def progress(total: int, desc: str, *, disable: bool = False) -> Any:
     return tqdm(total=total, desc=desc, disable=disable, file=sys.stderr, dynamic_ncols=True, leave=False)
 
 
+def code_origin() -> str:
+    """Which spanq ran: the folder its packages were imported from (no commit: reports name none, `LABEL_ENV`
+    does). A run of older code from a worktree shows here: `PYTHONPATH=../wt python -m spanq_integrations.cli ...`
+    started in the repository's own folder imports the repository's code, not the worktree's (the current folder
+    comes first on `sys.path`); start it in the worktree."""
+    import spanq_backend
+
+    return str(Path(spanq_backend.__file__).resolve().parents[1])
+
+
 def environment() -> dict[str, Any]:
     """Where the numbers were measured: machine, load, spanq and library versions, command line, and the label
     in $SPANQ_BENCH_LABEL if set."""
@@ -383,6 +393,7 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "spanq": spanq_version,
     }
+    info["code"] = code_origin()
     label = os.environ.get(LABEL_ENV)
     if label:
         info["label"] = label
@@ -455,7 +466,7 @@ class BenchReport:
     def print_files(self) -> None:
         """Print the paths of the files `write` wrote."""
         if self.written:
-            print("\nwrote " + " and ".join(str(p) for p in self.written))
+            print("\nwrote " + " and ".join(str(p) for p in self.written) + f" (spanq from {code_origin()})")
 
 
 def _finite(x: Any) -> Any:

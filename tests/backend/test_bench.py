@@ -109,13 +109,16 @@ def test_report_writes_into_out_prints_what_it_wrote_and_records_version_and_lab
     path = report.write()
     assert path == tmp_path / "out" / "demo-tiny-t.json" and report.written == [path]
     report.print_files()
-    assert capsys.readouterr().out == f"\nwrote {path}\n"
+    # Which code ran, by the folder it was imported from: a run meant for a worktree's older code that imported
+    # this checkout's says so (tests/backend/test_bench.py is this checkout's: the code under test is beside it).
+    here = str(Path(__file__).resolve().parents[2])
+    assert capsys.readouterr().out == f"\nwrote {path} (spanq from {here})\n"
     payload = json.loads(path.read_text())
     assert payload["benchmark"] == "demo" and payload["rows"] == [{"x": 1.0, "nan": None}]
     assert payload["config"]["out"] == str(tmp_path / "out") and payload["config"]["reps"] == 2
     env = payload["environment"]
     assert env["spanq"] == spanq_version() and env["label"] == "nightly-7" and env["bench_seconds"] >= 0
-    assert not any("git" in key for key in env)
+    assert not any("git" in key for key in env) and env["code"] == here
 
     figure, (ax,) = new_figure(1)
     ax.plot([1, 2], [3, 4])
