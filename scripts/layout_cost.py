@@ -31,11 +31,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=60)
     args = parser.parse_args()
 
+    import spanq_backend
     from benchmarks.common import make_documents, settle
     from benchmarks.rag import QUESTION, SECOND_QUESTION, rag_query
     from spanq_backend.serving.embedded import EmbeddedBackend
     from spanq_integrations import execute
 
+    print(f"spanq from {Path(spanq_backend.__file__).resolve().parents[1]}")
     backend = EmbeddedBackend(args.model, max_model_len=8192)
     gen = backend.engine.generator
     loop = asyncio.new_event_loop()

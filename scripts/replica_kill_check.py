@@ -5,7 +5,8 @@ all went to the dead replica). Repeated `--kills` times on the one cluster, each
 
     python scripts/replica_kill_check.py [--routing default|affinity] [--queries 8] [--kills 3]
 
-Run on older code from a worktree of it, started in the worktree (`cd ../wt && python scripts/...`).
+The cluster runs the code beside this script (its `spanq serve` is started in this checkout's folder). On older
+code: copy the script into a worktree of it and run it there (`python ../wt/scripts/replica_kill_check.py`).
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ def main() -> None:
     from spanq_backend.serving.models import tiny_model_path  # the tests' tiny model, built locally once
 
     model = tiny_model_path()
+    root = Path(__file__).resolve().parents[1]
+    os.chdir(root)  # `python -m` imports from the current folder first: the cluster runs this checkout's code
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="spanq-kill-")) / "cluster.log"
     command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--replicas", "2", "--routing", args.routing,
                "--model", str(model), "--port", str(port), "--queue-timeout", "10"]  # fmt: skip
-    print(f"spanq from {Path(__file__).resolve().parents[1]}; routing {args.routing}; log {log}")
+    print(f"spanq from {root}; routing {args.routing}; log {log}")
     with running_server(command, log, "spanq serve --replicas 2") as proc:
         cluster = Cluster(f"http://127.0.0.1:{port}", proc.pid, log)
         totals = {"answered": 0, "5xx": 0}

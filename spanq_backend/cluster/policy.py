@@ -63,7 +63,7 @@ def is_failing(replica_id: str) -> bool:
 
 def forget_failing(live: AbstractSet[str]) -> None:
     """Drop the marks of replicas that are gone (Ray replaced them: new ids)."""
-    for rid in [r for r in _FAILING if r not in live]:
+    for rid in [r for r in list(_FAILING) if r not in live]:  # (list(): the ingress may mark one meanwhile)
         _FAILING.pop(rid, None)
 
 
@@ -73,20 +73,19 @@ R = TypeVar("R")
 def healthy_first(
     ranks: list[list[R]], candidates: Sequence[R], failing: Callable[[R], bool], rng: random.Random | None = None
 ) -> list[list[R]]:
-    """Another router's ranks (Ray Serve's power of two choices, `--routing default`) with the replicas the
-    ingress saw fail taken out and tried last: the choice among the others is that router's; where it chose only
-    failing ones, two others at random (its own rule) instead. Unchanged where none is failing. A replica whose
-    server died answers Ray's queue probe from its actor, with the shortest queue: without this the ingress's
-    retries could go to it every time."""
-    bad = [c for c in candidates if failing(c)]
-    if not bad:
+    """Another router's ranks (Ray Serve's power of two choices, `--routing default`) without the replicas the
+    ingress saw fail, while any other is left: the choice among the others is that router's; where it chose only
+    failing ones, two others at random (its own rule) instead. Where the ones kept are all full, Ray backs off and
+    asks again (a new pick), as it does without failures: not the failing one. Unchanged where none is failing;
+    where all are, the failing ones. A replica whose server died answers Ray's queue probe from its actor, with
+    the shortest queue: without this the ingress's retries could go to it every time."""
+    if not any(failing(c) for c in candidates):
         return ranks
+    healthy = [c for c in candidates if not failing(c)]
+    if not healthy:
+        return [list(candidates)]
     kept = [rank for rank in ([r for r in rank if not failing(r)] for rank in ranks) if rank]
-    if not kept:
-        healthy = [c for c in candidates if not failing(c)]
-        if healthy:
-            kept = [(rng or random).sample(healthy, min(2, len(healthy)))]
-    return [*kept, bad]
+    return kept or [(rng or random).sample(healthy, min(2, len(healthy)))]
 
 
 def _rendezvous(key: str, replica_id: str) -> int:

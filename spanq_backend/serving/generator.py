@@ -431,7 +431,9 @@ class SpanGenerator:
         while len(self._orders) > self.REMEMBERED_ORDERS:
             self._orders.popitem(last=False)
 
-    def in_context(self, call: Generate, lowered: LoweredPrompt) -> LoweredPrompt | None:
+    def in_context(
+        self, call: Generate, lowered: LoweredPrompt, stock: LoweredPrompt | None = None
+    ) -> LoweredPrompt | None:
         """The stock layout of a call, where the prefix cache holds its documents in context so that it computes
         at most a block more than the span layout `lowered` would with every span cached (the least it can); else
         None.
@@ -439,7 +441,8 @@ class SpanGenerator:
         A `plus` is order-free, so the stock layout is laid out in the order this generator last read the same
         texts in context (a call that read them cold, in context, or this way); texts it never read so are not
         probed at all. What it finds is the in-context KV of exactly these tokens (a plain prompt's block
-        hashes), so the answer is full attention: what stock vLLM answers over those documents in that order."""
+        hashes), so the answer is full attention: what stock vLLM answers over those documents in that order.
+        `stock`: that layout, where `seen_in_context` worked it out for this call already."""
         probe = self.span_probe
         counted = getattr(probe, "cached_blocks", None)
         if not self.read_in_context or counted is None or not lowered.has_spans:
@@ -456,7 +459,7 @@ class SpanGenerator:
             reused += len(prefix)
         span_computes = len(ids) - reused
         node = in_order(call.input, self._orders.get)
-        stock = self._stock_layout(call, node)
+        stock = stock if stock is not None else self._stock_layout(call, node)
         if stock is None:
             return None
         # Up to a block more than the spans: each computes a partial block before the question (stock its last
@@ -1067,7 +1070,7 @@ class SpanGenerator:
         first_seen = self.unseen_in_context(call, span_output)
         if first_seen is not None:
             return first_seen
-        seen = self.seen_in_context(call, span_output)
+        seen, stock_prompt = self.seen_in_context(call, span_output)
         if seen is not None:
             return seen
         try:
@@ -1081,7 +1084,7 @@ class SpanGenerator:
             return CallLayout(lowered, flattened, "warm")
         spans = len(lowered.table.spans)
         self._note_spans(lowered)
-        stock = None if span_output or lowered.generated_spans else self.in_context(call, lowered)
+        stock = None if span_output or lowered.generated_spans else self.in_context(call, lowered, stock_prompt)
         if stock is not None:  # cheaper than the spans even where all are cached: read so at once
             # Its spans not cached (nor under way) are prepared when the engine is idle, as a cold read in context
             # prepares them: another set or order of these documents reads them as spans.
@@ -1131,9 +1134,11 @@ class SpanGenerator:
                  if isinstance(c, (Fragment, User)) and c.text}  # fmt: skip
         return CallLayout(stock, False, "context", spans=len(texts), later=lambda: self._prepares_that_fit(call))
 
-    def _prepares_that_fit(self, call: Generate) -> tuple[list[list[int]], list[list[int]]]:
+    def _prepares_that_fit(self, call: Generate, count: bool = True) -> tuple[list[list[int]], list[list[int]]]:
         """A call over-long as spans, read in context: the prepares of its cold spans that fit the window alone
-        (its layout worked out unchecked against the window), for shorter prompts that read them."""
+        (its layout worked out unchecked against the window), for shorter prompts that read them; not those under
+        way. `count`: its cached spans count as prepares saved (a call that read its documents in context again
+        saved none)."""
         try:
             lowered, _ = self._lower(call, check_window=False)
         except SpanQueryError:
@@ -1141,8 +1146,9 @@ class SpanGenerator:
         if not lowered.has_spans:
             return [], []
         self._note_spans(lowered)
-        prompts = [lowered.prepare_prompt(i) for i in self.cold_span_indices(lowered)]
-        return [p for p in prompts if self.max_model_len is None or len(p) < self.max_model_len], []
+        prompts = [lowered.prepare_prompt(i) for i in self.cold_span_indices(lowered, count=count)]
+        return [p for p in prompts if (self.max_model_len is None or len(p) < self.max_model_len)
+                and tuple(p) not in self._pending], []  # fmt: skip
 
     def unseen_in_context(self, call: Generate, span_output: bool = False) -> CallLayout | None:
         """The layout of a call none of whose span texts this generator has laid out before, where its cold spans
@@ -1185,7 +1191,9 @@ class SpanGenerator:
 
         return CallLayout(stock, False, "context", spans=len(set(texts)), later=later)
 
-    def seen_in_context(self, call: Generate, span_output: bool = False) -> CallLayout | None:
+    def seen_in_context(
+        self, call: Generate, span_output: bool = False
+    ) -> tuple[CallLayout | None, LoweredPrompt | None]:
         """The layout of a call over documents this generator read in context before, in an order it remembers
         for each group, whose stock prompt in those orders finds every document cached (all but the block where
         the last one ends): stock's prompt, at once — what `in_context` chooses on the span layout, decided on the
@@ -1194,36 +1202,37 @@ class SpanGenerator:
         (`later`), for the prepares of the spans the cache lacks. None: `layout` decides on the span layout."""
         counted = getattr(self.span_probe, "cached_blocks", None)
         if not self.spans or not self.read_in_context or counted is None or span_output:
-            return None
+            return None, None
         if (call.cold_spans or self.cold_spans) == "isolate":
-            return None
+            return None, None
         texts: list[str] = []
         groups = 0
         for _, node in walk(call.input):
             if isinstance(node, Plus):
                 if _plus_texts(node) is None:
-                    return None  # a generated output, a nested group, a repeated or an empty one: the span layout
+                    return None, None  # a generated output, a nested group, a repeated or an empty one: the span layout
                 groups += 1
                 texts += [c.text for c in node.children if c.text]
         orders = plus_orders(call.input)
         if not texts or len(orders) != groups or any(frozenset(o) not in self._orders for o in orders):
-            return None
+            return None, None
         node = in_order(call.input, self._orders.get)
         text = self._stock_text(node)
         # Where the documents end in it: the last end of any of their texts (a later copy, say in the question,
         # only makes what follows shorter and the test stricter).
         ends = [text.rfind(t) for t in texts]
         if min(ends) < 0:
-            return None  # a document the template rewrote: not found as given
+            return None, None  # a document the template rewrote: not found as given
         end = max(at + len(t) for at, t in zip(ends, texts))
         ids = self._text_ids(text)
         try:
             check_fits(ids, 0, self.max_model_len, call.max_tokens or 1)
         except ContextLengthError:
-            return None  # the span layout's error, or its fallback, says what does not fit
+            return None, None  # the span layout's error, or its fallback, says what does not fit
+        stock = LoweredPrompt(token_ids=ids, table=SpanTable(self.block_size, ()))
         after = len(self.tokenizer.encode(text[end:], add_special_tokens=False))
         if len(ids) - counted(ids) * self.block_size > after + self.block_size:
-            return None  # not every document is cached in context (evicted, or read so only in part)
+            return None, stock  # not every document is cached in context (evicted, or read so only in part)
         self._remember_orders(node)  # read in this order again: the most recent
 
         def later() -> tuple[list[list[int]], list[list[int]]]:
@@ -1232,7 +1241,7 @@ class SpanGenerator:
             try:
                 lowered, _ = self._lower(call)
             except ContextLengthError:  # it fits only as stock lays it out: the spans that fit alone
-                return self._prepares_that_fit(call)
+                return self._prepares_that_fit(call, count=False)
             if not lowered.has_spans:
                 return [], []
             self._note_spans(lowered)
@@ -1240,8 +1249,7 @@ class SpanGenerator:
                     if tuple(lowered.prepare_prompt(i)) not in self._pending]  # fmt: skip
             return [lowered.prepare_prompt(i) for i in cold], []
 
-        stock = LoweredPrompt(token_ids=ids, table=SpanTable(self.block_size, ()))
-        return CallLayout(stock, False, "in-context", spans=len(set(texts)), later=later)
+        return CallLayout(stock, False, "in-context", spans=len(set(texts)), later=later), stock
 
     async def _generate(
         self, call: Generate, path: str, on_token: TokenCallback | None, span_output: bool, t0: float

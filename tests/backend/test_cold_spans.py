@@ -335,6 +335,17 @@ def test_a_prompt_that_fits_only_without_the_span_padding_is_read_as_stock_reads
     m = answer.metrics
     assert m.prompt_tokens == len(stock_ids) and m.padded_tokens == 0 and m.extra["cold_spans"] == "context"
     assert m.deferred_spans == n - 1, m  # every card but the one read before: prepared alone when idle
+    # Asked again in another order, with another question: its documents are held in context in the order read,
+    # so it is read so, as a cache hit (it was read in context again in the order given, computing them all).
+    question = "Which shelf holds 4 jars?"
+    again = asyncio.run(engine.generate(generate(
+        cross(system("Answer from the cards."), plus(*reversed(cards[:n])), user(question)), max_tokens=4, temperature=0.0,
+    )))  # fmt: skip
+    a = again.metrics
+    assert a.extra["cold_spans"] == "in-context" and a.deferred_spans == 0 and a.padded_tokens == 0, a
+    same_order = generate(cross(system("Answer from the cards."), plus(*cards[:n]), user(question)), max_tokens=4)
+    assert a.prompt_tokens == len(flattened_prompt_ids(tokenizer, same_order.input))
+    assert a.cached_tokens >= a.prompt_tokens - len(tokenizer.encode(question, add_special_tokens=False)) - 16 - 32
     with pytest.raises(ContextLengthError, match="context"):
         asyncio.run(engine.generate(fill(n + 1)))
 
@@ -441,7 +452,7 @@ def test_documents_read_in_context_again_cost_no_span_layout_before_the_answer(e
     other = asyncio.run(engine.generate(query(d, "DBCA", instruction="Answer from these cards.")))
     assert other.metrics.extra["cold_spans"] == "warm" and other.metrics.prepared_spans == 0
     # The check can fail: decided on the span layout (the way before), the documents are probed before the answer.
-    monkeypatch.setattr(gen, "seen_in_context", lambda *a, **k: None)
+    monkeypatch.setattr(gen, "seen_in_context", lambda *a, **k: (None, None))
     events, again = probes_and_requests(engine, d, "BDAC", "Which drawer keeps 1 key?")
     assert again.metrics.extra["cold_spans"] == "in-context" and events[0] == "probe", events
 

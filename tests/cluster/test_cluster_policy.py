@@ -1,10 +1,13 @@
-"""The span-affinity policy on its own (no Ray, no engine): which replica a span query is sent to."""
+"""The span-affinity policy on its own (no engine; no Ray but where a test loads a router): which replica a span
+query is sent to."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import random
+
+import pytest
 
 from spanq_backend.cluster.policy import Recent, ReplicaView, mark_failing, query_span_digests, rank_replicas
 from spanq_backend.serving.lowering import span_digest
@@ -63,26 +66,35 @@ def test_a_failing_replica_goes_last_and_no_spans_means_least_busy_first():
 def test_default_routing_tries_a_failing_replica_last_as_affinity_does():
     """`--routing default` (Ray Serve's power of two choices) with the ingress's marks: a replica whose server died
     answers Ray's queue probe with the shortest queue, so its pick would be the dead one on every retry."""
-    from spanq_backend.cluster.app import DEFAULT_ROUTER_CLASS
     from spanq_backend.cluster.policy import healthy_first
-    from spanq_backend.cluster.routing import HealthyFirstRouter
 
     dead = {"r1"}
     failing = dead.__contains__
     rng = random.Random(0)
-    # Ray's pick of two, the dead one among them: the other alone first, the dead one last (Ray's ranks as they
-    # were, the way before, fail this: the dead one is in the first rank).
-    assert healthy_first([["r1", "r2"]], ["r1", "r2", "r3"], failing, rng) == [["r2"], ["r1"]]
-    # Ray's pick held only the dead one: two others instead, never the dead one before them.
+    # Ray's pick of two, the dead one among them: the other alone (Ray's ranks as they were, the way before, fail
+    # this: the dead one is in them). Where that one is full Ray asks again, as without failures.
+    assert healthy_first([["r1", "r2"]], ["r1", "r2", "r3"], failing, rng) == [["r2"]]
+    # Ray's pick held only the dead one: two others instead.
     for _ in range(20):
-        first, last = healthy_first([["r1"]], ["r1", "r2", "r3"], failing, rng)
-        assert sorted(first) == ["r2", "r3"] and last == ["r1"]
-    # None failing, or all of them: Ray's own choice, unchanged.
+        (first,) = healthy_first([["r1"]], ["r1", "r2", "r3"], failing, rng)
+        assert sorted(first) == ["r2", "r3"]
+    # None failing: Ray's own choice, unchanged; all failing: they are all there is.
     assert healthy_first([["r3", "r2"]], ["r2", "r3"], failing, rng) == [["r3", "r2"]]
     assert healthy_first([["r1"]], ["r1"], failing, rng) == [["r1"]]
-    # And `--routing default` runs it (loaded by the path Ray Serve loads it by).
+
+
+def test_default_routing_runs_rays_own_router_with_the_ingress_marks():
+    """`--routing default` loads, by the path Ray Serve loads it by, Ray Serve's default router with the marks."""
+    pytest.importorskip("ray.serve", reason="the cluster extra: pip install 'spanq[cluster]'")
+    from ray.serve.config import RequestRouterConfig
+
+    from spanq_backend.cluster.app import DEFAULT_ROUTER_CLASS
+    from spanq_backend.cluster.routing import HealthyFirstRouter
     module, name = DEFAULT_ROUTER_CLASS.split(":")
     assert getattr(importlib.import_module(module), name) is HealthyFirstRouter
+    ray_default = RequestRouterConfig().request_router_class  # what `--routing default` ran before
+    module, name = ray_default.split(":")
+    assert issubclass(HealthyFirstRouter, getattr(importlib.import_module(module), name))
 
 
 def test_recent_sends_move_with_the_span_and_are_bounded():
