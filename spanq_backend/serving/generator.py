@@ -432,7 +432,7 @@ class SpanGenerator:
             self._orders.popitem(last=False)
 
     def in_context(
-        self, call: Generate, lowered: LoweredPrompt, stock: LoweredPrompt | None = None
+        self, call: Generate, lowered: LoweredPrompt, seen: tuple[LoweredPrompt, int] | None = None
     ) -> LoweredPrompt | None:
         """The stock layout of a call, where the prefix cache holds its documents in context so that it computes
         at most a block more than the span layout `lowered` would with every span cached (the least it can); else
@@ -442,7 +442,8 @@ class SpanGenerator:
         texts in context (a call that read them cold, in context, or this way); texts it never read so are not
         probed at all. What it finds is the in-context KV of exactly these tokens (a plain prompt's block
         hashes), so the answer is full attention: what stock vLLM answers over those documents in that order.
-        `stock`: that layout, where `seen_in_context` worked it out for this call already."""
+        `seen`: that layout and how many of its leading blocks the cache holds, where `seen_in_context` worked
+        them out for this call already."""
         probe = self.span_probe
         counted = getattr(probe, "cached_blocks", None)
         if not self.read_in_context or counted is None or not lowered.has_spans:
@@ -459,13 +460,15 @@ class SpanGenerator:
             reused += len(prefix)
         span_computes = len(ids) - reused
         node = in_order(call.input, self._orders.get)
-        stock = stock if stock is not None else self._stock_layout(call, node)
+        stock, held = seen if seen is not None else (self._stock_layout(call, node), None)
         if stock is None:
             return None
+        if held is None:
+            held = counted(stock.token_ids)
         # Up to a block more than the spans: each computes a partial block before the question (stock its last
         # document's end, spans the last document's tail), one as much as the other on average; for that, nothing
         # moved and full attention's answer.
-        if len(stock.token_ids) - counted(stock.token_ids) * self.block_size > span_computes + self.block_size:
+        if len(stock.token_ids) - held * self.block_size > span_computes + self.block_size:
             return None
         self._remember_orders(node)  # read in this order again: the most recent
         return stock
@@ -1070,7 +1073,7 @@ class SpanGenerator:
         first_seen = self.unseen_in_context(call, span_output)
         if first_seen is not None:
             return first_seen
-        seen, stock_prompt = self.seen_in_context(call, span_output)
+        seen, stock_seen = self.seen_in_context(call, span_output)
         if seen is not None:
             return seen
         try:
@@ -1084,7 +1087,7 @@ class SpanGenerator:
             return CallLayout(lowered, flattened, "warm")
         spans = len(lowered.table.spans)
         self._note_spans(lowered)
-        stock = None if span_output or lowered.generated_spans else self.in_context(call, lowered, stock_prompt)
+        stock = None if span_output or lowered.generated_spans else self.in_context(call, lowered, stock_seen)
         if stock is not None:  # cheaper than the spans even where all are cached: read so at once
             # Its spans not cached (nor under way) are prepared when the engine is idle, as a cold read in context
             # prepares them: another set or order of these documents reads them as spans.
@@ -1193,13 +1196,17 @@ class SpanGenerator:
 
     def seen_in_context(
         self, call: Generate, span_output: bool = False
-    ) -> tuple[CallLayout | None, LoweredPrompt | None]:
+    ) -> tuple[CallLayout | None, tuple[LoweredPrompt, int] | None]:
         """The layout of a call over documents this generator read in context before, in an order it remembers
         for each group, whose stock prompt in those orders finds every document cached (all but the block where
         the last one ends): stock's prompt, at once — what `in_context` chooses on the span layout, decided on the
-        stock prompt alone. The span layout, its hashes and the span probes (each a pass over every document)
-        would cost more before the first token than the stock prompt costs; they are worked out after the answer
-        (`later`), for the prepares of the spans the cache lacks. None: `layout` decides on the span layout."""
+        stock prompt alone by a stricter test (`in_context` also allows for an uncached prefix and text between
+        groups). The span layout, its hashes and the span probes (each a pass over every document) would cost
+        more before the first token than the stock prompt costs; they are worked out after the answer (`later`),
+        for the prepares of the spans the cache lacks. A call whose span layout would not fit the context window
+        but whose stock prompt does is read so too (`_too_long_for_spans` read it in context in the order given).
+        (None, the stock prompt and how many of its leading blocks the cache holds, where they were worked out):
+        `layout` decides on the span layout, with them."""
         counted = getattr(self.span_probe, "cached_blocks", None)
         if not self.spans or not self.read_in_context or counted is None or span_output:
             return None, None
@@ -1230,9 +1237,10 @@ class SpanGenerator:
         except ContextLengthError:
             return None, None  # the span layout's error, or its fallback, says what does not fit
         stock = LoweredPrompt(token_ids=ids, table=SpanTable(self.block_size, ()))
+        held = counted(ids)
         after = len(self.tokenizer.encode(text[end:], add_special_tokens=False))
-        if len(ids) - counted(ids) * self.block_size > after + self.block_size:
-            return None, stock  # not every document is cached in context (evicted, or read so only in part)
+        if len(ids) - held * self.block_size > after + self.block_size:
+            return None, (stock, held)  # not every document is cached in context (evicted, or read so only in part)
         self._remember_orders(node)  # read in this order again: the most recent
 
         def later() -> tuple[list[list[int]], list[list[int]]]:
