@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 import time
@@ -364,7 +365,21 @@ def serve_main(argv: list[str]) -> int:
             return 2
         finally:
             _remove_own_kv_socket(args)
-    return 0
+    _exit_now(0)
+    return 0  # (not reached)
+
+
+def _exit_now(code: int) -> None:
+    """End the process once the server and its engine have shut down, without the interpreter's finalization: the
+    Triton bindings vLLM imports report ~500 "leaked" objects there (nanobind's check, ~30 lines after "Application
+    shutdown complete" on every Ctrl-C). Logs and streams are flushed first."""
+    import os
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _remove_own_kv_socket(args: argparse.Namespace) -> None:
