@@ -1091,11 +1091,7 @@ class SpanGenerator:
         if stock is not None:  # cheaper than the spans even where all are cached: read so at once
             # Its spans not cached (nor under way) are prepared when the engine is idle, as a cold read in context
             # prepares them: another set or order of these documents reads them as spans.
-            cold = [i for i in self.cold_span_indices(lowered, count=False)
-                    if tuple(lowered.prepare_prompt(i)) not in self._pending]  # fmt: skip
-            return CallLayout(
-                stock, flattened, "in-context", deferred=[lowered.prepare_prompt(i) for i in cold], spans=spans
-            )
+            return CallLayout(stock, flattened, "in-context", deferred=self._lacking(lowered, count=False), spans=spans)
         cold = self.cold_span_indices(lowered)
         if cold and self._pending:
             await self._await_pending([lowered.prepare_prompt(i) for i in cold])
@@ -1149,9 +1145,28 @@ class SpanGenerator:
         if not lowered.has_spans:
             return [], []
         self._note_spans(lowered)
+        prompts = self._lacking(lowered, count=count)
+        return [p for p in prompts if self.max_model_len is None or len(p) < self.max_model_len], []
+
+    def _lacking(self, lowered: LoweredPrompt, count: bool = True) -> list[list[int]]:
+        """The prepare prompts of `lowered`'s spans the cache lacks and no deferred prepare is computing (`defer`
+        skips those: not counted as this call's); `count`: the spans held count as prepares saved."""
         prompts = [lowered.prepare_prompt(i) for i in self.cold_span_indices(lowered, count=count)]
-        return [p for p in prompts if (self.max_model_len is None or len(p) < self.max_model_len)
-                and tuple(p) not in self._pending], []  # fmt: skip
+        return [p for p in prompts if tuple(p) not in self._pending]
+
+    def _prepares_after_answer(self, call: Generate, again: bool) -> tuple[list[list[int]], list[list[int]]]:
+        """`CallLayout.later` of a call read in context at once: the prepares of its spans the cache lacks, and
+        the span layout's prefix where it is another's (`unseen_in_context`: documents never laid out here;
+        `seen_in_context`, `again`: documents held in context, whose spans held are no prepares saved)."""
+        try:
+            lowered, _ = self._lower(call)
+        except ContextLengthError:  # it fits only as stock lays it out: the spans that fit alone
+            return self._prepares_that_fit(call, count=not again)
+        if not lowered.has_spans:
+            return [], []
+        self._note_spans(lowered)
+        also = [lowered.prefix_prompt()] if not again and lowered.reads_after_another_prefix else []
+        return self._lacking(lowered, count=not again), also
 
     def unseen_in_context(self, call: Generate, span_output: bool = False) -> CallLayout | None:
         """The layout of a call none of whose span texts this generator has laid out before, where its cold spans
@@ -1180,19 +1195,9 @@ class SpanGenerator:
         if setting == "auto" and len(stock.token_ids) >= self.isolate_min_tokens:
             return None  # the cold span tokens may reach the threshold: count them on the span layout
 
-        def later() -> tuple[list[list[int]], list[list[int]]]:
-            try:
-                lowered, _ = self._lower(call)
-            except ContextLengthError:  # it fits only as stock lays it out: the spans that fit alone
-                return self._prepares_that_fit(call)
-            if not lowered.has_spans:
-                return [], []
-            self._note_spans(lowered)
-            cold = self.cold_span_indices(lowered)
-            also = [lowered.prefix_prompt()] if lowered.reads_after_another_prefix else []
-            return [lowered.prepare_prompt(i) for i in cold], also
-
-        return CallLayout(stock, False, "context", spans=len(set(texts)), later=later)
+        return CallLayout(
+            stock, False, "context", spans=len(set(texts)), later=lambda: self._prepares_after_answer(call, again=False)
+        )
 
     def seen_in_context(
         self, call: Generate, span_output: bool = False
@@ -1212,17 +1217,15 @@ class SpanGenerator:
             return None, None
         if (call.cold_spans or self.cold_spans) == "isolate":
             return None, None
-        texts: list[str] = []
-        groups = 0
+        orders: list[tuple[str, ...]] = []
         for _, node in walk(call.input):
             if isinstance(node, Plus):
-                if _plus_texts(node) is None:
+                if (group := _plus_texts(node)) is None:
                     return None, None  # a generated output, a nested group, a repeated or an empty one: the span layout
-                groups += 1
-                texts += [c.text for c in node.children if c.text]
-        orders = plus_orders(call.input)
-        if not texts or len(orders) != groups or any(frozenset(o) not in self._orders for o in orders):
+                orders.append(group)
+        if not orders or any(frozenset(o) not in self._orders for o in orders):
             return None, None
+        texts = [t for group in orders for t in group]
         node = in_order(call.input, self._orders.get)
         text = self._stock_text(node)
         # Where the documents end in it: the last end of any of their texts (a later copy, say in the question,
@@ -1243,20 +1246,9 @@ class SpanGenerator:
             return None, (stock, held)  # not every document is cached in context (evicted, or read so only in part)
         self._remember_orders(node)  # read in this order again: the most recent
 
-        def later() -> tuple[list[list[int]], list[list[int]]]:
-            # The spans the cache lacks are prepared when the engine is idle, as in `layout`'s in-context reading:
-            # another set or order of these documents reads them as spans.
-            try:
-                lowered, _ = self._lower(call)
-            except ContextLengthError:  # it fits only as stock lays it out: the spans that fit alone
-                return self._prepares_that_fit(call, count=False)
-            if not lowered.has_spans:
-                return [], []
-            self._note_spans(lowered)
-            cold = [i for i in self.cold_span_indices(lowered, count=False)
-                    if tuple(lowered.prepare_prompt(i)) not in self._pending]  # fmt: skip
-            return [lowered.prepare_prompt(i) for i in cold], []
-
+        # The spans the cache lacks are prepared when the engine is idle, as in `layout`'s in-context reading:
+        # another set or order of these documents reads them as spans.
+        later = lambda: self._prepares_after_answer(call, again=True)
         return CallLayout(stock, False, "in-context", spans=len(set(texts)), later=later), stock
 
     async def _generate(
