@@ -27,11 +27,14 @@ from typing import Any, Self
 from spanq_backend.kv.span_table import SpanTable
 from spanq_backend.serving.engine_defaults import ENGINE_DEFAULTS, platform_defaults
 from spanq_backend.serving.generator import (
+    IDLE_BATCH_TOKENS,
     ISOLATE_MIN_TOKENS,
     LEAD_IN_NEUTRAL,
     SpanGenerator,
     between_parts,
+    budget_after,
     engine_error,
+    idle_part,
     load_chat_tokenizer,
     settle_deferred,
 )
@@ -449,9 +452,9 @@ class SpanEngine:
         """Wake the engine's thread (no call runs now: its deferred prepares may start)."""
         self._cmds.put(("wake", None))
 
-    # Tokens of deferred prepares computed at once: a call that arrives meanwhile waits for them (~1 s on SmolLM2
-    # here), never more. A longer prompt goes in parts of whole blocks, each on the blocks the last one cached.
-    IDLE_BATCH_TOKENS = 512
+    # Tokens of deferred prepares computed at once. A longer prompt goes in parts of whole blocks, each on the blocks
+    # the last one cached (`idle_part`).
+    IDLE_BATCH_TOKENS = IDLE_BATCH_TOKENS
 
     def _start_idle(self, engine: Any) -> None:
         """Add deferred prepares while nothing else runs: up to `IDLE_BATCH_TOKENS` tokens to compute, those not
@@ -471,9 +474,7 @@ class SpanEngine:
                 self._idle_parts.pop(done, None)
                 done.set_result(computed)
                 continue
-            # whole blocks past what is cached, and past the last part (should its blocks have been evicted since,
-            # this part computes them again with its own: every part goes further)
-            cut = max(have, reached) + max(bs, budget // bs * bs)
+            start, cut = idle_part(have, reached, budget, bs)
             part = self._probe is not None and cut < len(ids) - 1
             prompt = ids[: cut + 1] if part else ids  # one token past the part: its last block is cached too
             rid = f"spanq-idle-{next(self._ids)}"
@@ -492,7 +493,7 @@ class SpanEngine:
             if part:
                 self._idle_parts[done] = (computed, cut)
                 self._idle.appendleft((ids, done))  # the rest, first, once this part is done
-            budget = (budget - (len(prompt) - have)) // bs * bs  # whole blocks left
+            budget = budget_after(budget, len(prompt) - 1 - start, bs)  # (its last token is the pad)
 
     def _answer_settled(self) -> None:
         """Tell `settle` callers once no deferred prepare is waiting or running."""

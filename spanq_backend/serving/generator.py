@@ -285,6 +285,26 @@ def between_parts(done: concurrent.futures.Future[int], waiting: bool) -> None:
     done.spanq_between_parts = waiting  # type: ignore[attr-defined]
 
 
+# Tokens of deferred prepares computed at once, wherever they run (`SpanEngine._start_idle` on the embedded engine,
+# `SpanGenerator._when_idle` on `spanq serve`): a call that arrives meanwhile waits for them (~1 s on SmolLM2 here),
+# never for the whole backlog.
+IDLE_BATCH_TOKENS = 512
+
+
+def idle_part(have: int, reached: int, budget: int, block_size: int) -> tuple[int, int]:
+    """Where the next part of a deferred prompt starts and ends (token offsets): past what the cache holds of it
+    (`have`) and past the last part (`reached`: should that part's blocks have been evicted since, this one computes
+    them again with its own, so every part goes further), whole blocks up to `budget` tokens, one block at least.
+    A prompt no longer than the end is computed whole, as its last part."""
+    start = max(have, reached)
+    return start, start + max(block_size, budget // block_size * block_size)
+
+
+def budget_after(budget: int, computed: int, block_size: int) -> int:
+    """The whole blocks of an idle batch's token budget left once a part computing `computed` tokens is in it."""
+    return (budget - computed) // block_size * block_size
+
+
 def _can_finish_while_others_run(done: concurrent.futures.Future[int]) -> bool:
     """A deferred prepare under way in the engine (not queued, nor between its parts): it finishes beside calls."""
     return done.running() and not getattr(done, "spanq_between_parts", False)
@@ -763,10 +783,9 @@ class SpanGenerator:
             computed = done.result()
             metrics.count_prepared(1 if is_span and computed else 0, computed)
 
-    # Tokens of deferred prepares computed at once where this generator runs them (`spanq serve`; the embedded
-    # engine's queue has its own, `SpanEngine.IDLE_BATCH_TOKENS`): a call that arrives meanwhile waits for them,
-    # never for the whole backlog. A longer prompt goes in parts of whole blocks, each on the blocks the last cached.
-    IDLE_BATCH_TOKENS = 512
+    # Tokens of deferred prepares computed at once where this generator runs them (`spanq serve`). A longer prompt
+    # goes in parts of whole blocks, each on the blocks the last cached (`idle_part`).
+    IDLE_BATCH_TOKENS = IDLE_BATCH_TOKENS
 
     async def _when_idle(self) -> None:
         """The generator's deferred prepares (`_idle_todo`), when no call runs, until none is left."""
@@ -797,10 +816,7 @@ class SpanGenerator:
                             metrics.count_saved_prepare()  # cached meanwhile: no request
                         done.set_result(total)
                         continue
-                    # whole blocks past what is cached and past the last part (should the last part's blocks have
-                    # been evicted since, this one computes them again with its own: every part goes further)
-                    start = max(have, reached)
-                    cut = start + max(bs, budget // bs * bs)
+                    start, cut = idle_part(have, reached, budget, bs)
                     last = cut >= len(prompt)
                     if last:
                         todo.popleft()
@@ -808,7 +824,7 @@ class SpanGenerator:
                         progress[done] = (total, cut)
                     between_parts(done, False)
                     batch.append((prompt if last else prompt[:cut], done, last))
-                    budget = (budget - ((len(prompt) if last else cut) - start)) // bs * bs  # whole blocks left
+                    budget = budget_after(budget, (len(prompt) if last else cut) - start, bs)
                 computed = await self.compute_all([part for part, _, _ in batch])
                 for (_, done, last), c in zip(batch, computed):
                     total, reached = progress.pop(done, (0, 0))
