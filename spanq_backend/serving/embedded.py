@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import atexit
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Self
 
 from spanq_backend.serving.engine import EngineConfig, SpanEngine
 from spanq_backend.serving.models import (
@@ -84,8 +83,21 @@ class EmbeddedBackend(Backend):
         self.close()
 
     def close(self) -> None:
+        """Stop the engine this backend started (not one it was given). One left running is stopped at exit."""
         if self._owns_engine:
             self.engine.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 class _SharedEmbeddedBackend(EmbeddedBackend):
@@ -159,20 +171,6 @@ class _SharedEmbeddedBackend(EmbeddedBackend):
 
 _shared: dict[str, _SharedEmbeddedBackend] = {}
 _shared_lock = threading.Lock()
-
-
-@atexit.register
-def _close_shared() -> None:
-    """At exit, stop the shared engines: one still computing deferred prepares when a script ends (`spanq run`
-    after its answer) had its thread killed mid-step, which printed the engine's failure and a traceback."""
-    with _shared_lock:
-        running = list(_shared.values())
-        _shared.clear()
-    for backend in running:
-        try:
-            backend.engine.close()
-        except Exception:  # at exit: nothing left to tell
-            log.debug("closing a shared engine at exit", exc_info=True)
 
 
 def shared_embedded_backend(model: str | None = None) -> EmbeddedBackend:

@@ -10,6 +10,7 @@ shared with `spanq serve`; this module only drives the engine.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
 import contextlib
@@ -19,6 +20,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,21 @@ from spanq_integrations.query.errors import BackendError, BackendUnavailableErro
 from spanq_integrations.query.ir import COLD_SPAN_POLICIES, AnchorPolicy, Generate, Recompute
 
 __all__ = ["EngineConfig", "SpanEngine"]
+
+# Engines started in this process and not yet closed: stopped at exit (`_close_running`).
+_running: weakref.WeakSet[SpanEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_running() -> None:
+    """At exit, stop every engine still running. Its thread is a daemon: one still computing deferred prepares when
+    a script ended (a script's own `EmbeddedBackend("tiny")` after its answer) ran its step while the interpreter
+    tore the model down, and printed "the engine failed" with a traceback of vLLM's."""
+    for engine in list(_running):
+        try:
+            engine.close()
+        except Exception:  # at exit: nothing left to tell
+            log.debug("closing an engine at exit", exc_info=True)
 
 log = logging.getLogger("spanq.engine")
 
@@ -264,6 +281,7 @@ class SpanEngine:
         self.recent: collections.deque[_Request] = collections.deque(maxlen=256)
         self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
         self._thread.start()
+        _running.add(self)
         self._ready.wait()
         if self._start_error is not None:
             raise BackendError(f"could not start vLLM on {self.model_path}: {self._start_error}") from self._start_error

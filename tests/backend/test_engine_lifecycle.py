@@ -189,3 +189,49 @@ async def test_a_request_the_engine_ends_with_an_error_is_an_error_not_an_empty_
                                                              json_schema='{"type": "object"}')), 60)  # fmt: skip
     finally:
         backend.close()
+
+
+_OWN_ENGINE_SCRIPT = """
+import atexit, sys
+from spanq_integrations import cross, execute, fragment, generate, plus, system, user
+from spanq_backend.serving import engine as engine_module
+from spanq_backend.serving.embedded import EmbeddedBackend
+
+if "--no-close-at-exit" in sys.argv:  # the broken implementation: engines left running at exit
+    atexit.unregister(engine_module._close_running)
+else:
+    with EmbeddedBackend(sys.argv[1], kv_cache_gib=0.25) as first:  # closed as the block ends
+        pass
+    print("closed by with:", first.engine.closed, flush=True)
+backend = EmbeddedBackend(sys.argv[1], kv_cache_gib=0.25)  # a script's own engine, never closed
+docs = [f"Document {i} is about topic {i} and nothing else at all. " * 18 for i in range(6)]
+query = generate(cross(system("Answer."), plus(*[fragment(d) for d in docs]), user("Which topic?")),
+                 max_tokens=2, temperature=0)
+print("deferred:", execute(query, backend).calls[0].deferred_spans, flush=True)
+"""
+
+
+def test_a_script_that_leaves_its_own_engine_running_ends_cleanly(tiny_model, tmp_path):
+    """A script that builds its own `EmbeddedBackend` and ends right after its answer, while the engine computes
+    the new documents' deferred prepares: the engine is stopped at exit, not torn down mid-step (which printed
+    "the engine failed" and a traceback of vLLM's on every such run). An engine left running at exit, as before,
+    does fail so. `with EmbeddedBackend(...)` closes the engine it started."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "own_engine.py"
+    script.write_text(_OWN_ENGINE_SCRIPT)
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(script), str(tiny_model), *extra], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "SPANQ_DEBUG": ""}, check=False)  # fmt: skip
+
+    done = run()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "closed by with: True" in done.stdout and "deferred: 6" in done.stdout, done.stdout
+    assert "Traceback" not in done.stderr and "engine failed" not in done.stderr, done.stderr[-2000:]
+
+    broken = run("--no-close-at-exit")
+    assert "deferred: 6" in broken.stdout, broken.stdout  # its answer came, with prepares still to run at exit
+    assert "engine failed" in broken.stderr and "Traceback" in broken.stderr, broken.stderr[-2000:]
