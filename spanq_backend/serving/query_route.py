@@ -166,9 +166,13 @@ class QueryRun:
             choices = choices_of(result)
             rest = [(k, "" if k == 0 and self.streamed else text, reason) for k, (text, reason) in enumerate(choices)]
             return spnl_chunk(self.id, self.created, self.model, rest, usage=usage_of(result))
-        if call is None:  # the answer is not one call's output (a top-level plus, say): send it whole
-            delta = {"content": result.answer} if result.answer and not self.streamed else {}
-            choices = [{"index": 0, "delta": delta, "finish_reason": "stop"}]
+        if call is None:  # the answer is not one call's output: sent whole, each answer of a bulk query (a
+            # top-level `repeat`, `map` or `plus` of calls) as a choice of its own, with its call's finish reason
+            choices = [
+                {"index": k, "delta": {"content": text} if text and not (k == 0 and self.streamed) else {},
+                 "finish_reason": reason or "stop"}
+                for k, (text, reason) in enumerate(choices_of(result))
+            ]  # fmt: skip
         else:  # choice 0 streamed already; the other choices (n > 1) come whole
             choices = [
                 {"index": k, "delta": {"content": text} if k and text else {}, "finish_reason": reason}

@@ -54,7 +54,9 @@ def choices_of(result: ExecutionResult) -> list[tuple[str, str | None]]:
         return [(text, _finish(reason)) for text, reason in zip(call.choices, call.finish_reasons)]
     tree = result.tree
     if isinstance(tree, Plus) and tree.children and all(isinstance(c, Assistant) for c in tree.children):
-        return [(c.text, None) for c in tree.children]
+        calls = result.bulk_calls
+        reasons = [_finish(c.finish_reason) for c in calls] if calls is not None else [None] * len(tree.children)
+        return [(c.text, reason) for c, reason in zip(tree.children, reasons)]
     return [(result.answer, None)]
 
 

@@ -10,7 +10,7 @@ from typing import Any, Self
 from pydantic import BaseModel, ConfigDict, Field
 
 from spanq_integrations.optimizer.context import BackendCapabilities
-from spanq_integrations.query.ir import Assistant, Generate, Node, walk
+from spanq_integrations.query.ir import Assistant, Generate, Node, Plus, child_paths, walk
 
 __all__ = [
     "Backend",
@@ -142,6 +142,18 @@ class ExecutionResult(BaseModel):
         if self.answer_path is None:
             return None
         return next((c for c in reversed(self.calls) if c.path == self.answer_path), None)
+
+    @property
+    def bulk_calls(self) -> list[CallMetrics] | None:
+        """The calls whose outputs are the answers of a bulk query (a top-level `plus` of generate calls of one
+        choice each: `repeat`, `map`, a `plus` of `g`s), in order; None for any other query."""
+        plan, tree = self.plan, self.tree
+        if not (isinstance(plan, Plus) and isinstance(tree, Plus) and len(plan.children) == len(tree.children)):
+            return None
+        by_path = {c.path: c for c in self.calls}  # (the last call of a path: a retried one's)
+        calls = [by_path.get(path) for path, child in child_paths(plan, "$")
+                 if isinstance(child, Generate) and child.n == 1]  # fmt: skip
+        return calls if len(calls) == len(tree.children) and None not in calls else None  # type: ignore[return-value]
 
     @property
     def answer(self) -> str:

@@ -468,6 +468,38 @@ def test_spnls_own_client_reads_the_answers_of_a_repeat_and_a_map(server: SpanqS
     assert read_completion_stream(_as_spnls_client(server, bulk, stream=True).content, 2) == texts
 
 
+def _stream_events(body: bytes) -> list[dict]:
+    return [json.loads(line[len(b"data: "):]) for line in body.split(b"\n")
+            if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
+
+
+def test_a_streamed_bulk_query_sends_each_answer_with_its_calls_finish_reason(server: SpanqServe):
+    """A top-level `repeat` streamed: every answer, each with the finish reason its call ended with ("length" for
+    calls cut at max_tokens), on both wires. The chat wire sent only the last answer, always ending in "stop";
+    spnl's ended every choice with none."""
+    g = {"model": "", "input": {"user": "Count slowly from one to fifty."}, "max_tokens": 3, "temperature": 0.0}
+    doc = {"repeat": {"n": 2, "g": g}}
+    whole = httpx.post(f"{server.url}{EXECUTE}", params={"format": "spanq"}, json=doc, timeout=120)
+    assert whole.status_code == 200, whole.text
+    assert [c["finish_reasons"] for c in whole.json()["calls"]] == [["length"], ["length"]]
+    answers = [child["assistant"]["text"] for child in whole.json()["result"]["plus"]]
+    assert len(answers) == 2 and all(answers)
+
+    chat = httpx.post(f"{server.url}{EXECUTE}", params={"stream": "true"}, json=doc, timeout=120)
+    assert chat.status_code == 200, chat.text
+    final = [choice for event in _stream_events(chat.content) for choice in event.get("choices", [])
+             if choice.get("finish_reason")]  # fmt: skip
+    assert [(c["index"], c["delta"].get("content"), c["finish_reason"]) for c in final] == [
+        (0, answers[0], "length"), (1, answers[1], "length")
+    ]
+
+    spnl = httpx.post(f"{server.url}{EXECUTE}", params={"stream": "true", "format": "spnl"}, json=doc, timeout=120)
+    assert spnl.status_code == 200, spnl.text
+    assert read_completion_stream(spnl.content, 2) == answers
+    ended = {c["index"]: c["finish_reason"] for e in _stream_events(spnl.content) for c in e["choices"]}
+    assert ended == {0: "length", 1: "length"}
+
+
 def test_spnls_own_executor_answers_as_spanqs_over_the_openai_route(server: SpanqServe, monkeypatch):
     """spnl 0.22.1's executor (its PyPI package: its own parser, its own OpenAI client) runs queries spanq wrote
     against `spanq serve`'s stock chat route, and at temperature 0 its answers are spanq's own executor's over the
