@@ -70,14 +70,16 @@ def _fail(limit: str, value: int, allowed: int, path: str, what: str) -> QueryLi
 def check_json_depth(doc: Any, limits: QueryLimits = DEFAULT_LIMITS) -> None:
     """Refuse a parsed JSON document nested deeper than a query may be, before it is read into nodes.
 
-    A query node nests through an object, its body, and (for joins) an array: three JSON levels per node."""
+    A query node nests through an object, its body, and (for joins) an array: at most three JSON levels per node.
+    The whole document is walked (it is bounded by the body's size and `MAX_JSON_CONTAINERS`), so the error names
+    how deep it nests, not where the walk first passed the limit."""
     allowed = 3 * limits.max_depth + 3
     stack: list[tuple[Any, int]] = [(doc, 1)]
     containers = 0
+    deepest = 0
     while stack:
         value, depth = stack.pop()
-        if depth > allowed:
-            raise _fail("max_depth", depth // 3, limits.max_depth, "$", "the nesting of the document")
+        deepest = max(deepest, depth)
         if isinstance(value, (dict, list)):
             containers += 1
             if containers > MAX_JSON_CONTAINERS:  # before a node is built (a query's nodes are read from these)
@@ -87,12 +89,20 @@ def check_json_depth(doc: Any, limits: QueryLimits = DEFAULT_LIMITS) -> None:
             stack.extend((v, depth + 1) for v in value.values())
         elif isinstance(value, list):
             stack.extend((v, depth + 1) for v in value)
+    if deepest > allowed:
+        raise QueryLimitError(
+            "$", f"the document nests {deepest} levels of objects and arrays, more than a query within the server's "
+            f"limit max_depth={limits.max_depth} can ({allowed}: three a node) (spanq serve --max-depth)"
+        )
 
 
 def check_limits(query: Node, limits: QueryLimits = DEFAULT_LIMITS) -> None:
-    """Raise `QueryLimitError` if `query` asks for more than `limits` allow; walks the tree once, iteratively."""
+    """Raise `QueryLimitError` if `query` asks for more than `limits` allow; walks the tree once, iteratively, in
+    document order. A count over its limit (calls, fragments) is the whole query's, at the path where it first went
+    over; the other limits are per node, at the first node over them."""
     calls = 0
     fragments = 0
+    first_over: dict[str, str] = {}  # limit -> the path where the count first went over it
     # (node, path, depth, how many times it runs: the product of the n/repeat/map counts above it)
     stack: list[tuple[Node, str, int, int]] = [(query, "$", 1, 1)]
     while stack:
@@ -124,8 +134,12 @@ def check_limits(query: Node, limits: QueryLimits = DEFAULT_LIMITS) -> None:
         elif isinstance(node, Plus):  # its messages are spans too (spnl writes documents so)
             fragments += sum(1 for c in node.children if isinstance(c, (User, System, Assistant)))
         if calls > limits.max_calls:
-            raise _fail("max_calls", calls, limits.max_calls, path, "the number of generate calls")
+            first_over.setdefault("max_calls", path)
         if fragments > limits.max_fragments:
-            raise _fail("max_fragments", fragments, limits.max_fragments, path, "the number of fragments")
-        for child_path, child in child_paths(node, path):
-            stack.append((child, child_path, depth + 1, runs))
+            first_over.setdefault("max_fragments", path)
+        stack.extend((child, child_path, depth + 1, runs) for child_path, child in reversed(list(child_paths(node, path))))
+    if "max_calls" in first_over:
+        raise _fail("max_calls", calls, limits.max_calls, first_over["max_calls"], "the number of generate calls")
+    if "max_fragments" in first_over:
+        raise _fail("max_fragments", fragments, limits.max_fragments, first_over["max_fragments"],
+                    "the number of fragments")  # fmt: skip

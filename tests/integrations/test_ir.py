@@ -132,6 +132,31 @@ def test_a_limit_names_the_path_the_json_has():
     assert _at(to_json(cross("q", bulk)), raised.value.path) == 9
 
 
+def test_a_count_over_its_limit_is_the_whole_querys_at_the_first_path_over_it_in_document_order():
+    """600 fragments over a limit of 512: the error says 600 (not 513, where the walk stopped) and names the
+    513th fragment in the order the JSON holds them (the walk went last child first and named the 88th)."""
+    from spanq_integrations.query.limits import check_json_depth
+
+    query = generate(cross("q", plus(*[f"document {i}" for i in range(600)])))
+    with pytest.raises(QueryValidationError) as raised:
+        check_limits(query)
+    assert "the number of fragments is 600, over the server's limit max_fragments=512" in str(raised.value)
+    assert raised.value.path == "$.g.input.cross[1].plus[512]"
+    assert _at(to_json(query), raised.value.path) == {"fragment": "document 512"}
+
+    calls = plus(*[generate(f"q{i}", n=4) for i in range(300)])  # 1200 calls, over 1024 at the 257th
+    with pytest.raises(QueryValidationError) as raised:
+        check_limits(calls)
+    assert "the number of generate calls is 1200" in str(raised.value) and raised.value.path == "$.plus[256]"
+
+    deep: dict = {"user": "x"}
+    for _ in range(101):
+        deep = {"cross": [deep]}
+    with pytest.raises(QueryValidationError, match=r"the document nests 204 levels of objects and arrays, more "
+                       r"than a query within the server's limit max_depth=64 can \(195"):  # fmt: skip
+        check_json_depth(deep)
+
+
 def test_child_paths_are_the_direct_children_in_order():
     query = cross("a", plus("b", "c"))
     assert [p for p, _ in child_paths(query)] == ["$.cross[0]", "$.cross[1]"]
