@@ -49,7 +49,7 @@ from spanq_backend.serving.processes import (
     processes,
     reap_adopted,
 )
-from spanq_backend.serving.request_body import body_too_large, read_capped
+from spanq_backend.serving.request_body import Oversized, body_too_large, read_capped
 from spanq_integrations.backends.span import EXECUTE_PATH
 
 __all__ = ["ForwardedRequest", "SpanReplica", "build_app", "free_port", "serve_cluster", "split_cluster_args", "split_cores"]
@@ -277,8 +277,8 @@ def _make_ingress(retries: int, max_body_bytes: int, queue_timeout_s: float) -> 
         @app.api_route("/{path:path}", methods=["GET", "POST"])
         async def relay(self, path: str, request: Request) -> Any:
             body = await read_capped(request, max_body_bytes)
-            if body is None:  # the replicas' own 400 (`spanq serve`'s query route), said here
-                refused = body_too_large(_limits(max_body_bytes))
+            if isinstance(body, Oversized):  # the replicas' own 400 (`spanq serve`'s query route), said here
+                refused = body_too_large(_limits(max_body_bytes), body)
                 return _error(400, type(refused).__name__, str(refused))
             forwarded = ForwardedRequest(
                 method=request.method,

@@ -21,7 +21,7 @@ from spanq_backend.serving.engine_client import EngineClientBackend
 from spanq_backend.serving.generator import ISOLATE_MIN_TOKENS, LEAD_IN_NEUTRAL
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
 from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE
-from spanq_backend.serving.request_body import body_too_large, read_capped
+from spanq_backend.serving.request_body import Oversized, body_too_large, read_capped
 from spanq_backend.serving.spnl_wire import choices_of, spnl_chunk, spnl_response, wire_format
 from spanq_backend.vllm_integration.support import aquery_span_support
 from spanq_integrations.backends.span import EXECUTE_PATH  # the route spnl's patched vLLM exposes
@@ -274,7 +274,7 @@ def build_query_router(
         except Exception as e:  # noqa: BLE001  (counters are best effort; the answer is what matters)
             log.debug("could not read the engine's span counters: %s", e)
 
-    async def read_body(request: Request) -> bytes | None:
+    async def read_body(request: Request) -> bytes | Oversized:
         """The body, read before the handler runs (`with_cancellation` then listens on the connection for a
         disconnect), within `max_body_bytes` (`request_body.read_capped`)."""
         return await read_capped(request, limits.max_body_bytes)
@@ -314,14 +314,14 @@ def build_query_router(
         raw_request: Request,
         stream: bool = False,
         format: str | None = None,  # the query parameter `?format=`
-        body: bytes | None = Depends(read_body),
+        body: bytes | Oversized = Depends(read_body),  # noqa: B008  (FastAPI's way to read it first)
     ) -> Any:
         """Run a span query (spnl JSON); `?stream=true` streams the answer. `?format=spanq` (spanq's client):
         the closed tree and per-call metrics, or chat.completion.chunk events; `?format=spnl`, or a text/plain
         body without a format (spnl's client): OpenAI completion objects, or text_completion chunks."""
         backend = await backend_of(raw_request)
-        if body is None:
-            return error_response(body_too_large(limits))
+        if isinstance(body, Oversized):
+            return error_response(body_too_large(limits, body))
         try:
             wire = wire_format(format, raw_request.headers.get("content-type"))
             # (on a thread: reading an 8 MiB document takes a moment other requests need not wait for)

@@ -704,6 +704,29 @@ def test_queries_over_a_limit_are_400s_naming_the_limit_and_the_server_stays_up(
     assert server.rss_bytes() < rss + (512 << 20), "refused queries must not grow the server"
 
 
+def test_a_body_over_the_size_limit_is_refused_with_its_size(server: SpanqServe):
+    """The refusal names how large the body is: its declared length, or (sent in chunks, no length declared) how
+    much had arrived when reading stopped. It said "the body is larger than that" either way."""
+    body = ('{"user":"' + "x" * (9 << 20) + '"}').encode()
+    declared = _post_raw(server, body)
+    assert declared.status_code == 400
+    assert declared.json()["error"]["message"].startswith(f"$: the body is {len(body)} bytes, over the server's "
+                                                          "limit max_body_bytes=")  # fmt: skip
+
+    def chunks():
+        for at in range(0, len(body), 1 << 20):
+            yield body[at:at + (1 << 20)]
+
+    sent = httpx.post(f"{server.url}{EXECUTE}", content=chunks(), headers={"content-type": "application/json"},
+                      timeout=120)  # fmt: skip
+    assert sent.status_code == 400
+    message = sent.json()["error"]["message"]
+    stopped = re.match(r"\$: the body is at least (\d+) bytes \(reading stopped there\), over the server's limit "
+                       r"max_body_bytes=(\d+) ", message)  # fmt: skip
+    assert stopped and int(stopped[2]) < int(stopped[1]) <= len(body), message
+    _assert_healthy(server)
+
+
 def test_spanq_serve_says_when_it_is_ready_and_what_a_query_prepares(server: SpanqServe):
     """The server's log shows spanq's progress as the embedded engine's does (README, "Logs"): a line as it starts,
     one when its engine is up with the address it serves on, and one for a query's new documents. It showed only the
