@@ -161,7 +161,7 @@ class Generate(_Node):
     as JSON text, that the answer matches (constrained decoding where the backend has it)."""
     recompute: Recompute | None = None
     """How much of each span a span engine computes again in context, for quality (docs/design.md, "Recompute"):
-    0 none, "first" / "last" each span's first / last KV block, "question" as many blocks as spans, those the text
+    0 (or "none") none, "first" / "last" each span's first / last KV block, "question" as many blocks as spans, those the text
     after the spans shares most with, "attention" as many, those it attends to most (a pass of its own first), a share in (0, 1] of the span blocks (first blocks first, then those the text
     after the spans mentions most); None: the backend's default. Servers without spans ignore it."""
     cold_spans: ColdSpans | None = None
@@ -169,6 +169,11 @@ class Generate(_Node):
     alone first: the answer is the one the same spans give warm, in any order), "context" (in context, as stock
     does; prepared alone afterwards), "auto" (isolate from a size); None: the backend's default. Judges set
     "isolate": a verdict must not depend on which candidate came first. Servers without spans ignore it."""
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _none_is_zero(cls, value: object) -> object:
+        return 0.0 if value == "none" else value  # as `spanq serve --recompute none` says it
 
     @field_validator("recompute")
     @classmethod

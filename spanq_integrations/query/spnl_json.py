@@ -384,8 +384,11 @@ def _recompute(value: Any, path: str) -> Any:
     if value is None:
         return None
     if isinstance(value, str):
+        if value == "none":  # as `spanq serve --recompute none` says 0
+            return 0.0
         if value not in RECOMPUTE_POLICIES:
-            raise QueryParseError(path, f"expected a share between 0 and 1 or one of {list(RECOMPUTE_POLICIES)}, got {value!r}")
+            raise QueryParseError(path, f"expected a share between 0 and 1, 'none' or one of {list(RECOMPUTE_POLICIES)}, "
+                                  f"got {value!r}")
         return value
     share = _number(value, path, 0)
     if share > 1:

@@ -512,3 +512,13 @@ def test_cold_spans_is_written_only_when_set_and_a_bad_value_is_named() -> None:
     bad["g"]["cold_spans"] = "later"
     with pytest.raises(QueryParseError, match=r"\$\.g\.cold_spans.*'auto', 'context', 'isolate'.*later"):
         from_json(bad)
+
+
+def test_recompute_none_reads_as_zero_in_json_and_in_python_as_on_the_command_line():
+    """`spanq serve --recompute none` is accepted; the same word in a query was a 400 listing only the names."""
+    doc = {"g": {"model": "", "input": {"user": "hi"}, "recompute": "none"}}
+    assert from_json(doc).recompute == 0.0
+    assert generate("hi", recompute="none").recompute == 0.0
+    assert to_json(from_json(doc))["g"]["recompute"] == 0.0
+    with pytest.raises(QueryParseError, match=r"'none' or one of \['first'"):
+        from_json({"g": {"model": "", "input": {"user": "hi"}, "recompute": "nothing"}})
