@@ -11,6 +11,7 @@ FILE is a query in spnl JSON, or `-` for stdin. A bad input prints one line, `sp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -428,6 +429,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("spanq: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader of its output has gone (`spanq plan --json | head -1`): done, quietly
+        with contextlib.suppress(OSError, ValueError):  # (the rest, and the flush at exit, go nowhere)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (SpanQueryError, CommandError) as e:
         if os.environ.get("SPANQ_DEBUG"):
             raise

@@ -374,3 +374,18 @@ def test_an_embedded_run_ends_the_answers_line_before_spanqs_progress(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:]
     assert "spanq: read" in done.stdout  # the progress line this is about
     assert not [line for line in done.stdout.splitlines() if "spanq:" in line and not line.startswith("spanq:")], done.stdout
+
+
+def test_output_cut_short_by_its_reader_ends_quietly(tmp_path):
+    """`spanq plan --json | head -c 5`: the reader goes after a few bytes; spanq stops there, status 0, nothing on
+    stderr. It printed "spanq: error: BrokenPipeError ..." and exited 1."""
+    doc = {"g": {"model": "", "input": {"plus": [{"user": f"line {i} " * 50} for i in range(300)]}, "max_tokens": 2}}
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(doc))
+    proc = subprocess.Popen([*spanq_command(), "plan", str(path), "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=REPO_ROOT, env={**os.environ, "SPANQ_DEBUG": ""})  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(5)
+    proc.stdout.close()  # the reader goes: spanq's next writes find no one
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0 and err == "", err
