@@ -138,8 +138,8 @@ def _tree_reduction(args: argparse.Namespace) -> TreeReduction | None:
 
     try:
         reducer_from_combine(args.reducer, {}, "--reducer")
-    except QueryValidationError as e:
-        raise CommandError(str(e)) from None
+    except QueryValidationError as e:  # (its path is where a query's combine would say it, not the flag's)
+        raise CommandError(f"--reducer: {e.message}") from None
     return TreeReduction(k=args.tree_k, combine="code", reducer=args.reducer)
 
 
@@ -424,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = build_parser().parse_args(args_list)
         except SystemExit as e:  # --help, or a usage error argparse already printed
             return e.code if isinstance(e.code, int) else EXIT_ERROR
-        check_fan_in(args.tree_k, "--tree-k", "candidates", none="(leave it out) for no tree reduction")
+        check_fan_in(args.tree_k, "--tree-k", "candidates", none="leave it out for no tree reduction")
         return args.handler(args)
     except KeyboardInterrupt:
         print("spanq: interrupted", file=sys.stderr)

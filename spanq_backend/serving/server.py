@@ -58,6 +58,11 @@ def limits_of(args: argparse.Namespace) -> QueryLimits:
     return QueryLimits(**{name: getattr(args, f"spanq_{name}") for name in DEFAULT_LIMITS.describe()})
 
 
+# vLLM's help formatter appends "(default: X)" to every option whose help does not show its default itself; this
+# shows it as nothing, where X would mislead ("True" for a --no- flag, "None" for no limit).
+NO_DEFAULT_SHOWN = "%(default).0s"
+
+
 def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     """`vllm serve`'s arguments with spanq's defaults; `--model default|tiny|PATH` resolved to a folder."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -108,7 +113,7 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         "--no-read-in-context", dest="spanq_read_in_context", action="store_false",
         help="always read documents as spans; by default a query whose documents the cache holds in context (an "
         "earlier query read them so, in some order) is read in that order as stock reads it, where that computes "
-        "at most a block more than the spans: stock's speed and full attention's answer",
+        "at most a block more than the spans: stock's speed and full attention's answer" + NO_DEFAULT_SHOWN,
     )
     spanq.add_argument(
         "--keep-span-order", dest="spanq_keep_span_order", action="store_true",
@@ -131,12 +136,13 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     spanq.add_argument(
         "--tier-dir", dest="spanq_tier_dir", default=None, metavar="DIR",
         help="a span tier: a folder where span KV outlives the server (spans this server prepares are saved there; "
-        "spans found there, by this server, another replica or `spanq prepare`, are loaded instead of computed)",
+        "spans found there, by this server, another replica or `spanq prepare`, are loaded instead of computed; "
+        "none by default)" + NO_DEFAULT_SHOWN,
     )
     spanq.add_argument(
         "--tier-max-gb", dest="spanq_tier_max_gb", type=float, default=None, metavar="GB",
         help="with --tier-dir: the tier's capacity; past it the least recently used blocks not pinned (`spanq "
-        "prepare --pin`) are removed (default: no limit)",
+        "prepare --pin`) are removed (default: no limit)" + NO_DEFAULT_SHOWN,
     )
     spanq.add_argument(
         "--verbose", dest="spanq_verbose", action="store_true",
@@ -150,6 +156,8 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         raise ValueError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --replicas N (several engines)")
     if args.replicas is not None:
         raise ValueError("--replicas needs the cluster extra: pip install 'spanq[cluster]'")
+    if not 0 <= args.port <= 65535:  # (the socket's own OverflowError came after the model was loaded)
+        raise ValueError(f"--port must be a port number, 0-65535; got {args.port}")
     if args.headless or args.grpc or (args.api_server_count or 1) != 1:
         raise ValueError(
             "spanq serve runs one HTTP API server: --headless, --grpc and --api-server-count are not supported"

@@ -79,10 +79,11 @@ class ReducerParseError(SpanQueryError):
 
 def check_fan_in(k: object, name: str = "k", reads: str = "inputs", *, none: str | None = None) -> None:
     """The one check of a tree's fan-in: an integer >= 2 (each judge or call reads at most `k` of its `reads`).
-    `none`: what `None` means where it is allowed (else `None` is refused too)."""
+    `none`: where `None` is allowed, how to ask for it and what it means, said after the error (else `None` is
+    refused too)."""
     if k is None and none is not None:
         return
     if isinstance(k, bool) or not isinstance(k, int) or k < 2:
-        hint = f"; pass None {none}" if none is not None else ""
+        hint = f"; {none}" if none is not None else ""
         raise QueryValidationError(name, f"{name} must be an integer >= 2 (each reads at most {name} {reads}), "
                                          f"got {k!r}{hint}")

@@ -153,7 +153,7 @@ class JudgeResult(BaseModel):
 
 
 def _check_k(k: int | None) -> None:
-    check_fan_in(k, "k", "candidates", none="for one flat judge over all candidates")
+    check_fan_in(k, "k", "candidates", none="pass None for one flat judge over all candidates")
 
 
 def combine_mode(reducer: Reducer, combine: str, k: int | None) -> Literal["code", "model"] | None:

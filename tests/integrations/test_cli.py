@@ -82,7 +82,8 @@ def test_plan_shows_a_tree_combined_in_code(query_file, capsys):
     [
         (["--reducer", "extract"], "--reducer needs --tree-k"),
         (["--tree-k", "2", "--reducer", "merge"], "merge reducer needs a model"),
-        (["--tree-k", "2", "--reducer", "poll"], "unknown reducer 'poll'"),
+        (["--tree-k", "2", "--reducer", "poll"], "spanq: error: --reducer: unknown reducer 'poll'"),
+        (["--tree-k", "0"], "got 0; leave it out for no tree reduction"),  # (not Python's "pass None")
     ],
 )
 def test_plan_refuses_a_combine_it_cannot_plan(query_file, capsys, argv, message):
@@ -301,6 +302,8 @@ def test_serve_help_shows_every_flag_of_the_command(capsys):
     own = group_help("spanq")
     for flag in ("--span-anchor", "--span-lead-in", "--cold-spans", "--recompute", "--tier-dir", "--verbose"):
         assert re.search(rf"^  {flag}\b.*\n\s+\S", own, re.MULTILINE), (flag, own)
+    # no default that misleads: "(default: True)" on a --no- flag, "(default: None)" after "no limit"
+    assert "(default: True)" not in own and "(default: None)" not in own, own
     limits = group_help("limits")
     assert re.search(r"--max-n N\s+the most choices of one generate call \(n\) \(default: 16\)", limits), limits
     assert "(default 16)" not in limits  # said once
@@ -346,6 +349,7 @@ def test_flags_that_would_do_nothing_are_refused(argv, message, capsys):
     (["--tier-dir", "t", "--tier-max-gb", "inf"], "(--tier-max-gb) must be a finite number of GB above 0, got inf"),
     (["--tier-dir", "t", "--tier-max-gb", "-1"], "(--tier-max-gb) must be a finite number of GB above 0, got -1"),
     (["--no-enable-prefix-caching"], "--no-enable-prefix-caching turns span reuse off"),
+    (["--port", "99999"], "--port must be a port number, 0-65535; got 99999"),  # was the socket's, once loaded
 ])
 def test_serve_refuses_values_that_cannot_work_in_one_line(flags, message, capsys, tmp_path, monkeypatch):
     pytest.importorskip("vllm")
