@@ -201,7 +201,8 @@ class Generate(_Node):
         return json.loads(self.json_schema) if self.json_schema else None
 
     def label(self) -> str:
-        opts = [f"model={_clip(self.model) or '(default)'}", f"max_tokens={self.max_tokens}", f"temperature={self.temperature:g}"]
+        opts = [f"model={_clip(self.model) or '(default)'}", f"max_tokens={self.max_tokens or '(default)'}",
+                f"temperature={self.temperature:g}"]  # fmt: skip
         if self.n != 1:
             opts.append(f"n={self.n}")
         if self.stop:
