@@ -274,6 +274,15 @@ def build_query_router(
         except Exception as e:  # noqa: BLE001  (counters are best effort; the answer is what matters)
             log.debug("could not read the engine's span counters: %s", e)
 
+    async def before_metrics(app: Any) -> None:
+        """/metrics shows the engine processes' counters as of the scrape, not of the last query: what a server
+        does after its answers (deferred prepares, their tier writes) came after that query's refresh."""
+        backend = getattr(app.state, "spanq_backend", None)
+        if backend is not None:
+            await refresh_engine_counters(backend)
+
+    router.spanq_before_metrics = before_metrics  # (`frontend.query_route_mounted` runs it before each scrape)
+
     async def read_body(request: Request) -> bytes | Oversized:
         """The body, read before the handler runs (`with_cancellation` then listens on the connection for a
         disconnect), within `max_body_bytes` (`request_body.read_capped`)."""

@@ -89,15 +89,33 @@ in_process_engines = InProcessEngines()
 
 @contextlib.contextmanager
 def query_route_mounted(router: Callable[[], Any]) -> Iterator[None]:
-    """While inside, vLLM's `build_app` also includes `router()` (a FastAPI router) in the app it builds."""
+    """While inside, vLLM's `build_app` also includes `router()` (a FastAPI router) in the app it builds, and runs
+    its `spanq_before_metrics(app)`, if it has one, before each GET /metrics (vLLM's own route) answers."""
 
     def including_the_route(stock_build_app: Callable[..., Any]) -> Callable[..., Any]:
         def build_app(args: Any, supported_tasks: Any = None, model_config: Any = None) -> Any:
             app = stock_build_app(args, supported_tasks, model_config)
-            app.include_router(router())
+            included = router()
+            app.include_router(included)
+            hook = getattr(included, "spanq_before_metrics", None)
+            for route in app.router.routes if hook is not None else ():
+                if getattr(route, "path", None) == "/metrics":  # vLLM's route and its mount (the app has started:
+                    route.app = _BeforeMetrics(route.app, hook)  # no middleware can be added to it any more)
             return app
 
         return build_app
 
     with MOUNT_QUERY_ROUTE.applied(including_the_route):
         yield
+
+
+class _BeforeMetrics:
+    """A /metrics route's ASGI app, with `hook(app)` awaited before it answers."""
+
+    def __init__(self, app: Any, hook: Callable[[Any], Any]):
+        self.app, self.hook = app, hook
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await self.hook(scope["app"])
+        await self.app(scope, receive, send)

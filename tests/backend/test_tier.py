@@ -229,11 +229,15 @@ def test_spanq_serve_on_a_compiled_tier_answers_from_it_as_the_engine_does(run, 
             return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("spanq_")}
 
         # the refused span is in neither the engine's cache nor the tier now: prepared alone when the server is
-        # idle, which writes its blocks to the tier again (from the engine core's writer thread)
+        # idle, which writes its blocks to the tier again (from the engine core's writer thread). /metrics shows
+        # that write with no other query after it (it showed the engine's counters as the last query left them:
+        # nothing saved, the query's request only loads).
         deadline = time.monotonic() + 60
-        while (shown()["spanq_spans_prepared_total"] < 1 or not flipped.exists()) and time.monotonic() < deadline:
+        while (shown()["spanq_spans_prepared_total"] < 1 or not flipped.exists()
+               or shown()["spanq_tier_saved_blocks_total"] < 1) and time.monotonic() < deadline:
             time.sleep(0.5)
         counts = shown()
+        assert counts["spanq_tier_saved_blocks_total"] >= 1, counts
     # Stopped (SIGTERM), it ends as it said it would, without the interpreter's teardown report of ~500 objects
     # "leaked" by the Triton bindings vLLM imports (nanobind's, 5-30 lines after "Application shutdown complete").
     stopped = (tmp_path / "server.log").read_text(errors="replace")
