@@ -52,6 +52,8 @@ from spanq_integrations.query.ir import COLD_SPAN_POLICIES, AnchorPolicy, Genera
 
 __all__ = ["EngineConfig", "SpanEngine"]
 
+log = logging.getLogger("spanq.engine")
+
 # Engines started in this process and not yet closed: stopped at exit (`_close_running`).
 _running: weakref.WeakSet[SpanEngine] = weakref.WeakSet()
 
@@ -66,8 +68,6 @@ def _close_running() -> None:
             engine.close()
         except Exception:  # at exit: nothing left to tell
             log.debug("closing an engine at exit", exc_info=True)
-
-log = logging.getLogger("spanq.engine")
 
 
 # Constrained decoding for tool calls and structured output is vLLM's (xgrammar; objects closed to the properties
