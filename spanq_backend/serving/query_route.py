@@ -115,6 +115,7 @@ def parse_query(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> Node:
 
 
 _END = object()
+METRICS_WAIT_S = 1.0  # the most a /metrics scrape waits for the engine's counters (`before_metrics`)
 
 
 class QueryRun:
@@ -274,12 +275,21 @@ def build_query_router(
         except Exception as e:  # noqa: BLE001  (counters are best effort; the answer is what matters)
             log.debug("could not read the engine's span counters: %s", e)
 
+    refreshing: list[asyncio.Task[None]] = []  # the one refresh a scrape started, while it runs
+
     async def before_metrics(app: Any) -> None:
         """/metrics shows the engine processes' counters as of the scrape, not of the last query: what a server
-        does after its answers (deferred prepares, their tier writes) came after that query's refresh."""
+        does after its answers (deferred prepares, their tier writes) came after that query's refresh. The engine
+        core answers between two steps, which on a CPU can be seconds apart: a scrape waits `METRICS_WAIT_S` at
+        most (then shows the last counters read; the refresh goes on, for the next scrape), and scrapes meanwhile
+        share one refresh."""
         backend = getattr(app.state, "spanq_backend", None)
-        if backend is not None:
-            await refresh_engine_counters(backend)
+        if backend is None:
+            return
+        if not refreshing or refreshing[0].done():
+            refreshing[:] = [asyncio.ensure_future(refresh_engine_counters(backend))]
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(refreshing[0]), METRICS_WAIT_S)
 
     router.spanq_before_metrics = before_metrics  # (`frontend.query_route_mounted` runs it before each scrape)
 

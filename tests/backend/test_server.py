@@ -304,6 +304,46 @@ def _settled_counters(url: str, timeout_s: float = 20.0) -> dict[str, float]:
     return last
 
 
+def test_a_metrics_scrape_waits_for_a_busy_engine_core_one_second_at_most_and_scrapes_share_one_read(
+    monkeypatch,
+):
+    """/metrics reads the engine core's counters at each scrape (`before_metrics`); the engine core answers between
+    two steps, seconds apart on a CPU (a long prefill), so a scrape waits `METRICS_WAIT_S` at most and shows the
+    last counters read, and scrapes meanwhile share one read, whose answer is shown from then on. The engine core
+    in a long step is stood for by an `engine_client` whose read takes 3 s (the tiny model's steps are ms)."""
+    import types
+
+    from spanq_backend.serving import metrics, query_route
+
+    reads: list[float] = []
+
+    class EngineCoreInALongStep:
+        async def collective_rpc(self, method: str) -> list[dict]:
+            reads.append(time.monotonic())
+            await asyncio.sleep(3.0)
+            return [{"runtimes": 1, "moved_blocks": 7}]
+
+    router = query_route.build_query_router(None, ["m"])
+    app = types.SimpleNamespace(state=types.SimpleNamespace(spanq_backend=types.SimpleNamespace(
+        engine_client=EngineCoreInALongStep())))  # fmt: skip
+    monkeypatch.setattr(metrics, "_engine_stats", {})
+    monkeypatch.setattr(metrics, "_worker_stats", lambda: metrics._engine_stats or None)  # (no engine runs here)
+
+    async def scrapes() -> list[float]:
+        waited = []
+        for _ in range(2):
+            started = time.monotonic()
+            await router.spanq_before_metrics(app)
+            waited.append(time.monotonic() - started)
+        await asyncio.sleep(3.0)  # the read ends
+        return waited
+
+    waited = asyncio.run(scrapes())
+    assert all(w < query_route.METRICS_WAIT_S + 0.5 for w in waited), waited
+    assert len(reads) == 1, "the second scrape shares the read the first started"
+    assert metrics.snapshot()["blocks_relocated"] == 7
+
+
 def test_span_counters_are_on_metrics_and_move_when_spans_are_reused(server: SpanqServe):
     fresh = {c: f"Invoice {c}: " + " ".join(f"line {i} of {c} costs {i * 7 % 11}." for i in range(30)) for c in "ABCD"}
 
