@@ -38,7 +38,7 @@ from spanq_integrations.query.errors import (
     RequestRejectedError,
     SpanQueryError,
 )
-from spanq_integrations.query.ir import AnchorPolicy, Map, Node, Recompute
+from spanq_integrations.query.ir import AnchorPolicy, Map, Node, Recompute, Retrieve, walk
 from spanq_integrations.query.limits import (
     DEFAULT_LIMITS,
     QueryLimitError,
@@ -111,6 +111,12 @@ def parse_query(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> Node:
     check_json_depth(doc, limits)
     query = from_json(doc)
     check_limits(query, limits)
+    for path, node in walk(query):
+        if isinstance(node, Retrieve):  # (the optimizer's own error says how to register one in Python)
+            raise QueryValidationError(
+                f"{path}.retrieve", "this server has no retriever: retrieve the documents first and send them as "
+                "fragments of a plus"
+            )
     return query
 
 

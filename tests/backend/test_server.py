@@ -744,6 +744,17 @@ def test_queries_over_a_limit_are_400s_naming_the_limit_and_the_server_stays_up(
     assert server.rss_bytes() < rss + (512 << 20), "refused queries must not grow the server"
 
 
+def test_a_retrieve_sent_to_the_server_is_refused_by_its_path_with_what_an_http_client_can_do(server: SpanqServe):
+    """The server has no retriever: the 400 names the node and says to send the documents as fragments (it said
+    "pass retrievers={'default': fn} to optimize()", advice for Python, with no path)."""
+    doc = {"g": {"model": "", "input": {"cross": [{"user": "hi"}, {"retrieve": {"query": "x"}}]}, "max_tokens": 2}}
+    answer = _post_raw(server, json.dumps(doc))
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == ("$.g.input.cross[1].retrieve: this server has no retriever: "
+                                                 "retrieve the documents first and send them as fragments of a plus")
+    _assert_healthy(server)
+
+
 def test_a_body_over_the_size_limit_is_refused_with_its_size(server: SpanqServe):
     """The refusal names how large the body is: its declared length, or (sent in chunks, no length declared) how
     much had arrived when reading stopped. It said "the body is larger than that" either way."""
