@@ -29,7 +29,8 @@ def describe(root: Path) -> list[dict[str, Any]]:
         about = json.loads((ns / "namespace.json").read_text())
         out.append({
             "namespace": ns.name,
-            "model": about.get("model", "")[:12], "dtype": about.get("dtype"), "block_size": about.get("block_size"),
+            "model": about.get("model", "")[:12], "model_name": about.get("model_name"),  # (older tiers: no name)
+            "dtype": about.get("dtype"), "block_size": about.get("block_size"),
             "vllm": about.get("vllm"), "blocks": len(blocks), "bytes": sum(p.stat().st_size for p in blocks),
             "set_aside": len(list(ns.glob("??/*.bad"))),
             "pinned": sum(1 for p in blocks if p.with_suffix(".pin").exists()),
@@ -98,7 +99,8 @@ def tier_main(argv: list[str]) -> int:
     elif not spaces:
         print(f"{root}: no span tier namespace")
     for s in [] if args.json else spaces:
-        print(f"{s['namespace']}  model {s['model']}…  {s['dtype']}  blocks of {s['block_size']}  vLLM {s['vllm']}: "
+        model = f"{s['model_name']} ({s['model']}…)" if s["model_name"] else f"{s['model']}…"
+        print(f"{s['namespace']}  model {model}  {s['dtype']}  blocks of {s['block_size']}  vLLM {s['vllm']}: "
               f"{s['blocks']} blocks, {s['bytes'] / 1e6:.1f} MB" + (f", {s['pinned']} pinned" if s["pinned"] else "")
               + (f", {s['set_aside']} set aside" if s["set_aside"] else ""))
     return 0

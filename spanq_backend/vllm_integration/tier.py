@@ -661,11 +661,14 @@ def tier_for(root: str | Path, vllm_config: Any, starting: bool = False, max_byt
     scheduler's connector): the folder is read again and the counters start over. `max_bytes`: its capacity
     (an engine starting on it sets it; None: none)."""
     namespace, parts = namespace_of(vllm_config)
+    # what `spanq tier` names the model by (not in the digest: the same model under another folder name is the same)
+    model = str(vllm_config.model_config.model)
+    about = {**parts, "model_name": Path(model).name if Path(model).is_dir() else model}
     key = (str(Path(root).resolve()), namespace)
     with _TIERS_LOCK:
         tier = _TIERS.get(key)
         if tier is None:
-            tier = _TIERS[key] = DiskTier(root, namespace, parts, max_bytes)
+            tier = _TIERS[key] = DiskTier(root, namespace, about, max_bytes)
         elif starting:
             tier.max_bytes = max_bytes
             tier.flush()

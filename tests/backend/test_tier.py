@@ -214,6 +214,8 @@ def test_spanq_serve_on_a_compiled_tier_answers_from_it_as_the_engine_does(run, 
     from tests.servers import free_port, running_server
 
     result, _, folder = run
+    (about,) = (folder / "tier").glob("*/namespace.json")  # written by the engines of the run
+    assert json.loads(about.read_text())["model_name"] == "tiny-llama-s0", "what `spanq tier` names the model by"
     port = free_port()
     command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", "tiny", "--port", str(port),
                "--max-model-len", "2048", "--tier-dir", str(folder / "tier"), "--recompute", "0"]  # as the engines ran
@@ -410,7 +412,8 @@ def test_spanq_serve_takes_a_tier_folder_as_its_kv_connector_and_refuses_what_ca
 def test_spanq_tier_lists_checks_and_clears_what_a_tier_holds(tmp_path, capsys):
     from spanq_backend.serving.tier_command import tier_main
 
-    store = tier.DiskTier(tmp_path, "ns1", {"model": "abc" * 10, "dtype": "torch.float32", "block_size": 32, "vllm": "0.32.0"})
+    store = tier.DiskTier(tmp_path, "ns1", {"model": "abc" * 10, "model_name": "tiny-llama-s0", "dtype": "torch.float32",
+                                           "block_size": 32, "vllm": "0.32.0"})  # fmt: skip
     good, broken = bytes(32), bytes([7] * 32)
     for h in (good, broken):
         store.write_later(h, tier.Block(0, [("layer.0", (2,), "torch.float32", b"\0" * 8)]))
@@ -419,7 +422,9 @@ def test_spanq_tier_lists_checks_and_clears_what_a_tier_holds(tmp_path, capsys):
     assert tier_main([str(tmp_path), "--json"]) == 0
     (listed,) = json.loads(capsys.readouterr().out)
     assert listed["namespace"] == "ns1" and listed["blocks"] == 2 and listed["dtype"] == "torch.float32"
-    assert listed["pinned"] == 1
+    assert listed["pinned"] == 1 and listed["model_name"] == "tiny-llama-s0"
+    assert tier_main([str(tmp_path)]) == 0  # the model by its name, beside the digest the folder is keyed by
+    assert capsys.readouterr().out.startswith("ns1  model tiny-llama-s0 (abcabcabcabc…)  torch.float32  blocks of 32")
     data = bytearray(store.path_of(broken).read_bytes())
     data[-20] ^= 0xFF  # in the payload
     store.path_of(broken).write_bytes(bytes(data))
