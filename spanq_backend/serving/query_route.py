@@ -108,6 +108,9 @@ def parse_query(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> Node:
         raise QueryParseError(
             "$", f"the request body is not JSON ({e}); send a span query in spnl JSON"
         ) from e
+    if isinstance(doc, str):  # (`from_json` would read the string as JSON text again)
+        raise QueryParseError("$", "expected a query node (a JSON object), got a string: send the query's JSON itself, "
+                              "not a string that holds it")
     check_json_depth(doc, limits)
     query = from_json(doc)
     check_limits(query, limits)

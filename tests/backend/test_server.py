@@ -755,6 +755,18 @@ def test_a_retrieve_sent_to_the_server_is_refused_by_its_path_with_what_an_http_
     _assert_healthy(server)
 
 
+def test_a_body_that_is_a_json_string_is_refused_as_a_string(server: SpanqServe):
+    """A body that is JSON text of a string ('"hello"', or a query encoded twice) is a 400 saying it got a string:
+    the string was read as JSON again ("invalid JSON at line 1 column 1" for valid JSON; a query encoded twice
+    ran)."""
+    query = {"g": {"model": "", "input": {"user": "hi"}, "max_tokens": 1}}
+    for body in ('"hello"', json.dumps(json.dumps(query))):
+        answer = _post_raw(server, body)
+        assert answer.status_code == 400, body
+        assert answer.json()["error"]["message"].startswith("$: expected a query node (a JSON object), got a string")
+    _assert_healthy(server)
+
+
 def test_a_body_over_the_size_limit_is_refused_with_its_size(server: SpanqServe):
     """The refusal names how large the body is: its declared length, or (sent in chunks, no length declared) how
     much had arrived when reading stopped. It said "the body is larger than that" either way."""
