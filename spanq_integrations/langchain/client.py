@@ -32,7 +32,7 @@ from spanq_integrations.langchain.messages import (
 from spanq_integrations.langchain.run_documents import install_tracker, run_document_tracker
 from spanq_integrations.langchain.spans import document_span_id, span_marker
 from spanq_integrations.query.errors import BackendUnavailableError, ContextLengthError
-from spanq_integrations.query.ir import DEFAULT_TEMPERATURE, generate
+from spanq_integrations.query.ir import DEFAULT_TEMPERATURE, MAX_TEMPERATURE, generate
 from spanq_integrations.runtime.background_loop import background_loop
 from spanq_integrations.runtime.executor import aexecute
 from spanq_integrations.runtime.tools import ToolSpec, check_choice, reply_schema
@@ -172,8 +172,8 @@ class SpanQueryClient(BaseModel):
     server (spans flattened into ordinary messages); or a `Backend` instance. Default: $SPANQ_BACKEND."""
     model: str | None = None
     """The model name sent with each call; None: whatever the backend serves (its first model)."""
-    temperature: float | None = None
-    """Sampling temperature; None: spanq's default (0.6)."""
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
+    """Sampling temperature, 0 to 2; None: spanq's default (0.6)."""
     max_tokens: int | None = Field(default=None, ge=0)
     """The most tokens to generate; None: the backend's default."""
     timeout: float | None = None

@@ -44,6 +44,7 @@ from spanq_integrations.optimizer.context import TreeReduction
 from spanq_integrations.query.errors import QueryValidationError
 from spanq_integrations.query.ir import (
     DEFAULT_TEMPERATURE,
+    MAX_TEMPERATURE,
     AnchorPolicy,
     Assistant,
     Generate,
@@ -166,7 +167,8 @@ class SpanQueryLLM(FunctionCallingLLM):
 
     model: str = Field(default="", description="The model to call; '' means the backend's default.")
     temperature: float = Field(
-        default=DEFAULT_TEMPERATURE, ge=0.0, description="Sampling temperature (spnl's 0.6 by default); 0 is greedy."
+        default=DEFAULT_TEMPERATURE, ge=0.0, le=MAX_TEMPERATURE,
+        description="Sampling temperature, 0 to 2 (spnl's 0.6 by default); 0 is greedy.",
     )
     max_tokens: int = Field(default=256, ge=1, description="The most tokens one call generates.")
     context_window: int | None = Field(

@@ -84,3 +84,17 @@ def test_a_call_past_its_timeout_is_cancelled_and_the_engine_goes_on(chat):
     with pytest.raises(BackendUnavailableError, match="did not answer within timeout=0.05 s"):
         slow.invoke("Tell me a long story.")
     assert isinstance(chat.invoke("Hello").content, str)
+
+
+def test_a_temperature_out_of_range_is_refused_when_the_model_is_made():
+    """As max_tokens below 0 was: a temperature over 2 (what OpenAI-compatible servers take) is refused by
+    ChatSpanQuery and LlamaIndex's SpanQueryLLM when they are made, not at the first call."""
+    from pydantic import ValidationError
+
+    from spanq_integrations.langchain import ChatSpanQuery
+    from spanq_integrations.llamaindex import SpanQueryLLM
+
+    for make in (ChatSpanQuery, SpanQueryLLM):
+        with pytest.raises(ValidationError, match="temperature"):
+            make(temperature=5)
+        assert make(temperature=2).temperature == 2
