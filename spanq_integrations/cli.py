@@ -361,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spanq", description="Span queries: say which parts of a prompt are order-free."
     )
+    from spanq_integrations import __version__
+
+    parser.add_argument("--version", action="version", version=f"spanq {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     plan = commands.add_parser("plan", help="print the optimized plan of a query")

@@ -393,3 +393,10 @@ def test_output_cut_short_by_its_reader_ends_quietly(tmp_path):
     proc.stdout.close()  # the reader goes: spanq's next writes find no one
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 0 and err == "", err
+
+
+def test_spanq_version(capsys):
+    import spanq_integrations
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"spanq {spanq_integrations.__version__}\n"
