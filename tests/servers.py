@@ -68,6 +68,15 @@ def in_background(command: Sequence[str]) -> list[str]:
     return ["nice", "-n", "19", *command]
 
 
+def ending_with_the_tests(command: Sequence[str]) -> list[str]:
+    """`command`, sent SIGTERM should the test process die without stopping it (killed, not ended: fixtures' own
+    teardown stops it otherwise). A server runs in its own session, so nothing else ends it: a test run killed
+    once left its two session servers and their engines (6 GB) running for an hour. By `setpriv --pdeathsig`
+    (util-linux), where the machine has it; the process keeps the pid `setpriv` had. (The signal follows the
+    thread that started the server: these are started by pytest's main thread.)"""
+    return ["setpriv", "--pdeathsig", "TERM", "--", *command] if shutil.which("setpriv") else list(command)
+
+
 class Started:
     """A server process started in its own process group (its output to `log`), answering on the `--port` of its
     command once it is up. Started ahead of need (`ahead`: at the lowest CPU priority; tests/conftest.py, "ahead
@@ -81,8 +90,8 @@ class Started:
         self.url = f"http://127.0.0.1:{self.command[self.command.index('--port') + 1]}"
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
-                in_background(self.command) if ahead else self.command, stdout=out, stderr=subprocess.STDOUT,
-                env=dict(env) if env else None, start_new_session=True,
+                ending_with_the_tests(in_background(self.command) if ahead else self.command), stdout=out,
+                stderr=subprocess.STDOUT, env=dict(env) if env else None, start_new_session=True,
             )  # fmt: skip
 
 
@@ -209,8 +218,8 @@ class Ahead:
         self.owns = list(owns)  # folders the command reads or writes, removed with it
         self.folder = Path(tempfile.mkdtemp(prefix="spanq-tests-ahead-"))
         with open(self.folder / "stdout", "wb") as out, open(self.folder / "stderr", "wb") as err:
-            self.proc = subprocess.Popen(in_background(self.command), stdout=out, stderr=err, cwd=cwd,
-                                         env=dict(env) if env else None, start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(ending_with_the_tests(in_background(self.command)), stdout=out, stderr=err,
+                                         cwd=cwd, env=dict(env) if env else None, start_new_session=True)  # fmt: skip
 
     def result(self, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         """The finished run (a failure to finish in `timeout` seconds fails the test)."""
