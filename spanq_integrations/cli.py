@@ -361,9 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spanq", description="Span queries: say which parts of a prompt are order-free."
     )
-    from spanq_integrations import __version__
+    from importlib.metadata import PackageNotFoundError, version
 
-    parser.add_argument("--version", action="version", version=f"spanq {__version__}")
+    try:
+        installed = version("spanq")
+    except PackageNotFoundError:  # a checkout on sys.path, not installed
+        installed = "(not installed)"
+    parser.add_argument("--version", action="version", version=f"spanq {installed}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     plan = commands.add_parser("plan", help="print the optimized plan of a query")

@@ -396,7 +396,9 @@ def test_output_cut_short_by_its_reader_ends_quietly(tmp_path):
 
 
 def test_spanq_version(capsys):
+    from importlib.metadata import version
+
     import spanq_integrations
 
     assert main(["--version"]) == 0
-    assert capsys.readouterr().out == f"spanq {spanq_integrations.__version__}\n"
+    assert capsys.readouterr().out == f"spanq {version('spanq')}\n" == f"spanq {spanq_integrations.__version__}\n"
