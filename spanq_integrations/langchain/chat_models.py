@@ -9,6 +9,7 @@ from operator import itemgetter
 from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
@@ -16,7 +17,7 @@ from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -147,6 +148,7 @@ class ChatSpanQuery(SpanQueryClient, BaseChatModel):
             parser = PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()  # type: ignore[arg-type]
         else:
             raise ValueError(f"unknown method {method!r}: use json_schema, function_calling or json_mode")
+        parser = RunnableLambda(_whole_answer) | parser  # (LangChain's JSON parser reads a cut-off object as whole)
         if not include_raw:
             return llm | parser
         parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
@@ -272,3 +274,14 @@ class ChatSpanQuery(SpanQueryClient, BaseChatModel):
             if run_manager is not None:
                 await run_manager.on_llm_new_token(item, chunk=chunk)
             yield chunk
+
+
+def _whole_answer(message: BaseMessage) -> BaseMessage:
+    """A structured answer cut off by max_tokens is an `OutputParserException`, never what its first keys parse to
+    (LangChain's JSON parser reads `{"x":6666` as `{"x": 6666}`)."""
+    if message.response_metadata.get("finish_reason") == "length":
+        raise OutputParserException(
+            "the answer was cut off by max_tokens before its JSON ended: raise max_tokens",
+            llm_output=message.content if isinstance(message.content, str) else str(message.content),
+        )
+    return message

@@ -158,6 +158,17 @@ def test_an_answer_cut_off_by_max_tokens_is_reported_not_guessed(compact_tiny):
         short.with_structured_output(Count).invoke("Count them.")
     raw = short.with_structured_output(Count, include_raw=True).invoke("Count them.")
     assert raw["parsed"] is None and isinstance(raw["parsing_error"], OutputParserException)
+    # A JSON schema (a dict) or JSON mode: LangChain's JSON parser reads a cut-off object ('{"x":6666') as whole,
+    # which came back as {'x': 6666} with its required keys missing, or {}.
+    schema = {"title": "P", "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "string"}},
+              "required": ["x", "y"]}  # fmt: skip
+    cut = ChatSpanQuery(backend=compact_tiny, max_tokens=8, temperature=0)
+    for runnable in (cut.with_structured_output(schema), cut.with_structured_output(method="json_mode")):
+        with pytest.raises(OutputParserException, match="cut off by max_tokens.*raise max_tokens"):
+            runnable.invoke("x=3, y=hi")
+    raw = cut.with_structured_output(schema, include_raw=True).invoke("x=3, y=hi")
+    assert raw["raw"].response_metadata["finish_reason"] == "length"
+    assert raw["parsed"] is None and "cut off by max_tokens" in str(raw["parsing_error"])
 
 
 @pytest.mark.vllm
