@@ -24,6 +24,7 @@ __all__ = [
     "EMBEDDED",
     "check_backend_spec",
     "default_backend",
+    "embedded_model_named",
     "env_backend",
     "resolve_backend",
 ]
@@ -53,6 +54,23 @@ def default_backend(model: str | None = None) -> Backend:
     """The process-wide embedded span-aware backend on `model` (None: the default model; "tiny", "tiny-qwen3", a
     model folder or a Hugging Face id otherwise), started on first use and shared by every caller naming it."""
     return embedded("shared_embedded_backend")(model)
+
+
+def embedded_model_named(spec: Backend | str | None, model: str | None) -> str | None:
+    """`model`, where `spec` (read as `resolve_backend` reads it) is the embedded engine and `model` names one it
+    can start with nothing looked up: spanq's names ("default", "tiny", "tiny-<family>") or a model folder. None
+    otherwise: such a call runs on the default engine (which warns that it does not serve the name). `execute`
+    and `judge` pass what their calls name, so that `model="tiny"` runs on tiny as the adapters' `model=` does."""
+    if not model or isinstance(spec, Backend) or (spec if spec is not None else env_backend()) not in (None, "embedded"):
+        return None
+    if not (model in embedded("DEFAULT_MODEL_NAMES") or model in embedded("TINY_MODEL_NAMES")
+            or model.startswith(embedded("TINY_FAMILY_PREFIX")) or os.path.isdir(os.path.expanduser(model))):
+        return None  # (a Hugging Face id is never fetched for a call's name)
+    try:
+        embedded("resolve_model")(model)
+    except ValueError:  # not a model after all: the default engine, as before
+        return None
+    return model
 
 
 def unknown_backend(spec: Any) -> str:

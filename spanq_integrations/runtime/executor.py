@@ -23,7 +23,7 @@ from spanq_integrations.backends.protocol import (
     UnreadAnswer,
     answer_of,
 )
-from spanq_integrations.backends.resolve import resolve_backend
+from spanq_integrations.backends.resolve import embedded_model_named, resolve_backend
 from spanq_integrations.optimizer.context import TreeReduction
 from spanq_integrations.query.errors import (
     GenerationError,
@@ -57,6 +57,12 @@ from spanq_integrations.runtime.reducers import Reducer, reducer_from_combine
 from spanq_integrations.runtime.sync import run_sync
 
 __all__ = ["ExecutionResult", "aexecute", "answer_of", "combine_answers", "execute", "shown_texts"]  # the result model lives with the protocol
+
+
+def _one_model(query: Node) -> str | None:
+    """The model every call of `query` names, where they all name the same one."""
+    names = {node.model for _, node in walk(query) if isinstance(node, (Generate, Chat, Map))}
+    return next(iter(names)) if len(names) == 1 else None
 
 
 def _answer_path(tree: Node, path: str = "$") -> str | None:
@@ -282,7 +288,7 @@ async def aexecute(
     the built-in ones, built from the node's options).
     """
     _check_runnable(query)
-    be, owned = resolve_backend(backend)
+    be, owned = resolve_backend(backend, embedded_model_named(backend, _one_model(query)))
     try:
         plan = query
         if optimize:

@@ -34,7 +34,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from spanq_integrations.backends.protocol import Backend, BackendCapabilities, CallMetrics
-from spanq_integrations.backends.resolve import resolve_backend
+from spanq_integrations.backends.resolve import embedded_model_named, resolve_backend
 from spanq_integrations.optimizer.context import TreeReduction
 from spanq_integrations.query.errors import QueryValidationError, ReducerParseError, check_fan_in
 from spanq_integrations.query.flatten import block_text
@@ -473,7 +473,7 @@ async def ajudge(
     r = resolve_reducer(reducer)
     mode = combine_mode(r, combine, k)
     nodes = _candidates(candidates)
-    be, owned = resolve_backend(backend)
+    be, owned = resolve_backend(backend, embedded_model_named(backend, model))
     try:
         if len(nodes) == 1 and not r.reads_a_lone_candidate:
             return await _lone(r, nodes[0], k, be, max_concurrency)

@@ -311,3 +311,27 @@ def test_a_query_with_no_model_call_or_a_plain_string_is_refused_before_a_backen
     assert backend.inputs == []
     # a generate anywhere in it runs, as before
     assert execute(cross(system("s"), generate(user("hi"))), backend).calls
+
+
+@pytest.mark.vllm
+def test_execute_and_judge_with_no_backend_run_on_the_model_their_calls_name(tiny_model, monkeypatch):
+    """`execute` of calls that all name "tiny", and `judge(..., model="tiny")`, with no backend, run on the
+    embedded tiny engine, as `ChatSpanQuery(model="tiny")` does: they started the default model's engine and ran
+    there, warning that it does not serve "tiny". A name the embedded engine cannot start (here "gpt-17") still
+    runs on the default engine: `embedded_model_named` says so without starting anything."""
+    from spanq_backend.serving.embedded import shared_embedded_backend
+    from spanq_integrations import judge
+    from spanq_integrations.backends.resolve import embedded_model_named
+
+    monkeypatch.delenv("SPANQ_BACKEND", raising=False)
+    try:
+        result = execute(generate(user("Say hi."), model="tiny", max_tokens=2, temperature=0))
+        assert [c.model for c in result.calls] == [tiny_model.name]
+        verdict = judge(["a cat", "a dog", "a cow"], "Which is largest?", k=2, model="tiny", max_tokens=4)
+        assert verdict.calls and {c.model for c in verdict.calls} == {tiny_model.name}
+        assert shared_embedded_backend("tiny").engine.model_path == tiny_model
+    finally:
+        shared_embedded_backend("tiny").shutdown()
+    assert embedded_model_named(None, "gpt-17") is None and embedded_model_named(None, "Qwen/Qwen3-8B") is None
+    assert embedded_model_named("http://127.0.0.1:9/v1", "tiny") is None  # a URL backend: its own model names
+    assert embedded_model_named(None, "tiny") == "tiny"
