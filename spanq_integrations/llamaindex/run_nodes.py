@@ -64,8 +64,9 @@ class QueryRecord:
                   for k in ("spans", "prepared_spans", "deferred_spans", "cached_tokens", "prompt_tokens",
                             "generated_tokens")}
         fallbacks = [c["fallback"] for c in self.calls if c.get("fallback")]
-        return {**totals, "llm_calls": len(self.calls), "fallback": fallbacks[0] if fallbacks else None,
-                "calls": self.calls}
+        # (the shape of `usage.usage_of`, the synthesizers': `calls` a count, `per_call` each call's metrics)
+        return {**totals, "calls": len(self.calls), "fallback": fallbacks[0] if fallbacks else None,
+                "per_call": self.calls}
 
 
 LOOSE_CALLS_KEPT = 64  # calls remembered after a retrieval outside a query (an app may call its LLM for hours)
