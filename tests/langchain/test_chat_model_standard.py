@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
@@ -79,7 +80,7 @@ class TestChatSpanQueryIntegration(ChatModelIntegrationTests):
 
 TOOL_TESTS = ("tool", "structured", "json_mode", "agent_loop")
 # SmolLM2's longest tool call in these tests is 67 tokens, its JSON answers 19-47; at temperature 0 it fills some
-# schemas with a repeated phrase until the limit (which the tests accept), at ~20 tokens/s on this machine: 80
+# schemas with a repeated phrase until the limit (refused as cut off: below), at ~20 tokens/s on this machine: 80
 # (the longest call and room to spare), not 200 or 96, saves those calls seconds each (the class: 169 -> 137 s).
 TOOL_MAX_TOKENS = 80
 
@@ -110,3 +111,13 @@ class TestChatSpanQueryToolsOnSmolLM2(ChatModelIntegrationTests):
     @property
     def supports_json_mode(self) -> bool:
         return True
+
+    # At temperature 0 SmolLM2 fills the pydantic Joke's "setup" with a phrase repeated until any limit ("A cat is a
+    # cat, a cat is a cat, ..."; the same at 80 and 200 tokens), so two of this test's four answers are cut off by
+    # max_tokens. They were read as whole (LangChain's JSON parser takes a cut-off object) and the test passed on
+    # a guess; a cut-off answer is an OutputParserException now, as the README says (and as ChatOpenAI's parse
+    # refuses a "length" finish). Its other two answers end and parse.
+    @pytest.mark.xfail(raises=OutputParserException, strict=True,
+                       reason="SmolLM2 repeats a phrase in the JSON until max_tokens at temperature 0")  # fmt: skip
+    def test_structured_output_optional_param(self, model: Any) -> None:
+        super().test_structured_output_optional_param(model)
