@@ -38,7 +38,7 @@ from spanq_integrations.query.errors import (
     RequestRejectedError,
     SpanQueryError,
 )
-from spanq_integrations.query.ir import AnchorPolicy, Map, Node, Recompute, Retrieve, walk
+from spanq_integrations.query.ir import AnchorPolicy, Map, Node, Recompute
 from spanq_integrations.query.limits import (
     DEFAULT_LIMITS,
     QueryLimitError,
@@ -93,6 +93,9 @@ def usage_of(result: ExecutionResult) -> dict[str, Any]:
     return result.usage.openai()
 
 
+NO_RETRIEVER = "this server has no retriever: retrieve the documents first and send them as fragments of a plus"
+
+
 def parse_query(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> Node:
     """The span query in a request body, within `limits`; a `QueryParseError` naming the JSON path if it is not
     one, a `QueryLimitError` naming the limit if it asks for too much. Nothing else runs before this passes."""
@@ -113,13 +116,8 @@ def parse_query(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> Node:
                               "not a string that holds it")
     check_json_depth(doc, limits)
     query = from_json(doc)
-    check_limits(query, limits)
-    for path, node in walk(query):
-        if isinstance(node, Retrieve):  # (the optimizer's own error says how to register one in Python)
-            raise QueryValidationError(
-                f"{path}.retrieve", "this server has no retriever: retrieve the documents first and send them as "
-                "fragments of a plus"
-            )
+    # (a retrieve is refused in the limits' walk: the optimizer's own error says how to register one in Python)
+    check_limits(query, limits, no_retrieve=NO_RETRIEVER)
     return query
 
 

@@ -96,10 +96,11 @@ def check_json_depth(doc: Any, limits: QueryLimits = DEFAULT_LIMITS) -> None:
         )
 
 
-def check_limits(query: Node, limits: QueryLimits = DEFAULT_LIMITS) -> None:
+def check_limits(query: Node, limits: QueryLimits = DEFAULT_LIMITS, no_retrieve: str | None = None) -> None:
     """Raise `QueryLimitError` if `query` asks for more than `limits` allow; walks the tree once, iteratively, in
     document order. A count over its limit (calls, fragments) is the whole query's, at the path where it first went
-    over; the other limits are per node, at the first node over them."""
+    over; the other limits are per node, at the first node over them. With `no_retrieve` (a reason: a server has no
+    retriever), the first `retrieve` met is a `QueryValidationError` at its node saying so, in the same walk."""
     calls = 0
     fragments = 0
     first_over: dict[str, str] = {}  # limit -> the path where the count first went over it
@@ -130,6 +131,8 @@ def check_limits(query: Node, limits: QueryLimits = DEFAULT_LIMITS) -> None:
         elif isinstance(node, Fragment):
             fragments += 1
         elif isinstance(node, Retrieve):
+            if no_retrieve is not None:
+                raise QueryValidationError(f"{path}.{node.tag}", no_retrieve)
             fragments += node.k
         elif isinstance(node, Plus):  # its messages are spans too (spnl writes documents so)
             fragments += sum(1 for c in node.children if isinstance(c, (User, System, Assistant)))

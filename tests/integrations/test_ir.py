@@ -157,6 +157,18 @@ def test_a_count_over_its_limit_is_the_whole_querys_at_the_first_path_over_it_in
         check_json_depth(deep)
 
 
+def test_a_retrieve_is_refused_at_its_node_in_the_limits_walk_where_the_caller_has_no_retriever():
+    """A server (no retriever) refuses a retrieve in the walk that checks the limits, at its node's path; a caller
+    with retrievers counts its k documents as fragments instead."""
+    query = generate(cross("q", plus("a", ir.Retrieve(query="x", k=600))))
+    with pytest.raises(QueryValidationError) as raised:
+        check_limits(query, no_retrieve="no retriever here")
+    assert raised.value.path == "$.g.input.cross[1].plus[1].retrieve" and "no retriever here" in str(raised.value)
+    assert "retrieve" in _at(to_json(query), "$.g.input.cross[1].plus[1]")
+    with pytest.raises(QueryValidationError, match="the number of fragments is 601"):
+        check_limits(query)
+
+
 def test_child_paths_are_the_direct_children_in_order():
     query = cross("a", plus("b", "c"))
     assert [p for p, _ in child_paths(query)] == ["$.cross[0]", "$.cross[1]"]
