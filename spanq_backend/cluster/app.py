@@ -40,7 +40,7 @@ from typing import Any
 from fastapi import Request  # module level: FastAPI resolves the route's annotations here
 
 from spanq_backend.cluster.connect import connect
-from spanq_backend.serving.cluster_options import ROUTINGS, add_cluster_arguments
+from spanq_backend.serving.cluster_options import ROUTINGS, TIER_COST, add_cluster_arguments
 from spanq_backend.serving.processes import (
     adopt_orphans,
     descendants,
@@ -206,10 +206,12 @@ class SpanReplica:
             # (before the head: the ingress retries elsewhere; after it: it retries a whole answer, or ends a stream)
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """For the router: the digests of the spans this replica's engine holds."""
+        """For the router: the digests of the spans this replica's engine holds, and with a span tier, of those the
+        tier holds and which folder it is."""
         answer = await self.client.get("/v1/spans", timeout=10, headers=self._own_headers)
         answer.raise_for_status()
-        return {"spans": answer.json().get("spans", [])}
+        spans = answer.json()
+        return {"spans": spans.get("spans", []), "tier": spans.get("tier", []), "tier_id": spans.get("tier_id")}
 
     async def check_health(self) -> None:
         if self.proc.poll() is not None:
@@ -361,6 +363,7 @@ def build_app(
     *,
     core_lists: Sequence[str] = (),
     max_imbalance: int = 4,
+    tier_cost: float = TIER_COST,
     stats_period_s: float = 1.0,
     retries: int = 2,
     max_ongoing_requests: int = 64,
@@ -377,7 +380,7 @@ def build_app(
     router = (
         RequestRouterConfig(
             request_router_class=ROUTER_CLASS,
-            request_router_kwargs={"max_imbalance": max_imbalance},
+            request_router_kwargs={"max_imbalance": max_imbalance, "tier_cost": tier_cost},
             request_routing_stats_period_s=stats_period_s,
             request_routing_stats_timeout_s=max(5.0, 5 * stats_period_s),
         )
@@ -452,7 +455,7 @@ def serve_cluster(argv: Sequence[str]) -> int:
     # killed with Ray cannot remove its own).
     log_dir = None if cluster.ray_address else tempfile.mkdtemp(prefix="spanq-cluster-")
     app = build_app(rest, cluster.replicas, cluster.routing, core_lists=cores, max_imbalance=cluster.max_imbalance,
-                    log_dir=log_dir, queue_timeout_s=cluster.queue_timeout)  # fmt: skip
+                    tier_cost=cluster.tier_cost, log_dir=log_dir, queue_timeout_s=cluster.queue_timeout)  # fmt: skip
     print(
         f"spanq serve: starting {cluster.replicas} replica(s), {cluster.routing} routing, on "
         f"http://{cluster.host}:{cluster.port}" + (f"; their engines' cores: {' | '.join(cores)}" if cores else "")

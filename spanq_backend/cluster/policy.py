@@ -18,12 +18,13 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from spanq_backend.serving.cluster_options import TIER_COST
 from spanq_backend.serving.lowering import span_digest
 
 UNKNOWN_QUEUE = 1 << 20  # a replica whose queue length could not be read: ranked last
 
 __all__ = [
-    "Recent", "ReplicaView", "footprint", "forget_failing", "healthy_first", "is_failing", "mark_failing",
+    "TIER_COST", "Recent", "ReplicaView", "footprint", "forget_failing", "healthy_first", "is_failing", "mark_failing",
     "query_span_digests", "rank_replicas",
 ]
 
@@ -37,6 +38,7 @@ class ReplicaView:
     cached: AbstractSet[str] = frozenset()  # span digests its engine reported as held
     recent: AbstractSet[str] = frozenset()  # span digests this router sent it (its placements, evicted ones too)
     unreported: AbstractSet[str] = frozenset()  # of those, sent since its last report (not in `cached` yet)
+    tier: AbstractSet[str] = frozenset()  # span digests its span tier holds (loaded, not computed, where not cached)
     failing: bool = False  # it just failed a request: tried last until Ray's health check decides
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -100,13 +102,22 @@ def footprint(r: ReplicaView) -> int:
     return len(r.cached) + sum(1 for s in r.unreported if s not in r.cached)
 
 
-def rank_replicas(spans: Sequence[str], replicas: Sequence[ReplicaView], max_imbalance: int) -> list[list[str]]:
+def rank_replicas(
+    spans: Sequence[str], replicas: Sequence[ReplicaView], max_imbalance: int, tier_cost: float = TIER_COST
+) -> list[list[str]]:
     """Replica ids, best first: each replica in a rank of its own.
 
-    Replicas marked failing go last. Among the others, those whose queue is at most `max_imbalance` longer than the shortest, the one holding most
-    of `spans` (held or recently sent) comes first; ties go to the shorter queue, then to the replica a hash of
-    the query's spans picks (rendezvous hashing), so a query on new documents goes where the next query on the
-    same documents will go too. Busier replicas follow, least busy first; with no spans, least busy first.
+    Replicas marked failing go last. Among the others, those whose queue is at most `max_imbalance` longer than the
+    shortest, the one that would compute least of `spans` comes first: a span its cache holds (or was recently sent)
+    costs nothing, one its span tier holds `tier_cost`, any other 1 (without tiers: the one holding most of them).
+    Ties go to the shorter queue, then to the replica a hash of the query's spans picks (rendezvous hashing), so a
+    query on new documents goes where the next query on the same documents will go too. Busier replicas follow,
+    least busy first; with no spans, least busy first.
+
+    `max_imbalance` is what computing the spans a replica holds is worth in queued requests. A span the tiers hold
+    is worth only loading it elsewhere, so a replica whose held spans are all in the tiers is preferred only while
+    its queue is at most `tier_cost * max_imbalance` longer than the shortest (in proportion where some are): the
+    query goes to a less busy replica that loads them, rather than wait behind a queue to save a load.
 
     A query none of whose spans any eligible replica holds places them for good (the next queries on them follow
     them there): it goes to the replica holding the fewest spans in all (`footprint`), then to the shorter queue.
@@ -121,12 +132,24 @@ def rank_replicas(spans: Sequence[str], replicas: Sequence[ReplicaView], max_imb
     wanted = set(spans)
     key = "\n".join(sorted(wanted))
 
-    def held(r: ReplicaView) -> int:
-        return sum(1 for s in wanted if s in r.cached or s in r.recent)
+    held: dict[str, int] = {}  # per replica: how many of the spans it holds
+    cost: dict[str, float] = {}  # of getting the spans' KV there: computing and loading
+    allowed: dict[str, float] = {}  # how much longer its queue may be than the shortest: what its spans save
+    for r in healthy:
+        held_in_tier = held_not = load = compute = 0  # (counts: equal costs compare equal)
+        for s in wanted:
+            in_tier = s in r.tier
+            if s in r.cached or s in r.recent:
+                held_in_tier, held_not = held_in_tier + in_tier, held_not + (not in_tier)
+            else:
+                load, compute = load + in_tier, compute + (not in_tier)
+        n = held_in_tier + held_not
+        held[r.id], cost[r.id] = n, compute + tier_cost * load
+        allowed[r.id] = max_imbalance * (held_not + tier_cost * held_in_tier) / n if n else max_imbalance
 
-    eligible = [r for r in healthy if r.queue_len - shortest <= max_imbalance] if wanted else []
-    placing = not any(held(r) for r in eligible)  # new spans: balance what the caches hold, not the queues
-    eligible.sort(key=lambda r: (-held(r), footprint(r) if placing else 0, r.queue_len, -_rendezvous(key, r.id)))
+    eligible = [r for r in healthy if r.queue_len - shortest <= allowed[r.id]] if wanted else []
+    placing = not any(held[r.id] for r in eligible)  # new spans: balance what the caches hold, not the queues
+    eligible.sort(key=lambda r: (cost[r.id], footprint(r) if placing else 0, r.queue_len, -_rendezvous(key, r.id)))
     chosen = {r.id for r in eligible}
     rest = sorted((r for r in replicas if r.id not in chosen), key=lambda r: (r.failing, r.queue_len, r.id))
     return [[r.id] for r in (*eligible, *rest)]

@@ -23,6 +23,7 @@ from ray.serve._private.request_router import (
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from spanq_backend.cluster.policy import (
+    TIER_COST,
     UNKNOWN_QUEUE,
     Recent,
     ReplicaView,
@@ -39,10 +40,16 @@ __all__ = ["HealthyFirstRouter", "SpanAffinityRouter"]
 class SpanAffinityRouter(RequestRouter):
     """Ray Serve's request router for `SpanReplica`s: span affinity balanced against queue length."""
 
-    def initialize_state(self, max_imbalance: int = 4, **_: Any) -> None:
+    def initialize_state(self, max_imbalance: int = 4, tier_cost: float = TIER_COST, **_: Any) -> None:
         self.max_imbalance = int(max_imbalance)
+        self.tier_cost = float(tier_cost)
         self.recent = Recent()
         self._reports: dict[str, tuple[Any, AbstractSet[str]]] = {}
+        # Span tiers: per replica, its last report of what its tier holds (the report's list, the tier's folder id,
+        # the list as a set); per folder, what its replicas reported, pooled (each knows only what it prepared, and
+        # any replica on the folder loads any of it).
+        self._tier_reports: dict[str, tuple[Any, str | None, AbstractSet[str]]] = {}
+        self._tiers: dict[str, AbstractSet[str]] = {}
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -63,9 +70,10 @@ class SpanAffinityRouter(RequestRouter):
                     recent=self.recent.of(rid),
                     unreported=self.recent.unreported_of(rid),
                     failing=is_failing(rid),
+                    tier=self._tier_of(rid, stats),
                 )
             )
-        ranked = rank_replicas(spans, views, self.max_imbalance)
+        ranked = rank_replicas(spans, views, self.max_imbalance, self.tier_cost)
         if spans and ranked:
             # Where it will most likely go; `on_request_routed` corrects it where Ray sends it elsewhere (the
             # first is full), so that the next query on these spans follows them.
@@ -98,6 +106,8 @@ class SpanAffinityRouter(RequestRouter):
         live = {r.replica_id.to_full_id_str() for r in replicas}
         for gone in [rid for rid in self._reports if rid not in live]:
             del self._reports[gone]
+        for gone in [rid for rid in self._tier_reports if rid not in live]:
+            self._pool(self._tier_reports.pop(gone)[1])
         for gone in [rid for rid in self.recent.by_replica if rid not in live]:
             self.recent.forget(gone)
         forget_failing(live)
@@ -111,6 +121,23 @@ class SpanAffinityRouter(RequestRouter):
             if stats:  # a new report: the sends before it are in it, or gone
                 self.recent.reported(replica_id)
         return seen[1]
+
+    def _tier_of(self, replica_id: str, stats: dict[str, Any]) -> AbstractSet[str]:
+        """The spans the replica's span tier holds, as all replicas on its folder reported them (pooled once per
+        report); empty for a replica without a tier."""
+        spans, tier_id = stats.get("tier") or (), stats.get("tier_id")
+        seen = self._tier_reports.get(replica_id)
+        if seen is None or seen[0] is not spans or seen[1] != tier_id:
+            self._tier_reports[replica_id] = (spans, tier_id, frozenset(spans))
+            self._pool(tier_id)
+            if seen is not None and seen[1] != tier_id:
+                self._pool(seen[1])
+        return self._tiers.get(tier_id, frozenset()) if tier_id else frozenset()
+
+    def _pool(self, tier_id: str | None) -> None:
+        if tier_id:
+            self._tiers[tier_id] = frozenset().union(*(held for _, tid, held in self._tier_reports.values()
+                                                       if tid == tier_id))
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Each replica's queue length: from Ray's cache where it has one, else probed (as Ray's own

@@ -8,7 +8,13 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["CLUSTER_ONLY", "ROUTINGS", "add_cluster_arguments", "positive_float", "positive_int"]
+__all__ = ["CLUSTER_ONLY", "ROUTINGS", "TIER_COST", "add_cluster_arguments", "positive_float", "positive_int"]
+
+# What loading a span from a span tier costs the affinity router, against computing it (a miss: 1; a span the
+# replica's KV cache holds: 0; `spanq_backend/cluster/policy.py`). Measured on this project's CPU machine at 8 x 512
+# on SmolLM2 (docs/benchmarks.md `tier`): a restart's load took 0.05-0.14 s of the step, where computing the same
+# prompt took 9 s: 0.006-0.015. The default leaves room for a slower disk. `spanq serve --tier-cost C`.
+TIER_COST = 0.1
 
 
 def positive_int(text: str) -> int:
@@ -47,10 +53,25 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     group.add_argument("--max-imbalance", type=_non_negative_int, default=4, metavar="N",
                        help="with --replicas: a replica holding a query's spans is preferred unless its queue is more "
                        "than N requests longer than the shortest (default 4)")
+    group.add_argument("--tier-cost", type=_fraction, default=TIER_COST, metavar="C",
+                       help="with --replicas and --tier-dir: what loading a span from the span tier costs against "
+                       "computing it (0 to 1): a replica holding a query's spans in its cache is preferred over a "
+                       "less busy one that would load them only while its queue is at most C x --max-imbalance "
+                       f"longer (default {TIER_COST}; measured 0.006-0.015 on a CPU)")
     group.add_argument("--queue-timeout", type=positive_float, default=60.0, metavar="S",
                        help="with --replicas: a request no replica has taken within S seconds (none running — all "
                        "restarting, say — or all at their limit of requests) is answered 503 (default 60)")
     return parser
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text!r}") from None
+    if not 0 <= value <= 1:  # (nan fails this too)
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text}")
+    return value
 
 
 def positive_float(text: str) -> float:
@@ -64,4 +85,4 @@ def positive_float(text: str) -> float:
     return value
 
 
-CLUSTER_ONLY = ("--routing", "--ray-address", "--max-imbalance", "--queue-timeout")
+CLUSTER_ONLY = ("--routing", "--ray-address", "--max-imbalance", "--tier-cost", "--queue-timeout")

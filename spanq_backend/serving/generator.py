@@ -409,7 +409,9 @@ class SpanGenerator:
         # prompt (computed once), so that `cached_span_digests` can say which of them the cache still holds
         # (what a cluster router routes on).
         self._span_blocks: OrderedDict[str, tuple[Any, ...] | None] = OrderedDict()
-        self._remembered_blocks = 0  # the block hashes `_span_blocks` holds in all
+        # and on an engine with a span tier, the names the tier gives those blocks (`tier_span_digests`)
+        self._span_tier_keys: dict[str, tuple[Any, ...] | None] = {}
+        self._remembered_blocks = 0  # the block hashes `_span_blocks` and `_span_tier_keys` hold in all
         # A call whose documents the cache holds in context, as a stock prompt laid them out in the order an
         # earlier call of this generator read them in context, is read that way when that computes at most a
         # block more than the span layout would (`in_context`): stock canonical's speed and full attention.
@@ -530,16 +532,23 @@ class SpanGenerator:
     def _note_spans(self, lowered: LoweredPrompt) -> None:
         if self.span_probe is None:
             return  # nothing could tell later which of them the cache holds
+        tiered = self.span_in_tier is not None
         for i, text in enumerate(lowered.span_texts[: len(lowered.table.spans)]):
             key = span_digest(text)  # under the anchor it was last prepared on
-            hashes = self.span_probe.block_hashes(lowered.prepare_prompt(i))
+            prompt = lowered.prepare_prompt(i)
+            hashes = self.span_probe.block_hashes(prompt)
             self._remembered_blocks += len(hashes or ()) - len(self._span_blocks.get(key) or ())
             self._span_blocks[key] = hashes
             self._span_blocks.move_to_end(key)
+            if tiered:
+                keys = self.span_probe.tier_keys(prompt)  # type: ignore[attr-defined]
+                self._remembered_blocks += len(keys or ()) - len(self._span_tier_keys.get(key) or ())
+                self._span_tier_keys[key] = keys
         while len(self._span_blocks) > 1 and (
             len(self._span_blocks) > self.REMEMBERED_SPANS or self._remembered_blocks > self.REMEMBERED_BLOCKS
         ):
-            self._remembered_blocks -= len(self._span_blocks.popitem(last=False)[1] or ())
+            key, hashes = self._span_blocks.popitem(last=False)
+            self._remembered_blocks -= len(hashes or ()) + len(self._span_tier_keys.pop(key, None) or ())
 
     def cached_span_digests(self) -> list[str]:
         """The digests (`span_digest` of the text) of the spans this generator prepared whose KV the engine's
@@ -547,6 +556,20 @@ class SpanGenerator:
         if self.span_probe is None:
             return []
         return [key for key, blocks in list(self._span_blocks.items()) if self.span_probe.holds(blocks)]
+
+    def tier_span_digests(self) -> list[str]:
+        """The digests of the spans this generator prepared whose every block (of `[anchor][span]`) the engine's
+        span tier holds, most recently used last: what any engine on the tier's folder loads instead of computing.
+        Empty without a tier. One lookup a block, in the tier's index or (a block not in it) on its disk."""
+        if self.span_in_tier is None:
+            return []
+        holds = self.span_probe.tier_holds_keys  # type: ignore[union-attr]
+        return [key for key in list(self._span_blocks) if holds(self._span_tier_keys.get(key))]
+
+    def tier_identity(self) -> str | None:
+        """Which tier folder the engine's span tier is (`DiskTier.identity`); None without a tier."""
+        tier = getattr(self.span_probe, "tier", None)
+        return None if tier is None or self.span_in_tier is None else tier.identity
 
     def _remembered_ids(self, node: Assistant) -> GeneratedSpan | None:
         if not isinstance(node.source, Generate) or not self.spans:

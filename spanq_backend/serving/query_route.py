@@ -328,11 +328,15 @@ def build_query_router(
     @router.get(SPANS_PATH)
     async def cached_spans(raw_request: Request) -> Any:
         """Which spans this server's engine still holds: digests of their texts (`lowering.span_digest`), of the
-        spans it prepared, most recently used last. What a cluster's span-affinity router routes on."""
+        spans it prepared, most recently used last; with a span tier, which of them the tier holds (`tier`: any
+        engine on that folder loads them) and which folder it is (`tier_id`). What a cluster's span-affinity router
+        routes on."""
         backend = await backend_of(raw_request)
-        return JSONResponse(
-            {"spans": backend.generator.cached_span_digests(), "probe": backend.generator.span_probe is not None}
-        )
+        generator = backend.generator
+        return JSONResponse({
+            "spans": generator.cached_span_digests(), "probe": generator.span_probe is not None,
+            "tier": generator.tier_span_digests(), "tier_id": generator.tier_identity(),
+        })
 
     @router.post(EXECUTE_PATH)
     @with_cancellation

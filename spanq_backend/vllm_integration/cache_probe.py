@@ -138,6 +138,13 @@ class BlockPoolProbe:
     def tier_holds_all(self, token_ids: list[int]) -> bool:
         return tier_holds_all(self.tier, self.block_hashes(token_ids))
 
+    def tier_keys(self, token_ids: list[int]) -> tuple[Any, ...] | None:
+        """The names a span tier gives a prompt's blocks (`tier_holds_keys` asks for them): the pool's own hashes."""
+        return self.block_hashes(token_ids)
+
+    def tier_holds_keys(self, keys: tuple[Any, ...] | None) -> bool:
+        return tier_holds_all(self.tier, keys)
+
     def in_tier(self, token_ids: list[int]) -> bool:
         return in_tier(self.tier, self.block_hashes(token_ids), lambda h: self.pool.get_cached_block(h, [0]) is not None)
 
@@ -240,6 +247,13 @@ class KVEventsMirror:
 
     def tier_holds_all(self, token_ids: list[int]) -> bool:
         return tier_holds_all(self.tier, self._chain(token_ids))
+
+    def tier_keys(self, token_ids: list[int]) -> tuple[Any, ...] | None:
+        """The names a span tier gives a prompt's blocks: the engine core's hashes, not the events' (an int each)."""
+        return self._chain(token_ids)
+
+    def tier_holds_keys(self, keys: tuple[Any, ...] | None) -> bool:
+        return tier_holds_all(self.tier, keys)
 
     def tier_lost(self, token_ids: list[int]) -> bool:
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash

@@ -39,6 +39,7 @@ import logging
 import math
 import os
 import queue
+import socket
 import struct
 import threading
 import time
@@ -279,6 +280,7 @@ class DiskTier:
         # (a read-only folder), until this process writes the block again.
         self._refused: set[bytes] = set()
         self._parts = parts
+        self._identity: str | None = None  # (`identity`)
         self._bytes = 0  # of the blocks held, as last counted (`rescan`, `_evict`) plus what this process wrote
         self.rescan()
 
@@ -312,6 +314,29 @@ class DiskTier:
     @property
     def bytes_held(self) -> int:
         return self._bytes
+
+    @property
+    def identity(self) -> str:
+        """Which folder this is: the same for every process and machine that reads this folder (replicas on one
+        shared disk pool what each knows it holds: `spanq_backend/cluster/policy.py`), another for a folder of the
+        same path on another machine. A random id written once into the namespace (`tier-id`, created whole or not
+        at all, the first writer's kept); where it can be neither read nor written, the host and the path."""
+        if self._identity is None:
+            path = self.dir / "tier-id"
+            try:
+                if not path.exists():
+                    tmp = path.with_name(f".tier-id.{os.getpid()}.{threading.get_ident()}.tmp")
+                    tmp.write_text(os.urandom(12).hex())
+                    try:
+                        os.link(tmp, path)  # fails where another process made it first: theirs is kept
+                    except FileExistsError:
+                        pass
+                    finally:
+                        tmp.unlink(missing_ok=True)
+                self._identity = path.read_text().strip()
+            except OSError:
+                self._identity = f"{socket.gethostname()}:{self.dir.resolve()}"
+        return self._identity
 
     # -- pins and capacity
 

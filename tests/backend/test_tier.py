@@ -207,6 +207,7 @@ def test_spanq_serve_on_a_compiled_tier_answers_from_it_as_the_engine_does(run, 
     KV events' form of them (asked by those, every such query failed with a 500)."""
     import httpx
 
+    from spanq_backend.cluster.policy import query_span_digests
     from spanq_backend.serving.generator import load_chat_tokenizer
     from spanq_backend.serving.models import resolve_model
     from spanq_integrations.query.spnl_json import to_json
@@ -240,6 +241,12 @@ def test_spanq_serve_on_a_compiled_tier_answers_from_it_as_the_engine_does(run, 
             time.sleep(0.5)
         counts = shown()
         assert counts["spanq_tier_saved_blocks_total"] >= 1, counts
+        # What a cluster's router reads: every span of the query is in the tier (the refused one written again),
+        # by the digests the router computes from a query's body, and the folder's own id (shared by every engine
+        # on it: the router pools their reports by it).
+        held = httpx.get(f"{url}/v1/spans", timeout=30).json()
+        assert set(query_span_digests(json.dumps(to_json(call)))) <= set(held["tier"]), held
+        assert held["tier_id"] == (about.parent / "tier-id").read_text().strip(), held
     # Stopped (SIGTERM), it ends as it said it would, without the interpreter's teardown report of ~500 objects
     # "leaked" by the Triton bindings vLLM imports (nanobind's, 5-30 lines after "Application shutdown complete").
     stopped = (tmp_path / "server.log").read_text(errors="replace")
@@ -254,6 +261,15 @@ def test_spanq_serve_on_a_compiled_tier_answers_from_it_as_the_engine_does(run, 
     text = answer.json()["result"]["assistant"]["text"]
     tokenizer = load_chat_tokenizer(str(resolve_model("tiny")))
     assert text == tokenizer.decode(result["corrupt_direct"]["tokens"], skip_special_tokens=True)
+
+
+def test_a_tier_folder_has_one_identity_for_every_reader_and_another_folder_another(tmp_path):
+    """What a cluster's router pools replicas' tier reports by: every `DiskTier` of one folder (another process, a
+    replica on a shared disk) says the same id, the first writer's; a folder elsewhere, another."""
+    first, second = tier.DiskTier(tmp_path / "shared", "ns"), tier.DiskTier(tmp_path / "shared", "ns")
+    assert first.identity == second.identity == tier.DiskTier(tmp_path / "shared", "ns").identity
+    assert tier.DiskTier(tmp_path / "elsewhere", "ns").identity != first.identity
+    assert len(first.identity) == 24 and not list((tmp_path / "shared" / "ns").glob(".tier-id*")), "no leftovers"
 
 
 def test_a_stored_block_reads_back_and_a_corrupt_or_truncated_one_is_refused(tmp_path):

@@ -186,6 +186,69 @@ def test_a_replica_restarted_empty_is_filled_to_its_peers_cache_not_to_what_its_
     assert sent["A"] >= 40, f"then new documents go to both, not all to the restarted one: {sent}"
 
 
+def test_a_span_the_tier_holds_costs_a_load_cheaper_than_a_miss_and_dearer_than_a_cached_span():
+    """Replica A's cache holds the two documents the span tier lost (evicted), B's three the tier still holds: A
+    would compute none and load six, B compute two. Counting every span not cached as a miss (a router that
+    ignores the tier) sends the query to B, which computes two documents."""
+    docs = [span_digest(f"doc {i}") for i in range(8)]
+    tier = frozenset(docs[2:])
+    replicas = [ReplicaView("A", 0, cached=set(docs[:2]), tier=tier), ReplicaView("B", 0, cached=set(docs[2:5]), tier=tier)]
+    assert rank_replicas(docs, replicas, 4, tier_cost=0.1)[0] == ["A"]
+    assert rank_replicas(docs, replicas, 4, tier_cost=1.0)[0] == ["B"]  # a load as dear as computing: the tier ignored
+    no_tier = [ReplicaView("A", 0, cached=set(docs[:2])), ReplicaView("B", 0, cached=set(docs[2:5]))]
+    assert rank_replicas(docs, no_tier, 4, tier_cost=0.1)[0] == ["B"]
+    # and what a replica's cache holds stays cheaper than loading it from the tier
+    both = [ReplicaView("A", 0, tier=tier), ReplicaView("B", 0, cached=set(docs[2:3]), tier=tier)]
+    assert rank_replicas(docs[2:], both, 4)[0] == ["B"]
+
+
+def test_a_busier_replica_is_kept_for_spans_it_would_save_computing_not_for_spans_another_loads():
+    """Two requests queued on the replica whose cache holds the query's documents: worth waiting for where the
+    other replica would compute them (within --max-imbalance 4), not where it would load them from the tier (0.1 of
+    computing: 0.4 requests' worth). Documents half in the tier are worth 2.2 requests."""
+    docs = [span_digest(f"doc {i}") for i in range(8)]
+
+    def first(queue: int, tier: frozenset[str], tier_cost: float = 0.1) -> str:
+        replicas = [ReplicaView("holder", queue, cached=set(docs), tier=tier), ReplicaView("idle", 0, tier=tier)]
+        return rank_replicas(docs, replicas, 4, tier_cost)[0][0]
+
+    everything, half = frozenset(docs), frozenset(docs[:4])
+    assert first(2, frozenset()) == "holder" and first(4, frozenset()) == "holder" and first(5, frozenset()) == "idle"
+    assert first(0, everything) == "holder"
+    assert first(1, everything) == "idle"
+    assert first(1, everything, tier_cost=1.0) == "holder"
+    assert first(2, half) == "holder" and first(3, half) == "idle"
+
+
+def test_the_router_pools_tier_reports_of_replicas_on_one_folder_and_forgets_a_replica_gone():
+    """Each replica reports the spans it prepared that its tier holds; replicas on one folder (one `tier_id`) load
+    what any of them wrote, so the router pools their reports — and only theirs."""
+    pytest.importorskip("ray.serve", reason="the cluster extra: pip install 'spanq[cluster]'")
+    import asyncio
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from spanq_backend.cluster.routing import SpanAffinityRouter
+
+    router = SpanAffinityRouter(DeploymentID(name="SpanReplica", app_name="spanq"), DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(max_imbalance=4, tier_cost=0.1)
+    a, b, c = (span_digest(x) for x in "abc")
+    reports = {"r1": {"spans": [], "tier": [a], "tier_id": "shared"}, "r2": {"spans": [], "tier": [b], "tier_id": "shared"},
+               "r3": {"spans": [], "tier": [c], "tier_id": "its own"}, "r4": {"spans": [a]}}  # fmt: skip
+    for rid, stats in reports.items():
+        router._tier_of(rid, stats)
+    assert router._tier_of("r1", reports["r1"]) == router._tier_of("r2", reports["r2"]) == {a, b}
+    assert router._tier_of("r3", reports["r3"]) == {c}
+    assert router._tier_of("r4", reports["r4"]) == frozenset()  # no tier
+
+    async def only_r1_left() -> None:
+        router.update_replicas([])  # (Ray's replica objects; none here: every replica is gone)
+        router._tier_of("r1", reports["r1"])
+
+    asyncio.run(only_r1_left())
+    assert router._tier_of("r1", reports["r1"]) == {a}
+
+
 def test_replicas_on_one_machine_get_their_own_cores(monkeypatch):
     from spanq_backend.cluster.app import split_cores
 

@@ -287,7 +287,7 @@ def test_serve_help_shows_every_flag_of_the_command(capsys):
         serve_main(["--help"])
     assert exit_.value.code == 0
     shown = capsys.readouterr().out
-    for flag in ("--replicas", "--routing", "--ray-address", "--max-imbalance", "--recompute", "--span-anchor",
+    for flag in ("--replicas", "--routing", "--ray-address", "--max-imbalance", "--tier-cost", "--recompute", "--span-anchor",
                  "--max-body-bytes", "--model", "--cold-spans", "--no-read-in-context"):
         assert flag in shown, flag
     # vLLM's --help lists its groups only: spanq's own options and limits have groups of their own, named there,
