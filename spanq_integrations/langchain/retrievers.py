@@ -24,6 +24,14 @@ class SpanRetriever(BaseRetriever):
 
     retriever: Runnable[str, list[Document]]
 
+    def __init__(self, retriever: Runnable[str, list[Document]] | None = None, /, **kwargs: Any):
+        """`SpanRetriever(retriever)` or `SpanRetriever(retriever=retriever)` (LangChain's keyword form)."""
+        if retriever is not None:
+            if "retriever" in kwargs:
+                raise TypeError("SpanRetriever: the retriever is given twice (positionally and as retriever=)")
+            kwargs["retriever"] = retriever
+        super().__init__(**kwargs)
+
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:

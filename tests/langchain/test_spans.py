@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 
@@ -42,6 +43,11 @@ def test_span_retriever_tags_what_the_wrapped_retriever_returns():
     assert all(is_tagged_document(d) for d in got)
     assert not is_tagged_document(docs[2])  # the originals are left as they were
     assert tag_document(docs[1]).metadata["spanq"] == {"span": True, "id": docs[1].id}
+    # the README's form, positional (a pydantic model took keywords only: a TypeError)
+    wrapped = OrderedRetriever(documents=docs, orders=[[1]])
+    assert [d.id for d in SpanRetriever(wrapped).invoke("q")] == [docs[1].id]
+    with pytest.raises(TypeError, match="given twice"):
+        SpanRetriever(wrapped, retriever=wrapped)
 
 
 def test_the_tracker_sees_the_documents_of_the_run_and_forgets_them_after():
