@@ -160,6 +160,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _choices_of_answer(query: Node) -> int:
+    """How many choices the call that answers `query` asks for (1 where no one call answers it)."""
+    from spanq_integrations.runtime.executor import answer_node
+
+    node = answer_node(query)
+    return node.n if isinstance(node, Generate) else 1
+
+
 def read_bulk(file: str) -> list[tuple[int, Node | str]]:
     """The queries of a JSONL file (one spnl JSON query per line; blank lines skipped): (line number, the
     query, or the error that names what is wrong with that line)."""
@@ -253,7 +261,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             line_open[0] = False
         return True
 
+    choices = _choices_of_answer(query)
+
     def echo(piece: str) -> None:
+        if not streamed and choices > 1:  # the streamed answer is the first of the call's choices: say so first
+            sys.stdout.write("--- choice 0 ---\n")
         streamed.append(piece)
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -298,6 +310,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         report: dict[str, Any] = {
             "answer": result.answer,
+            "answers": result.answers,
             "result": to_json(result.tree),
             "calls": [c.model_dump() for c in result.calls],
             "totals": result.totals(),
@@ -305,16 +318,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         }
         print(json.dumps(report, indent=2, ensure_ascii=False))
         return 0
-    answered = result.answer_call
+    answered, bulk = result.answer_call, result.bulk_calls
+    if line_open[0]:
+        print()
     if answered is not None and len(answered.choices) > 1:  # n choices: each, in order (choice 0 streamed)
-        if line_open[0]:
-            print()
         for k, choice in enumerate(answered.choices):
-            print(f"--- choice {k} ---\n{choice}")
-    elif streamed:
-        if line_open[0]:
-            print()
-    else:
+            if k or not streamed:
+                print(f"--- choice {k} ---\n{choice}")
+    elif bulk is not None and len(bulk) > 1:  # a map, a repeat, a plus of calls: every answer (none streamed)
+        for k, answer in enumerate(result.answers):
+            print(f"--- answer {k} ---\n{answer}")
+    elif not streamed:
         print(result.answer)
     for unread in result.unread:
         print(f"spanq run: the combine left out an answer it could not read: {unread.error}", file=sys.stderr)

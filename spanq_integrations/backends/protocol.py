@@ -157,8 +157,24 @@ class ExecutionResult(BaseModel):
 
     @property
     def answer(self) -> str:
-        """The text of the query's answer: the last generated output reached in reading order."""
+        """The text of the query's answer: the last generated output reached in reading order; of a call of `n`
+        choices, its first (the one `on_token` streamed, whose finish reason `answer_call.finish_reason` is: it was
+        the last choice). A bulk query's answers, each: `answers`."""
+        called = self.answer_call
+        if called is not None and len(called.choices) > 1:
+            return called.choices[0]
         return answer_of(self.tree)
+
+    @property
+    def answers(self) -> list[str]:
+        """Every answer: a bulk query's, one a call in order (`bulk_calls`); a call's `n` choices; else the one."""
+        bulk = self.bulk_calls
+        if bulk is not None:
+            return [c.choices[0] if c.choices else "" for c in bulk]
+        called = self.answer_call
+        if called is not None and len(called.choices) > 1:
+            return list(called.choices)
+        return [self.answer]
 
     @property
     def usage(self) -> Usage:

@@ -56,12 +56,13 @@ from spanq_integrations.query.ir import (
 from spanq_integrations.runtime.reducers import Reducer, reducer_from_combine
 from spanq_integrations.runtime.sync import run_sync
 
-__all__ = ["ExecutionResult", "aexecute", "answer_of", "combine_answers", "execute", "shown_texts"]  # the result model lives with the protocol
+__all__ = ["ExecutionResult", "aexecute", "answer_node", "answer_of", "combine_answers", "execute", "shown_texts"]  # the result model lives with the protocol
 
 
 def _one_model(query: Node) -> str | None:
-    """The model every call of `query` names, where they all name the same one."""
-    names = {node.model for _, node in walk(query) if isinstance(node, (Generate, Chat, Map))}
+    """The model the calls of `query` name, where those that name one all name the same (a call that names none
+    runs on the backend's model: the one they name)."""
+    names = {node.model for _, node in walk(query) if isinstance(node, (Generate, Chat, Map))} - {""}
     return next(iter(names)) if len(names) == 1 else None
 
 
@@ -73,6 +74,15 @@ def _answer_path(tree: Node, path: str = "$") -> str | None:
     if isinstance(tree, Cross) and tree.children:
         *_, (last_path, last) = child_paths(tree, path)
         return _answer_path(last, last_path)
+    return None
+
+
+def answer_node(tree: Node) -> Node | None:
+    """The `Generate` (or `Combine`) whose output is the query's answer (`_answer_path`'s node); None if none."""
+    if isinstance(tree, (Generate, Combine)):
+        return tree
+    if isinstance(tree, Cross) and tree.children:
+        return answer_node(tree.children[-1])
     return None
 
 

@@ -223,6 +223,32 @@ def test_run_json(query_file, stock_vllm_server, capsys):
 
 
 @pytest.mark.vllm
+def test_run_prints_every_answer_of_a_bulk_query_and_each_choice_once(tmp_path, stock_vllm_server, capsys):
+    """A map's answers, each under its header (only the last was printed: the first input's answer was nowhere in
+    the output); a call of n choices streams choice 0 under its header and prints it once (it was printed twice:
+    streamed, then again under "--- choice 0 ---")."""
+    from spanq_integrations.query.ir import Map, generate
+    from spanq_integrations.query.spnl_json import to_json
+
+    bulk = tmp_path / "map.json"
+    bulk.write_text(json.dumps(to_json(Map(inputs=("Say apple.", "Say pear."), max_tokens=4, temperature=0))))
+    argv = ["run", str(bulk), "--backend", stock_vllm_server, "--model", "tiny"]
+    assert main([*argv, "--json"]) == 0
+    answers = json.loads(capsys.readouterr().out)["answers"]
+    assert len(answers) == 2 and all(answers)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"--- answer 0 ---\n{answers[0]}\n--- answer 1 ---\n{answers[1]}\n"), out
+
+    choices = tmp_path / "choices.json"
+    choices.write_text(json.dumps(to_json(generate("Say a fruit.", n=2, max_tokens=4, temperature=1.0, seed=3))))
+    assert main(["run", str(choices), "--backend", stock_vllm_server, "--model", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("--- choice 0 ---\n") and out.count("--- choice 0 ---") == 1, out
+    assert out.count("--- choice 1 ---") == 1, out
+
+
+@pytest.mark.vllm
 def test_run_as_a_subprocess(query_file, stock_vllm_server):
     done = subprocess.run(
         [*spanq_command(), "run", str(query_file), "--backend", stock_vllm_server, "--model", "vllm/tiny"],

@@ -314,6 +314,18 @@ def test_a_query_with_no_model_call_or_a_plain_string_is_refused_before_a_backen
 
 
 @pytest.mark.vllm
+def test_calls_that_name_no_model_follow_the_one_the_others_name():
+    """Inner calls with no model name ("") beside an outer `model="tiny"` run where the query runs: the query's
+    model is "tiny" (it was none, so the default model's engine was started, warning that it does not serve tiny)."""
+    from spanq_integrations.query.ir import plus
+    from spanq_integrations.runtime.executor import _one_model
+
+    nested = generate(cross(plus(generate("a"), generate("b")), "q"), model="tiny")
+    assert _one_model(nested) == "tiny"
+    assert _one_model(generate(cross(plus(generate("a", model="other")), "q"), model="tiny")) is None
+    assert _one_model(generate("q")) is None
+
+
 def test_execute_and_judge_with_no_backend_run_on_the_model_their_calls_name(tiny_model, monkeypatch):
     """`execute` of calls that all name "tiny", and `judge(..., model="tiny")`, with no backend, run on the
     embedded tiny engine, as `ChatSpanQuery(model="tiny")` does: they started the default model's engine and ran
