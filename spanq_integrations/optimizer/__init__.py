@@ -60,6 +60,16 @@ DEFAULT_RULES: tuple[Rule, ...] = (
 MAX_PASSES = 32
 
 
+def _retrievers(retrievers: Mapping[str, Retriever] | None) -> dict[str, Retriever]:
+    """The retrievers by name; anything else (a list of functions, one function) refused, saying the shape."""
+    if retrievers is None:
+        return {}
+    if not isinstance(retrievers, Mapping) or not all(isinstance(k, str) and callable(f) for k, f in retrievers.items()):
+        raise OptimizerError(f"retrievers must be a dict of names to functions, as {{'default': fn}} where "
+                             f"fn(query, k) returns the documents; got {type(retrievers).__name__}")
+    return dict(retrievers)
+
+
 def optimize(
     query: Node,
     capabilities: BackendCapabilities | None = None,
@@ -78,7 +88,7 @@ def optimize(
     """
     ctx = OptimizerContext(
         capabilities=capabilities or DEFAULT_CAPABILITIES,
-        retrievers=dict(retrievers or {}),
+        retrievers=_retrievers(retrievers),
         tree_reduction=TreeReduction.of(tree_reduction),
         bulk_order=bulk_order,
     )

@@ -68,15 +68,18 @@ def _retrieve(node: Retrieve, ctx: OptimizerContext) -> list[Fragment]:
     if retriever is None:
         registered = ", ".join(sorted(ctx.retrievers)) or "none"
         raise OptimizerError(
-            f'no retriever named "{node.retriever}" is registered (registered: {registered}); '
-            f"pass retrievers={{{node.retriever!r}: fn}} to optimize(), where fn(query, k) returns fragments"
+            f'no retriever named "{node.retriever}" is registered (registered: {registered}). From Python, pass '
+            f"retrievers={{{node.retriever!r}: fn}} to execute() or optimize(), where fn(query, k) returns the "
+            "documents (fragments, strings or dicts); a query for spanq run or spanq serve carries its documents "
+            "as fragments of a plus instead"
         )
     try:
         results = list(retriever(node.query, node.k))
     except SpanQueryError:
         raise
     except Exception as e:
-        raise OptimizerError(f'retriever "{node.retriever}" failed on {node.query!r}: {e}') from e
+        raise OptimizerError(f'retriever "{node.retriever}" failed on {node.query!r}: {e} (a retriever is called as '
+                             "fn(query, k) and returns a list of fragments, strings or dicts)") from e
     return [_as_fragment(item, node.retriever) for item in results[: node.k]]
 
 

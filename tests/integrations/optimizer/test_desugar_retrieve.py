@@ -143,8 +143,18 @@ def test_unknown_retriever_is_named_with_the_registered_ones() -> None:
         OptimizerError, match=r'no retriever named "web" is registered \(registered: docs, wiki\)'
     ):
         desugar_retrieve(Retrieve(query="q", retriever="web"), ctx)
-    with pytest.raises(OptimizerError, match=r"registered: none"):
+    with pytest.raises(OptimizerError, match=r"registered: none") as raised:
         desugar_retrieve(Retrieve(query="q"), OptimizerContext())
+    # the advice fits where the query ran: execute() takes retrievers too; a CLI or server query carries fragments
+    assert "to execute() or optimize()" in str(raised.value) and "as fragments of a plus" in str(raised.value)
+
+
+def test_retrievers_given_as_anything_but_a_dict_of_functions_are_refused_saying_the_shape() -> None:
+    from spanq_integrations.optimizer import optimize
+
+    for wrong in ([corpus], corpus, {"default": "not a function"}):
+        with pytest.raises(OptimizerError, match=r"retrievers must be a dict of names to functions, as \{'default'"):
+            optimize(Generate(input=Retrieve(query="q"), model="m"), retrievers=wrong)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -167,6 +177,10 @@ def test_a_failing_retriever_is_named() -> None:
 
     with pytest.raises(OptimizerError, match=r"retriever \"default\" failed on 'q': index offline"):
         desugar_retrieve(Retrieve(query="q"), OptimizerContext(retrievers={"default": broken}))
+    # one that returns nothing, or takes one argument: the error says how a retriever is called
+    for wrong in (lambda query, k: None, lambda query: [query]):
+        with pytest.raises(OptimizerError, match=r"is called as fn\(query, k\) and returns a list"):
+            desugar_retrieve(Retrieve(query="q"), OptimizerContext(retrievers={"default": wrong}))
 
 
 def test_a_backend_that_prepares_spans_itself_gets_no_prepare_calls() -> None:
