@@ -332,13 +332,16 @@ def _settings(body: dict[str, Any], path: str) -> dict[str, Any]:
     }
 
 
-def _build(cls: type[BaseModel], path: str, **fields: Any) -> Node:
-    """Construct a node; the checks above make a ValidationError unlikely, but one still becomes a parse error."""
+def _build(cls: type[BaseModel], path: str, under: str = "", settings: tuple[str, ...] = (), **fields: Any) -> Node:
+    """Construct a node; the checks above make a ValidationError unlikely, but one still becomes a parse error.
+    `settings`: fields the JSON holds in the object `under` (a map's `metadata`), where the error points."""
     try:
         return cls(**fields)  # type: ignore[return-value]
     except ValidationError as e:
         first = e.errors()[0]
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+        if first["loc"] and first["loc"][0] in settings:
+            where = f".{under}{where}"
         raise QueryParseError(f"{path}{where}", first["msg"]) from None
 
 
@@ -543,7 +546,7 @@ def _read_map(value: Any, path: str) -> Node:
     settings = _settings(metadata or {}, f"{path}.metadata")
     inputs = _array(body["inputs"], f"{path}.inputs")
     texts = tuple(_string(s, f"{path}.inputs[{i}]") for i, s in enumerate(inputs))
-    return _build(Map, path, inputs=texts, **settings)
+    return _build(Map, path, "metadata", tuple(settings), inputs=texts, **settings)
 
 
 ZIP_MAX_NODES = 1 << 16  # query nodes a zip may expand to

@@ -429,6 +429,10 @@ def test_empty_join(key: str) -> None:
             "$.map.metadata.max_tokens: must be >= 0, got -1",
         ),
         ({"map": {"inputs": ["a", None]}}, "$.map.inputs[1]: expected a string, got null"),
+        (  # (a limit the model checks: it pointed at $.map.temperature, which the JSON does not have)
+            {"map": {"metadata": {"temperature": 5}, "inputs": ["a"]}},
+            "$.map.metadata.temperature: Input should be less than or equal to 2",
+        ),
         ({"retrieve": {"query": "q", "k": 0}}, "$.retrieve.k: must be >= 1, got 0"),
         ({"chat": {"messages": []}}, "$.chat.messages: a chat needs at least one message"),
         ({"fragment": {"text": "t", "metadata": []}}, "$.fragment.metadata: expected an object, got array"),
