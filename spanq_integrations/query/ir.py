@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from spanq_integrations.query.errors import QueryValidationError
 
@@ -207,6 +207,14 @@ class Generate(_Node):
             opts.append(f"n={self.n}")
         if self.stop:
             opts.append(f"stop={list(self.stop)}")
+        if self.seed is not None:
+            opts.append(f"seed={self.seed}")
+        if self.json_schema:
+            opts.append("json=any" if self.json_schema == "{}" else f"json_schema={_clip(self.json_schema, 40)}")
+        if self.recompute is not None:
+            opts.append(f"recompute={self.recompute!r}" if isinstance(self.recompute, str) else f"recompute={self.recompute:g}")
+        if self.cold_spans is not None:
+            opts.append(f"cold_spans={self.cold_spans}")
         return "generate(" + ", ".join(opts) + ")"
 
 
@@ -241,7 +249,8 @@ class Plus(_Node):
 
     def label(self) -> str:
         role = ", in the system message" if self.role == "system" else ""
-        return f"{self.keyword} (order-free, {len(self.children)}{role})"
+        anchor = f", anchor={self.anchor}" if self.anchor else ""
+        return f"{self.keyword} (order-free, {len(self.children)}{role}{anchor})"
 
 
 class Cross(_Node):
@@ -396,7 +405,26 @@ def _as_node(x: Any, where: str) -> Node:
         return User(text=x)
     if isinstance(x, _Node):
         return x  # type: ignore[return-value]
-    raise QueryValidationError(where, f"expected a query node or a string, got {type(x).__name__}")
+    hint = ": join several with cross(...) (in order) or plus(...) (order-free)" if isinstance(x, (list, tuple)) else ""
+    raise QueryValidationError(where, f"expected a query node or a string, got {type(x).__name__}{hint}")
+
+
+N = TypeVar("N", bound=BaseModel)
+
+
+def _built(cls: type[N], builder: str, **fields: Any) -> N:
+    """`cls(**fields)`, a value out of range or of the wrong type a `QueryValidationError` at `builder(field)`
+    (what a `SpanQueryError` handler catches; pydantic's own error named the model's class and a web page)."""
+    try:
+        return cls(**fields)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        field = ".".join(str(p) for p in first["loc"][:1]) or "?"
+        value = fields.get(field, first.get("input"))
+        message = first["msg"].removeprefix("Value error, ")  # (our own validators' messages say what they got)
+        if "got" not in message:
+            message = f"{message[:1].lower()}{message[1:]}, got {value!r}"
+        raise QueryValidationError(f"{builder}({field})", message) from None
 
 
 def _flatten_args(args: tuple[Any, ...]) -> list[Any]:
@@ -410,19 +438,22 @@ def _flatten_args(args: tuple[Any, ...]) -> list[Any]:
 
 
 def system(text: str) -> System:
-    return System(text=text)
+    return _built(System, "system", text=text)
 
 
 def user(text: str) -> User:
-    return User(text=text)
+    return _built(User, "user", text=text)
 
 
 def assistant(text: str) -> Assistant:
-    return Assistant(text=text)
+    return _built(Assistant, "assistant", text=text)
 
 
-def fragment(text: str, id: str | None = None, **metadata: Any) -> Fragment:
-    return Fragment(text=text, id=id, metadata=metadata)
+def fragment(text: str, id: str | None = None, metadata: dict[str, Any] | None = None, **more: Any) -> Fragment:
+    """A document of a `plus`. Its metadata: `metadata` (a LangChain document's, say), and/or keywords."""
+    if metadata is not None and not isinstance(metadata, dict):
+        raise QueryValidationError("fragment(metadata)", f"expected a dict, got {type(metadata).__name__}")
+    return _built(Fragment, "fragment", text=text, id=id, metadata={**(metadata or {}), **more})
 
 
 def plus(*children: Any, anchor: AnchorPolicy | None = None, role: SpanRole | None = None) -> Plus:
@@ -461,28 +492,60 @@ def generate(
     """A model call on `input`. `json_schema`: the answer is JSON matching this schema (`{}`: any JSON object).
     `recompute`: how much of each span a span engine computes again in context (see `Generate.recompute`);
     `cold_spans`: how it computes spans it has not cached (see `Generate.cold_spans`)."""
+    if isinstance(model, _Node):  # generate(system(...), user(...)): the second message went into `model`
+        raise QueryValidationError("generate(model)", f"got a {type(model).__name__} node: generate takes one input; "
+                                   "join messages with cross(...), as in generate(cross(system(...), user(...)))")
     schema = json_schema if isinstance(json_schema, str) or json_schema is None else json.dumps(json_schema)
-    return Generate(
+    return _built(
+        Generate, "generate",
         input=_as_node(input, "generate().input"),
         model=model,
         max_tokens=max_tokens,
         temperature=temperature,
         n=n,
-        stop=tuple(stop or ()),
+        stop=_stops(stop, "generate(stop)"),
         seed=seed,
         json_schema=schema or "",
-        recompute=recompute,
+        recompute=_recompute(recompute, "generate(recompute)"),
         cold_spans=cold_spans,
     )
 
 
+def _stops(stop: Any, where: str) -> tuple[str, ...]:
+    """One stop string or several (a string is one, not its characters: "END" stopped at any E, N or D)."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    try:
+        stops = tuple(stop)
+    except TypeError:
+        raise QueryValidationError(where, f"expected a string or a list of strings, got {type(stop).__name__}") from None
+    if not all(isinstance(x, str) for x in stops):
+        raise QueryValidationError(where, f"expected a string or a list of strings, got {stop!r}")
+    return stops
+
+
+def _recompute(value: Any, where: str) -> Any:
+    """A recompute setting as `Generate.recompute` takes it, refused here in one line (pydantic named both halves of
+    its union, one of them "unable to parse string as a number"); True and False are not shares."""
+    if value is None or value == "none":
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)) or (
+        isinstance(value, str) and value not in RECOMPUTE_POLICIES
+    ):
+        raise QueryValidationError(where, f"expected a share of the span blocks from 0 to 1, \"none\", or one of "
+                                   f"{', '.join(RECOMPUTE_POLICIES)}; got {value!r}")
+    return value
+
+
 def combine(input: Any, reducer: str, **options: Any) -> Combine:
     """Combine the answers of the generates in `input` in code with the reducer named `reducer`."""
-    return Combine(input=_as_node(input, "combine().input"), reducer=reducer, options=options)
+    return _built(Combine, "combine", input=_as_node(input, "combine().input"), reducer=reducer, options=options)
 
 
 def retrieve(query: str, k: int = 4, retriever: str = "default") -> Retrieve:
-    return Retrieve(query=query, k=k, retriever=retriever)
+    return _built(Retrieve, "retrieve", query=query, k=k, retriever=retriever)
 
 
 def chat(
@@ -491,7 +554,8 @@ def chat(
     items = _flatten_args(messages)
     if not items:
         raise QueryValidationError("chat()", "a chat needs at least one message")
-    return Chat(
+    return _built(
+        Chat, "chat",
         messages=tuple(_as_node(m, f"chat()[{i}]") for i, m in enumerate(items)),
         model=model,
         max_tokens=max_tokens,

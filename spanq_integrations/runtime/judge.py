@@ -27,6 +27,7 @@ candidates) it read.
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -54,7 +55,12 @@ from spanq_integrations.query.ir import (
     System,
     User,
     child_paths,
+    cross,
+    generate,
+    plus,
+    system,
     transform,
+    user,
 )
 from spanq_integrations.runtime.executor import ExecutionResult, aexecute, runs_anything, shown_texts
 from spanq_integrations.runtime.reducers import Reducer, resolve_reducer
@@ -191,6 +197,14 @@ def _as_candidate(candidate: Candidate, index: int) -> Node:
     )
 
 
+def _check_instruction(instruction: str) -> None:
+    """What the judges are asked: a text with something in it (None or "" ran them with no question at all)."""
+    if not isinstance(instruction, str) or not instruction.strip():
+        got = "an empty string" if isinstance(instruction, str) else type(instruction).__name__
+        raise QueryValidationError("judge(instruction)", f"the judges need an instruction (what to pick, extract or "
+                                   f"count), got {got}")
+
+
 def _candidates(candidates: Sequence[Candidate]) -> list[Node]:
     if isinstance(candidates, (str, BaseModel)):
         raise QueryValidationError("judge(candidates)", "pass a list of candidates, not a single one")
@@ -207,16 +221,12 @@ def _judge_generate(
     settings: dict[str, Any],
     span_anchor: AnchorPolicy | None = None,
 ) -> Generate:
-    return Generate(
-        input=Cross(
-            children=(
-                System(text=reducer.system_prompt),
-                Plus(children=tuple(candidates), anchor=span_anchor),
-                User(text=reducer.instruction(instruction)),
-            )
-        ),
-        **settings,
-    )
+    try:  # (the builders: a setting out of range is a QueryValidationError naming it, not pydantic's error)
+        spans = plus(*candidates, anchor=span_anchor)
+        return generate(cross(system(reducer.system_prompt), spans, user(reducer.instruction(instruction))), **settings)
+    except QueryValidationError as e:
+        where = re.sub(r"^(generate|plus)\((anchor)?", lambda m: "judge(span_anchor" if m[2] else "judge(", e.path)
+        raise QueryValidationError(where, e.message) from None
 
 
 def _settings(
@@ -244,6 +254,7 @@ def judge_query(
     tree_reduction_of(reducer, instruction, k, "model"))` turns it into the tree. `span_anchor`, `recompute`:
     the candidates' anchor policy and the judges' recompute setting on a span engine (None: the backend's)."""
     r = resolve_reducer(reducer)
+    _check_instruction(instruction)
     nodes = [r.present(i, c) for i, c in enumerate(_candidates(candidates))]
     return _judge_generate(r, nodes, instruction, _settings(model, max_tokens, temperature, seed, recompute), span_anchor)
 
@@ -292,6 +303,7 @@ def judge_plan(
     _check_k(k)
     r = resolve_reducer(reducer)
     mode = combine_mode(r, combine, k)
+    _check_instruction(instruction)
     nodes = _candidates(candidates)
     nonce = secrets.token_hex(6)
     placeholders = [Fragment(text=f"\u27e6spanq-judge-candidate:{i}:{nonce}\u27e7") for i in range(len(nodes))]
@@ -472,6 +484,7 @@ async def ajudge(
     _check_k(k)
     r = resolve_reducer(reducer)
     mode = combine_mode(r, combine, k)
+    _check_instruction(instruction)
     nodes = _candidates(candidates)
     be, owned = resolve_backend(backend, embedded_model_named(backend, model))
     try:

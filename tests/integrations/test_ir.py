@@ -32,6 +32,7 @@ from spanq_integrations.query.ir import (
 from spanq_integrations.query.limits import QueryLimits, check_limits
 from spanq_integrations.query.spnl_json import to_json
 from spanq_integrations.runtime import executor
+from spanq_integrations.runtime.judge import judge_query
 from tests.strategies import span_queries
 
 NOWHERE = object()
@@ -167,6 +168,56 @@ def test_a_retrieve_is_refused_at_its_node_in_the_limits_walk_where_the_caller_h
     assert "retrieve" in _at(to_json(query), "$.g.input.cross[1].plus[1]")
     with pytest.raises(QueryValidationError, match="the number of fragments is 601"):
         check_limits(query)
+
+
+BAD_BUILDS = [  # (what a user wrote, the path the error names, what it says)
+    (lambda: ir.user(None), "user(text)", "a valid string, got None"),
+    (lambda: ir.fragment(3), "fragment(text)", "a valid string, got 3"),
+    (lambda: generate("q", temperature=3), "generate(temperature)", "less than or equal to 2, got 3"),
+    (lambda: generate("q", n=0), "generate(n)", "greater than or equal to 1, got 0"),
+    (lambda: generate("q", seed=-1), "generate(seed)", "greater than or equal to 0, got -1"),
+    (lambda: generate("q", cold_spans="foo"), "generate(cold_spans)", "got 'foo'"),
+    (lambda: generate("q", recompute="all"), "generate(recompute)", "from 0 to 1, \"none\", or one of first"),
+    (lambda: generate("q", recompute=True), "generate(recompute)", "got True"),
+    (lambda: generate("q", recompute=1.5), "generate(recompute)", "got 1.5"),
+    (lambda: ir.retrieve("q", k=0), "retrieve(k)", "greater than or equal to 1, got 0"),
+    (lambda: ir.chat("hi", temperature=5), "chat(temperature)", "got 5"),
+    (lambda: generate(ir.system("s"), ir.user("q")), "generate(model)", "join messages with cross(...)"),
+    (lambda: generate([ir.user("a"), ir.user("b")]), "generate().input", "join several with cross(...)"),
+    (lambda: generate("q", stop=5), "generate(stop)", "a string or a list of strings, got int"),
+    (lambda: judge_query(["a", "b"], "pick", temperature=5), "judge(temperature)", "got 5"),
+    (lambda: judge_query(["a", "b"], "pick", span_anchor="x"), "judge(span_anchor)", "unknown anchor policy 'x'"),
+    (lambda: judge_query(["a", "b"], ""), "judge(instruction)", "need an instruction"),
+    (lambda: judge_query(["a", "b"], None), "judge(instruction)", "got NoneType"),
+]
+
+
+@pytest.mark.parametrize("build, path, says", BAD_BUILDS)
+def test_a_bad_setting_in_a_builder_is_a_spanq_error_naming_the_builder_and_the_setting(build, path, says):
+    """What `except SpanQueryError` catches, naming the setting: pydantic's ValidationError named the model's class
+    ("1 validation error for Generate") and a web page; a second message passed to generate went into `model`."""
+    with pytest.raises(QueryValidationError) as raised:
+        build()
+    assert raised.value.path == path and says in raised.value.message, str(raised.value)
+
+
+def test_a_stop_string_is_one_stop_and_fragment_metadata_is_the_documents():
+    """`stop="END"` stopped at any E, N or D (a string is iterable); `fragment(text, metadata=doc.metadata)` nested
+    the dict under a key "metadata"."""
+    assert generate("q", stop="END").stop == ("END",) and generate("q", stop=["a", "b"]).stop == ("a", "b")
+    assert ir.fragment("x", metadata={"source": "s"}, page=2).metadata == {"source": "s", "page": 2}
+    assert ir.fragment("x", source="s").metadata == {"source": "s"}
+    assert generate("q", recompute="none").recompute == 0.0
+
+
+def test_the_plan_shows_every_setting_a_call_or_a_plus_was_given():
+    """`spanq plan` and `render` showed neither an anchor nor recompute, cold spans, seed or JSON: a user could not
+    see that a setting reached the plan."""
+    shown = render(generate(cross(plus("a", "b", anchor="prefix"), "q"), recompute="first", seed=3,
+                            cold_spans="isolate", json_schema={}))  # fmt: skip
+    assert "recompute='first'" in shown and "seed=3" in shown and "cold_spans=isolate" in shown and "json=any" in shown
+    assert "plus (order-free, 2, anchor=prefix)" in shown
+    assert "recompute=0.25" in render(generate("q", recompute=0.25)) and "recompute" not in render(generate("q"))
 
 
 def test_child_paths_are_the_direct_children_in_order():
