@@ -75,7 +75,7 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
             prog="spanq serve",
             description="vLLM's OpenAI-compatible server with span-aware KV reuse and POST /v1/query/execute. "
             "--model takes default (SmolLM2-135M-Instruct), tiny, tiny-<family>, a model folder or a Hugging Face "
-            "id already in the local cache; every other `vllm serve` option passes through. spanq's own options: "
+            "id (from the local cache, else downloaded unless HF_HUB_OFFLINE=1); every other `vllm serve` option passes through. spanq's own options: "
             "--help=spanq; the query limits: --help=limits; everything: --help=all.",
         )
     )
