@@ -429,6 +429,7 @@ def test_empty_join(key: str) -> None:
             "$.map.metadata.max_tokens: must be >= 0, got -1",
         ),
         ({"map": {"inputs": ["a", None]}}, "$.map.inputs[1]: expected a string, got null"),
+        ({"g": {"input": {"user": "a"}, "stop": 5}}, "$.g.stop: expected an array, got number"),
         (  # (a limit the model checks: it pointed at $.map.temperature, which the JSON does not have)
             {"map": {"metadata": {"temperature": 5}, "inputs": ["a"]}},
             "$.map.metadata.temperature: Input should be less than or equal to 2",
@@ -526,3 +527,11 @@ def test_recompute_none_reads_as_zero_in_json_and_in_python_as_on_the_command_li
     assert to_json(from_json(doc))["g"]["recompute"] == 0.0
     with pytest.raises(QueryParseError, match=r"'none' or one of \['first'"):
         from_json({"g": {"model": "", "input": {"user": "hi"}, "recompute": "nothing"}})
+
+
+def test_a_stop_string_reads_as_one_stop_as_openais_api_takes_it() -> None:
+    """`"stop": "END"` was a 400 ("expected an array"); the Python builder takes a string as one stop too."""
+    from spanq_integrations.query.ir import generate
+
+    read = from_json({"g": {"input": {"user": "a"}, "stop": "END"}})
+    assert read.stop == ("END",) and read == generate("a", stop="END", temperature=read.temperature)
