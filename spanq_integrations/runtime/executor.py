@@ -295,9 +295,14 @@ async def aexecute(
     `optimize` applies the optimizer for this backend's capabilities first; `tree_reduction` (a
     `TreeReduction`, or a fan-in k for a tree of model calls) turns wide judges into trees; `on_token` receives
     the answer's text as it streams; `reducers` are the reducer instances `Combine` nodes may name (by default
-    the built-in ones, built from the node's options).
+    the built-in ones, built from the node's options). `max_concurrency`: calls in flight at once (None: the
+    backend's own limit).
     """
     _check_runnable(query)
+    if max_concurrency is not None and (isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int)
+                                        or max_concurrency < 1):
+        raise QueryValidationError("execute(max_concurrency)", "calls in flight at once: a whole number from 1 (None: "
+                                   f"the backend's limit), got {max_concurrency!r}")  # (0 and -1 ran as its limit and 1)
     be, owned = resolve_backend(backend, embedded_model_named(backend, _one_model(query)))
     try:
         plan = query

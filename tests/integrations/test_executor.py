@@ -314,6 +314,15 @@ def test_a_query_with_no_model_call_or_a_plain_string_is_refused_before_a_backen
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("wrong", [0, -1, 2.5, True])
+def test_a_concurrency_that_is_not_a_count_of_calls_is_refused(wrong):
+    """0 ran at the backend's limit and -1 at 1, silently."""
+    from spanq_integrations import QueryValidationError
+
+    with pytest.raises(QueryValidationError, match=r"execute\(max_concurrency\): calls in flight at once"):
+        execute(generate(user("hi")), ScriptedBackend(), max_concurrency=wrong)
+
+
 def test_calls_that_name_no_model_follow_the_one_the_others_name():
     """Inner calls with no model name ("") beside an outer `model="tiny"` run where the query runs: the query's
     model is "tiny" (it was none, so the default model's engine was started, warning that it does not serve tiny)."""
