@@ -52,6 +52,7 @@ __all__ = [
     "generate",
     "plus",
     "render",
+    "repeat",
     "retrieve",
     "system",
     "transform",
@@ -542,6 +543,15 @@ def _recompute(value: Any, where: str) -> Any:
 def combine(input: Any, reducer: str, **options: Any) -> Combine:
     """Combine the answers of the generates in `input` in code with the reducer named `reducer`."""
     return _built(Combine, "combine", input=_as_node(input, "combine().input"), reducer=reducer, options=options)
+
+
+def repeat(query: Any, n: int) -> Repeat:
+    """`n` independent runs of one generate call (spnl's `repeat`): a bulk query, each run an answer of its own
+    (`ExecutionResult.answers`). One call on several inputs: `Map(inputs=(...), ...)`."""
+    if not isinstance(query, Generate):
+        got = type(query).__name__
+        raise QueryValidationError("repeat(query)", f"expected a generate call, as repeat(generate(...), n), got {got}")
+    return _built(Repeat, "repeat", n=n, query=query)
 
 
 def retrieve(query: str, k: int = 4, retriever: str = "default") -> Retrieve:

@@ -314,6 +314,15 @@ def test_a_query_with_no_model_call_or_a_plain_string_is_refused_before_a_backen
 
 
 @pytest.mark.vllm
+def test_a_repeat_built_in_python_runs_each_copy_and_answers_each():
+    """`repeat(generate(...), n)`, the builder of spnl's repeat (only the class existed: `Repeat(n=2, query="x")` was
+    a pydantic error), gives n answers."""
+    from spanq_integrations import repeat
+
+    result = execute(repeat(generate(user("a")), 3), ScriptedBackend())
+    assert len(result.calls) == 3 and len(result.answers) == 3 and result.answers[-1] == result.answer
+
+
 @pytest.mark.parametrize("wrong", [0, -1, 2.5, True])
 def test_a_concurrency_that_is_not_a_count_of_calls_is_refused(wrong):
     """0 ran at the backend's limit and -1 at 1, silently."""

@@ -188,6 +188,8 @@ BAD_BUILDS = [  # (what a user wrote, the path the error names, what it says)
     (lambda: judge_query(["a", "b"], "pick", temperature=5), "judge(temperature)", "got 5"),
     (lambda: judge_query(["a", "b"], "pick", span_anchor="x"), "judge(span_anchor)", "unknown anchor policy 'x'"),
     (lambda: judge_query(["a", "b"], ""), "judge(instruction)", "need an instruction"),
+    (lambda: ir.repeat("hi", 2), "repeat(query)", "as repeat(generate(...), n), got str"),
+    (lambda: ir.repeat(generate("hi"), 0), "repeat(n)", "greater than or equal to 1, got 0"),
     (lambda: judge_query(["a", "b"], None), "judge(instruction)", "got NoneType"),
 ]
 
