@@ -447,48 +447,54 @@ def serve_cluster(argv: Sequence[str]) -> int:
         return 2
     own = set(processes(parent=os.getpid()))  # Ray's own processes: their exits are Ray's to collect
     stop = asyncio.Event()
-    serve.start(http_options={"host": cluster.host, "port": cluster.port})
-    # on a local Ray every replica runs on this machine: each gets its own cores (a remote cluster's nodes are
-    # not known here; there each engine binds as vLLM decides, or as VLLM_CPU_OMP_THREADS_BIND says)
-    cores = split_cores(cluster.replicas) if not cluster.ray_address else []
-    # A local Ray's replicas write their servers' logs here; the folder goes when this command ends (a replica
-    # killed with Ray cannot remove its own).
-    log_dir = None if cluster.ray_address else tempfile.mkdtemp(prefix="spanq-cluster-")
-    app = build_app(rest, cluster.replicas, cluster.routing, core_lists=cores, max_imbalance=cluster.max_imbalance,
-                    tier_cost=cluster.tier_cost, log_dir=log_dir, queue_timeout_s=cluster.queue_timeout)  # fmt: skip
-    print(
-        f"spanq serve: starting {cluster.replicas} replica(s), {cluster.routing} routing, on "
-        f"http://{cluster.host}:{cluster.port}" + (f"; their engines' cores: {' | '.join(cores)}" if cores else "")
-        + (f"; replica logs in {log_dir}" if log_dir else ""),
-        file=sys.stderr,
-        flush=True,
-    )
+    log_dir: str | None = None
+    # A SIGTERM while the replicas start (a service manager's stop, a deploy's timeout) stops the start-up as a
+    # Ctrl-C does, through the cleanup below: it killed this process at once (Ray's core printed its stack dump)
+    # and left the replicas' log folder behind.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
-        serve.run(app, name="spanq", route_prefix="/", blocking=False)
-    except Exception as e:  # noqa: BLE001 - a replica that cannot start: its server's log tail is in the error
-        print(f"spanq serve: error: the replicas did not start: {e}", file=sys.stderr)
-        serve.shutdown()
-        if log_dir:
-            shutil.rmtree(log_dir, ignore_errors=True)
-        return 1
-    print(f"spanq serve: ready on http://{cluster.host}:{cluster.port}", file=sys.stderr, flush=True)
+        serve.start(http_options={"host": cluster.host, "port": cluster.port})
+        # on a local Ray every replica runs on this machine: each gets its own cores (a remote cluster's nodes are
+        # not known here; there each engine binds as vLLM decides, or as VLLM_CPU_OMP_THREADS_BIND says)
+        cores = split_cores(cluster.replicas) if not cluster.ray_address else []
+        # A local Ray's replicas write their servers' logs here; the folder goes when this command ends (a replica
+        # killed with Ray cannot remove its own).
+        log_dir = None if cluster.ray_address else tempfile.mkdtemp(prefix="spanq-cluster-")
+        app = build_app(rest, cluster.replicas, cluster.routing, core_lists=cores, max_imbalance=cluster.max_imbalance,
+                        tier_cost=cluster.tier_cost, log_dir=log_dir, queue_timeout_s=cluster.queue_timeout)  # fmt: skip
+        print(
+            f"spanq serve: starting {cluster.replicas} replica(s), {cluster.routing} routing, on "
+            f"http://{cluster.host}:{cluster.port}" + (f"; their engines' cores: {' | '.join(cores)}" if cores else "")
+            + (f"; replica logs in {log_dir}" if log_dir else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            serve.run(app, name="spanq", route_prefix="/", blocking=False)
+        except Exception as e:  # noqa: BLE001 - a replica that cannot start: its server's log tail is in the error
+            print(f"spanq serve: error: the replicas did not start: {e}", file=sys.stderr)
+            serve.shutdown()
+            return 1
+        print(f"spanq serve: ready on http://{cluster.host}:{cluster.port}", file=sys.stderr, flush=True)
 
-    def on_signal(*_: Any) -> None:
-        stop.set()
+        def on_signal(*_: Any) -> None:
+            stop.set()
 
-    async def wait() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal)
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=5.0)
-            if adopted:
-                reap_adopted(own)  # a restarted replica's supervisor, say: not left a zombie
+        async def wait() -> None:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, on_signal)
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=5.0)
+                if adopted:
+                    reap_adopted(own)  # a restarted replica's supervisor, say: not left a zombie
 
-    try:
         asyncio.run(wait())
+    except KeyboardInterrupt:  # (Ctrl-C, or the SIGTERM above, before the replicas were ready)
+        print("spanq serve: stopped while the replicas were starting", file=sys.stderr, flush=True)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         import ray
 
         if cluster.ray_address:
@@ -502,6 +508,10 @@ def serve_cluster(argv: Sequence[str]) -> int:
         if log_dir:
             shutil.rmtree(log_dir, ignore_errors=True)
     return 0
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
 
 
 serve_main = serve_cluster  # `spanq serve --replicas ...` (the command line's name for it)

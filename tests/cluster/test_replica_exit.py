@@ -287,3 +287,36 @@ def test_supervise_ends_its_whole_group_also_what_joins_it_while_it_stops(tmp_pa
     assert run.returncode == 0, run.stderr
     gone, took = run.stdout.strip().rsplit(" ", 1)
     assert gone == "gone: [True, True, True]" and 0.9 <= float(took) < 10, run.stdout
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_cluster_command_stopped_while_its_replicas_start_ends_everything_it_started(tiny_model, tmp_path):
+    """A SIGTERM to `spanq serve --replicas`'s process group while its replica starts (a service manager's stop, a
+    deploy's timeout) ends the start-up as a Ctrl-C does: the command said nothing, Ray's core printed its stack
+    dump, and the replicas' log folder stayed in /tmp, one a run."""
+    pytest.importorskip("ray.serve", reason="the cluster extra: pip install 'spanq[cluster]'")
+    import re
+
+    from tests.servers import free_port
+
+    log = tmp_path / "cluster.log"
+    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--replicas", "1", "--model", str(tiny_model),
+               "--port", str(free_port())]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        said = wait_for("the cluster starting its replica",
+                        lambda: re.search(r"replica logs in (\S+)", log.read_text(errors="replace")), 120, log)
+        logs = Path(said.group(1))
+        wait_for("the replica's server starting", lambda: list(logs.glob("replica-*.log")), 120, log)
+        started = [p for p in descendants(proc.pid) if alive(p)]
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=EXIT_BOUND_S) == 0, log_tail(log)
+        assert_gone(started, log)
+        text = log.read_text(errors="replace")
+        assert "stopped while the replicas were starting" in text and "Traceback" not in text, log_tail(log)
+        assert not logs.exists(), "the replicas' log folder was left behind"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
