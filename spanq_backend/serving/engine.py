@@ -43,7 +43,7 @@ from spanq_backend.serving.generator import (
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR, LoweredPrompt
 from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE, recompute_setting
 from spanq_backend.vllm_integration import openmp, tier
-from spanq_backend.vllm_integration.cache_probe import BlockPoolProbe
+from spanq_backend.vllm_integration.cache_probe import BlockPins, BlockPoolProbe
 from spanq_backend.vllm_integration.frontend import in_process_engines
 from spanq_backend.vllm_integration.support import STOCK, STOCK_ENGINE_KEY, query_span_support
 from spanq_integrations.backends.protocol import Completion, TokenCallback
@@ -350,6 +350,7 @@ class SpanEngine:
             if not self.span_support.enabled:
                 log.warning("spans are off for %s: %s", self.model_path.name, self.span_support.reason)
         self._probe = BlockPoolProbe.of(engine, c.block_size) if self.span_support.enabled else None
+        self._pins = BlockPins(self._probe.pool) if self._probe is not None else None  # (`compile(pin=True)`)
         self.tier = tier.tier_for(c.tier_dir, engine.vllm_config) if c.tier_dir else None
         if self._probe is not None:
             self._probe.tier = self.tier
@@ -562,7 +563,17 @@ class SpanEngine:
         elif kind == "settle":
             self._settle_waiters.append(req)
         elif kind == "reset":
+            if self._pins is not None:
+                self._pins.release()  # (a pinned block is referenced: vLLM would refuse the reset)
             req.set_result(bool(engine.reset_prefix_cache()))
+        elif kind == "pin":
+            hashes, done = req
+            try:
+                done.set_result(self._pins.pin(hashes) if self._pins is not None else {"refused": len(hashes)})
+            except Exception as e:  # noqa: BLE001  (the caller's to report; the engine goes on)
+                done.set_exception(e)
+        elif kind == "unpin":
+            req.set_result(self._pins.release() if self._pins is not None else 0)
         elif kind == "abort" and req.rid in self._active:
             engine.abort_request([req.rid])
             self._active.pop(req.rid, None)
@@ -656,7 +667,8 @@ class SpanEngine:
         return self.generator.lower(call)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (spans included), on the engine's thread; False while requests run."""
+        """Forget every cached block (spans included, pinned ones too: the pins go), on the engine's thread; False
+        while requests run."""
         done: concurrent.futures.Future[bool] = concurrent.futures.Future()
         self._put(("reset", done))
         return done.result(timeout=60)
@@ -669,13 +681,18 @@ class SpanEngine:
 
     COMPILE_BATCH_TOKENS = 8192  # prepare prompts' tokens sent to the engine together by `compile`
 
-    async def compile(self, texts: list[str]) -> dict[str, Any]:
+    async def compile(self, texts: list[str], pin: bool = False) -> dict[str, Any]:
         """Compute each document's span KV (its `[anchor][span]` under this engine's default anchor and lead-in,
         exactly as a query's `plus` of it is prepared) and, on an engine with a tier, write it there: a later
         engine on the same tier answers queries over them without computing them. Documents whose span the tier
         holds already are skipped; one too long for the context window is counted (`too_long`, their indices in
         `too_long_documents`) and the rest compiled. Returns counts: documents, spans (distinct), already held,
-        prepared, tokens computed, and the tier's blocks and bytes written."""
+        prepared, tokens computed, and the tier's blocks and bytes written.
+
+        `pin`: the corpus stays in this engine's KV cache until `unpin` (or `reset_prefix_cache`) whatever else
+        runs, and in the tier (never evicted from it); spans the tier holds are loaded into the cache to be pinned.
+        At most half the cache's blocks are pinned; the report says how many blocks were pinned (`pinned_blocks`)
+        and how many could not be (`pin_refused`: past that half; `pin_missing`: evicted before the pin)."""
         from spanq_integrations.query.errors import ContextLengthError
         from spanq_integrations.query.ir import Cross, Fragment, Plus, User
 
@@ -683,7 +700,27 @@ class SpanEngine:
         seen: set[tuple[int, ...]] = set()
         report: dict[str, Any] = {"documents": len(texts), "spans": 0, "held": 0, "prepared": 0, "tokens": 0,
                                   "too_long": 0, "too_long_documents": []}
+        if pin:
+            if self._pins is None:
+                raise BackendError("this engine cannot pin spans: its spans are off or its cache cannot be reached")
+            report.update(pinned_blocks=0, pin_refused=0, pin_missing=0)
         batch: list[list[int]] = []
+
+        def hashes_of(prompts: list[list[int]]) -> list[Any]:
+            return [h for p in prompts for h in (self._probe.block_hashes(p) or ())]  # type: ignore[union-attr]
+
+        async def pin_now(prompt: list[int]) -> None:  # in the cache, right after it is computed: before evictions
+            done: concurrent.futures.Future[dict[str, int]] = concurrent.futures.Future()
+            self._put(("pin", (hashes_of([prompt]), done)))
+            counts = await asyncio.wrap_future(done)
+            report["pinned_blocks"] += counts.get("pinned", 0)
+            report["pin_refused"] += counts.get("refused", 0)
+            report["pin_missing"] += counts.get("missing", 0)
+
+        async def pin_in_tier(prompts: list[list[int]]) -> None:  # once its blocks are on disk (a pin marks a file)
+            if self.tier is not None:
+                await asyncio.get_running_loop().run_in_executor(None, lambda: self.tier.flush(timeout=None))
+                self.tier.pin(hashes_of(prompts))
 
         async def run(prompts: list[list[int]]) -> None:
             with self.generator.batch():
@@ -691,6 +728,10 @@ class SpanEngine:
             for p, o in zip(prompts, opened):
                 report["tokens"] += await self.generator._computed(len(p), o)
                 report["prepared"] += 1
+                if pin:
+                    await pin_now(p)
+            if pin:
+                await pin_in_tier(prompts)
 
         for index, text in enumerate(texts):
             call = Generate(input=Cross(children=[Plus(children=[Fragment(text=text)]), User(text="?")]))
@@ -708,7 +749,12 @@ class SpanEngine:
             seen.add(tuple(prompt))
             self.generator._note_spans(lowered)  # known to this engine's queries (and reported to a router) as prepared
             report["spans"] += 1
-            if self._probe is not None and self.tier is not None and self._probe.tier_holds_all(prompt):
+            if pin and self._probe is not None and self._probe.cached(prompt):
+                report["held"] += 1
+                await pin_now(prompt)
+                await pin_in_tier([prompt])
+                continue
+            if not pin and self._probe is not None and self.tier is not None and self._probe.tier_holds_all(prompt):
                 report["held"] += 1
                 if self.config.tier_pin:
                     self.tier.pin(list(self._probe.block_hashes(prompt) or ()))
@@ -726,6 +772,19 @@ class SpanEngine:
             report["blocks_written"] = after["saved_blocks"] - before["saved_blocks"]
             report["bytes_written"] = after["bytes_written"] - before["bytes_written"]
         return report
+
+    def unpin(self) -> int:
+        """Drop the pins `compile(..., pin=True)` took in this engine's KV cache (the blocks stay cached, evicted
+        as any other from now on; the tier's pins stay: `spanq tier --clear` removes them). How many blocks."""
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._put(("unpin", done))
+        return done.result(timeout=60)
+
+    @property
+    def pinned_blocks(self) -> int:
+        """Blocks of this engine's KV cache held pinned now."""
+        pins = getattr(self, "_pins", None)  # (none before the engine is built)
+        return len(pins.held) if pins is not None else 0
 
     def tier_stats(self) -> dict[str, Any] | None:
         """The span tier's counters (loads, blocks loaded and saved, failures, bytes), or None without a tier."""

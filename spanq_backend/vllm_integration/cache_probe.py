@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["BlockPoolProbe", "KVEventsMirror", "block_hash_chain", "in_tier", "tier_holds_all", "tier_lost"]
+__all__ = ["BlockPins", "BlockPoolProbe", "KVEventsMirror", "block_hash_chain", "in_tier", "tier_holds_all", "tier_lost"]
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,50 @@ class BlockPoolProbe:
         except Exception:  # noqa: BLE001  (the pool changed under us: what was read so far)
             log.debug("block pool probe failed after %d blocks", held)
         return held
+
+
+class BlockPins:
+    """Blocks of an in-process engine's prefix cache held out of eviction (a pinned corpus): each holds a reference
+    of its own, as a running request's would, and vLLM evicts only blocks no one references. Taken and dropped on
+    the engine's thread, between steps (`SpanEngine.compile(..., pin=True)`, `SpanEngine.unpin`). At most
+    `MAX_SHARE` of the cache's blocks are pinned, so that requests still find room to run."""
+
+    MAX_SHARE = 0.5
+
+    def __init__(self, pool: Any):
+        self.pool = pool
+        self.held: dict[Any, Any] = {}  # block hash -> the block this holds a reference on
+
+    @property
+    def limit(self) -> int:
+        return int(self.pool.num_gpu_blocks * self.MAX_SHARE)
+
+    def pin(self, hashes: list[Any]) -> dict[str, int]:
+        """Pin the cached blocks of `hashes` (prefix-cache hashes, `BlockPoolProbe.block_hashes`): counts of
+        those pinned now, already pinned, not in the cache (evicted before they could be pinned: nothing to hold)
+        and refused (past the limit)."""
+        counts = {"pinned": 0, "already": 0, "missing": 0, "refused": 0}
+        for h in hashes:
+            if h in self.held:
+                counts["already"] += 1
+                continue
+            blocks = self.pool.get_cached_block(h, [0])
+            if not blocks:
+                counts["missing"] += 1
+            elif len(self.held) >= self.limit:
+                counts["refused"] += 1
+            else:
+                self.pool.touch(blocks)
+                self.held[h] = blocks[0]
+                counts["pinned"] += 1
+        return counts
+
+    def release(self) -> int:
+        """Drop every pin: the blocks stay cached, evicted as any other from now on. How many."""
+        blocks = list(self.held.values())
+        self.held.clear()
+        self.pool.free_blocks(blocks)
+        return len(blocks)
 
 
 class KVEventsMirror:
