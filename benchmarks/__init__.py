@@ -6,6 +6,8 @@ here with `main(argv) -> int` that prints a table and writes JSON and a plot int
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -49,6 +51,10 @@ def bench_main(argv: Sequence[str]) -> int:
     except ValueError as e:
         print(f"spanq bench: {e}", file=sys.stderr)
         return 2
+    if "--verbose" not in rest and not os.environ.get("SPANQ_LOG_LEVEL"):
+        # Each call's line of progress ("read 2 new documents in context ...") is for an app's user: a benchmark
+        # runs hundreds of calls, and has its progress bar (they were hundreds of lines through it).
+        logging.getLogger("spanq.generator").setLevel(logging.WARNING)
     module_name = BENCHMARKS[name][0]
     try:
         module = importlib.import_module(module_name)

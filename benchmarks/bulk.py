@@ -36,6 +36,7 @@ from benchmarks.common import (
     make_documents,
     model_label,
     new_figure,
+    positive_int,
     progress,
     reset_cache,
     settle,
@@ -107,16 +108,16 @@ def bulks(w: Workload, size: int, order: str, session: int, canonical: bool = Fa
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = base_parser("bulk", __doc__.splitlines()[0], model="tiny", reps=1)
-    parser.add_argument("--queries", type=int, default=256, help="queries in the workload (default: 256)")
-    parser.add_argument("--pool", type=int, default=1000, help="fragments in the pool (default: 1000)")
-    parser.add_argument("--k", type=int, default=4, help="fragments per query (default: 4)")
-    parser.add_argument("--frag-tokens", type=int, default=100, help="tokens per fragment (default: 100)")
+    parser.add_argument("--queries", type=positive_int, default=256, help="queries in the workload (default: 256)")
+    parser.add_argument("--pool", type=positive_int, default=1000, help="fragments in the pool (default: 1000)")
+    parser.add_argument("--k", type=positive_int, default=4, help="fragments per query (default: 4)")
+    parser.add_argument("--frag-tokens", type=positive_int, default=100, help="tokens per fragment (default: 100)")
     parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of fragment popularity (default: 1.1)")
     parser.add_argument("--bulk", type=int_list, default=[1, 64, 0],
                         help="bulk sizes; 0 = the whole workload (default: 1,64,0)")
-    parser.add_argument("--kv-blocks", type=int, default=1024,
+    parser.add_argument("--kv-blocks", type=positive_int, default=1024,
                         help="KV cache size of each engine, in 32-token blocks (default: 1024)")
-    parser.add_argument("--concurrency", type=int, default=16, help="engine max_num_seqs (default: 16)")
+    parser.add_argument("--concurrency", type=positive_int, default=16, help="engine max_num_seqs (default: 16)")
     add_recompute_flag(parser)
     return parser.parse_args(list(argv))
 

@@ -36,7 +36,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import BenchReport, base_parser, format_table, make_documents, new_figure, summarize
+from benchmarks.common import (
+    BenchReport,
+    base_parser,
+    faster,
+    format_table,
+    make_documents,
+    new_figure,
+    positive_int,
+    summarize,
+)
 
 # Per replica: 65% of the default pool's 513 blocks, so one replica cannot hold it all; the fleet's 672 hold it with
 # room for what running queries add (a replica caching its half, 257 blocks, has 79 to spare).
@@ -47,16 +56,16 @@ QUESTIONS = ["Which door?", "Which key?", "Which lamp?", "Which road?", "Which t
 
 def parse_args(argv: list[str]) -> Any:
     parser = base_parser("cluster", __doc__.split("\n\n")[0], reps=None)
-    parser.add_argument("--replicas", type=int, default=2, help="replicas per cluster (default: 2)")
-    parser.add_argument("--pool", type=int, default=64, help="documents in the shared pool (default: 64)")
-    parser.add_argument("--frag-tokens", type=int, default=256, help="tokens per document (default: 256)")
-    parser.add_argument("--topics", type=int, default=8,
+    parser.add_argument("--replicas", type=positive_int, default=2, help="replicas per cluster (default: 2)")
+    parser.add_argument("--pool", type=positive_int, default=64, help="documents in the shared pool (default: 64)")
+    parser.add_argument("--frag-tokens", type=positive_int, default=256, help="tokens per document (default: 256)")
+    parser.add_argument("--topics", type=positive_int, default=8,
                         help="topics the pool is split into; 0: documents drawn independently (default: 8)")  # fmt: skip
-    parser.add_argument("--k", type=int, default=4, help="documents per query (default: 4)")
-    parser.add_argument("--queries", type=int, default=480, help="queries in the workload (default: 480)")
+    parser.add_argument("--k", type=positive_int, default=4, help="documents per query (default: 4)")
+    parser.add_argument("--queries", type=positive_int, default=480, help="queries in the workload (default: 480)")
     parser.add_argument("--zipf", type=float, default=0.8, help="Zipf exponent of topic (or document) popularity (0.8)")
-    parser.add_argument("--concurrency", type=int, default=4, help="queries in flight at a time (default: 4)")
-    parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per query (default: 8)")
+    parser.add_argument("--concurrency", type=positive_int, default=4, help="queries in flight at a time (default: 4)")
+    parser.add_argument("--max-tokens", type=positive_int, default=8, help="tokens generated per query (default: 8)")
     parser.add_argument("--replica-blocks", type=int, default=REPLICA_BLOCKS,
                         help="KV cache blocks per replica (vLLM's --num-gpu-blocks-override); 0: vLLM's own size, "
                         f"from spanq serve's 1 GiB (default: {REPLICA_BLOCKS})")  # fmt: skip
@@ -258,7 +267,8 @@ def main(argv: list[str]) -> int:
     print(f"KV cache: the pool takes {pool_blocks} blocks of {block_size} tokens, one query's prompt up to "
           f"{query_blocks}; each replica holds {capacity}"
           + (f" ({args.replicas * args.replica_blocks} in the fleet)" if args.replica_blocks else ""))  # fmt: skip
-    print(f"span affinity / default: hit rate {summary['hit_rate_ratio']:.2f}x, mean TTFT {summary['ttft_speedup']:.2f}x faster")
+    print(f"span affinity against default: hit rate {summary['hit_rate_ratio']:.2f}x default's, mean TTFT "
+          f"{faster(summary['ttft_speedup'])}")
     figure, axes = new_figure(2, width=9.0)
     names = ["default", "affinity"]
     axes[0].bar(names, [d["hit_rate"], a["hit_rate"]], color=["#999999", "#3a7ca5"])

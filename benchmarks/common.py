@@ -79,6 +79,14 @@ WORDS = (
 # --------------------------------------------------------------------------------------------- options
 
 
+def positive_int_list(text: str) -> list[int]:
+    """`"1,2,4"` → `[1, 2, 4]`, each at least 1 (an argparse type: counts and sizes, where 0 means nothing)."""
+    values = int_list(text)
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers of at least 1, got {text!r}")
+    return values
+
+
 def int_list(text: str) -> list[int]:
     """`"1,2,4"` → `[1, 2, 4]` (an argparse type)."""
     try:
@@ -340,6 +348,14 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------- output
 
 
+def faster(ratio: float | None, digits: int = 2) -> str:
+    """A time ratio (the baseline's time over the measured one) in words: "2.20x faster", and below 1 "2.20x slower"
+    (it read "0.45x faster")."""
+    if ratio is None or not ratio > 0 or ratio == float("inf"):
+        return "n/a"
+    return f"{ratio:.{digits}f}x faster" if ratio >= 1 else f"{1 / ratio:.{digits}f}x slower"
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, left: int = 1) -> str:
     """A plain-text table: the first `left` columns left-aligned, the others right-aligned; floats to 3 significant
     digits, NaN as "-", strings as they are."""
@@ -422,6 +438,18 @@ class BenchReport:
     label: str | None = None
     written: list[Path] = field(default_factory=list)
     """The files `write` wrote."""
+
+    def __post_init__(self) -> None:
+        """The --out folder is made and checked before anything is measured (a folder that cannot be written
+        failed the run at its end, minutes of measurement lost): a usage error naming it, exit status 2."""
+        probe = self.out_dir / f".write-check-{os.getpid()}"
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            print(f"spanq bench {self.name}: error: --out {self.out_dir} cannot be written: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
 
     @property
     def out_dir(self) -> Path:

@@ -44,6 +44,7 @@ from benchmarks.common import (
     int_list,
     make_backend,
     new_figure,
+    positive_int,
     progress,
 )
 from spanq_integrations.backends.protocol import Backend
@@ -422,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
         "name the server knows (default: its first)",
         reps=None,  # --runs
     )
-    p.add_argument("--runs", type=int, default=100, help="runs per point (hay size x method); default 100")
+    p.add_argument("--runs", type=positive_int, default=100, help="runs per point (hay size x method); default 100")
     p.add_argument("--hay", type=int_list, default=[50, 100, 200, 400],
                    help="filler words per inner generation, comma-separated (default 50,100,200,400)")  # fmt: skip
     p.add_argument("--k", type=int_list, default=[2, 4], help="tree fan-ins to compare with flat (default 2,4)")
@@ -431,8 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "at the leaves, combined in code); default model,code")  # fmt: skip
     p.add_argument("--task", choices=["extract", "select"], default="extract",
                    help="extract every hidden name (default), or select the one text that hides a name")
-    p.add_argument("--docs", type=int, default=8, help="inner generations per run (default 8)")
-    p.add_argument("--names", type=int, default=2, help="names hidden in each inner generation (default 2)")
+    p.add_argument("--docs", type=positive_int, default=8, help="inner generations per run (default 8)")
+    p.add_argument("--names", type=positive_int, default=2, help="names hidden in each inner generation (default 2)")
     p.add_argument("--threshold", type=float, default=0.75, help="report runs with P (R) >= this (default 0.75)")
     p.add_argument("--backend", default=None, metavar="URL",
                    help="an OpenAI-compatible server (http://host:port/v1) or spanq+http://host:port; "
@@ -442,10 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompt) instead of stock full attention (default: stock)")  # fmt: skip
     p.add_argument("--inner", choices=["synthetic", "generate"], default="synthetic",
                    help="inner generations: synthetic assistant texts (default) or real generations")  # fmt: skip
-    p.add_argument("--concurrency", type=int, default=1,
+    p.add_argument("--concurrency", type=positive_int, default=1,
                    help="haystacks judged at once (default 1: wall times of one run alone; more batches "
                         "decoding across runs, but each run's wall time then includes waiting for others)")  # fmt: skip
-    p.add_argument("--max-model-len", type=int, default=8192, help="embedded: context window (default 8192)")
+    p.add_argument("--max-model-len", type=positive_int, default=8192, help="embedded: context window (default 8192)")
     return p
 
 

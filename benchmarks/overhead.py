@@ -20,17 +20,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.common import BenchReport, base_parser, format_table, make_documents, summarize
+from benchmarks.common import BenchReport, base_parser, format_table, make_documents, positive_int, summarize
 
 __all__ = ["main"]
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = base_parser("overhead", __doc__.splitlines()[0], model="tiny", reps=3)
-    parser.add_argument("--prompt-tokens", type=int, default=1024, help="tokens per prompt (default: 1024)")
-    parser.add_argument("--requests", type=int, default=8, help="single requests timed per engine (default: 8)")
-    parser.add_argument("--batch", type=int, default=16, help="concurrent requests of the throughput run (16)")
-    parser.add_argument("--decode-tokens", type=int, default=64, help="tokens each batched request generates (64)")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=1024, help="tokens per prompt (default: 1024)")
+    parser.add_argument("--requests", type=positive_int, default=8, help="single requests timed per engine (default: 8)")
+    parser.add_argument("--batch", type=positive_int, default=16, help="concurrent requests of the throughput run (16)")
+    parser.add_argument("--decode-tokens", type=positive_int, default=64, help="tokens each batched request generates (64)")
     return parser.parse_args(list(argv))
 
 

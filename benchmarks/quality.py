@@ -48,6 +48,7 @@ from benchmarks.common import (
     format_table,
     model_label,
     new_figure,
+    positive_int,
     progress,
     summarize,
 )
@@ -237,10 +238,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--items", type=int, default=100, help="items per task (default: 100)")
     parser.add_argument("--tasks", type=_task_list, default=["qa"],
                         help=f"task shapes (default: qa; any of {', '.join(TASKS)}; see make_task_items)")
-    parser.add_argument("--docs", type=int, default=5, help="documents per item (default: 5)")
+    parser.add_argument("--docs", type=positive_int, default=5, help="documents per item (default: 5)")
     parser.add_argument("--filler", type=int, default=12,
                         help="sentences of other facts per document (default: 12, about 7 KV blocks a document)")
-    parser.add_argument("--max-tokens", type=int, default=16, help="answer length for exact match (default: 16)")
+    parser.add_argument("--max-tokens", type=positive_int, default=16, help="answer length for exact match (default: 16)")
     parser.add_argument("--anchors", type=_anchor_list, default=["template"],
                         help="anchor policies to measure (default: template; any of template,system,prefix)")
     parser.add_argument("--lead-ins", type=_lead_in_list, default=["neutral"],
@@ -251,8 +252,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--hf-check", type=int, default=5, metavar="N",
                         help="items whose attention-only KL is also computed exactly with HF transformers (default 5)")
     parser.add_argument("--speed-docs", type=int, default=8, help="documents of the speed side (default: 8; 0: none)")
-    parser.add_argument("--speed-tokens", type=int, default=512, help="tokens per document there (default: 512)")
-    parser.add_argument("--speed-reps", type=int, default=2, help="repetitions of the speed side (default: 2)")
+    parser.add_argument("--speed-tokens", type=positive_int, default=512, help="tokens per document there (default: 512)")
+    parser.add_argument("--speed-reps", type=positive_int, default=2, help="repetitions of the speed side (default: 2)")
     parser.add_argument("--rows-from", type=Path, nargs="+", metavar="JSON",
                         help="measure nothing: summarize and plot the QA and speed rows of earlier runs' JSON files "
                         "(for example a long QA run and a speed run); give the same --recompute and --docs")

@@ -41,12 +41,14 @@ from benchmarks.common import (
     base_parser,
     engine_options_of,
     engine_pair,
+    faster,
     format_table,
-    int_list,
     make_documents,
     model_label,
     new_figure,
     paired_speedup,
+    positive_int,
+    positive_int_list,
     progress,
     settle,
     summarize,
@@ -79,12 +81,12 @@ def rag_query(
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = base_parser("rag", __doc__.splitlines()[0], model="tiny", reps=3)
     parser.add_argument(
-        "--docs", type=int_list, default=None,
+        "--docs", type=positive_int_list, default=None,
         help="document counts (default: 1,2,4,8,16,32 on tiny, 1,2,4,8,16 otherwise; counts whose prompt does "
         "not fit --max-model-len are skipped)",
     )
-    parser.add_argument("--doc-tokens", type=int, default=512, help="tokens per document (default: 512)")
-    parser.add_argument("--max-model-len", type=int, default=8192, help="engine context length (default: 8192)")
+    parser.add_argument("--doc-tokens", type=positive_int, default=512, help="tokens per document (default: 512)")
+    parser.add_argument("--max-model-len", type=positive_int, default=8192, help="engine context length (default: 8192)")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per engine, GiB (default: 1)")
     parser.add_argument("--question-first", action="store_true",
                         help="the question before the documents, and another question on the second pass")
@@ -95,7 +97,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--grid", action="store_true",
                         help="every document count x every document size of --doc-tokens-list (default 64,128,256,512), "
                         "with a heat map of each speedup")
-    parser.add_argument("--doc-tokens-list", type=int_list, default=[64, 128, 256, 512], metavar="N,N",
+    parser.add_argument("--doc-tokens-list", type=positive_int_list, default=[64, 128, 256, 512], metavar="N,N",
                         help="--grid: the document sizes (default 64,128,256,512)")
     args = parser.parse_args(list(argv))
     if args.docs is None:
@@ -182,7 +184,7 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
     goal = report.summary.get(cell_key(GOAL_DOCS, args.doc_tokens))
     if goal is not None and not args.grid:
         print(f"\n{GOAL_DOCS} documents x {args.doc_tokens} tokens on {model_label(args.model)}: spans warm is "
-              f"{goal['speedup_warm_vs_stock_reordered']:.1f}x faster to first token than stock reordered "
+              f"{faster(goal['speedup_warm_vs_stock_reordered'], 1)} to first token than stock reordered "
               f"(issue goal on tiny: >= {GOAL_SPEEDUP:.0f}x)")
     report.write(plot_grid(report.summary, args) if args.grid else plot(report.summary, args))
     report.print_files()

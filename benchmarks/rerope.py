@@ -31,6 +31,7 @@ from benchmarks.common import (
     int_list,
     new_figure,
     percentile,
+    positive_int,
     progress,
     summarize,
 )
@@ -258,15 +259,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="blocks moved per step (all layers; 1024 moves more bytes than the last-level cache holds)")
     parser.add_argument("--patterns", default="scattered,runs", help="which blocks move: scattered, runs (of 8)")
     parser.add_argument("--layout", choices=["discovered", "row", "transposed"], default="discovered")
-    parser.add_argument("--num-blocks", type=int, default=2048, help="blocks per layer cache (default: 2048)")
-    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--num-blocks", type=positive_int, default=2048, help="blocks per layer cache (default: 2048)")
+    parser.add_argument("--block-size", type=positive_int, default=32)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="KV cache dtype (default: float32, what spanq's CPU engine runs)")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch threads (default: 1; the 2 shared cores thrash with more)")
-    parser.add_argument("--requests", type=int, default=64, help="planning: requests admitted in one step")
-    parser.add_argument("--spans", type=int, default=32, help="planning: spans per request")
-    parser.add_argument("--blocks-per-span", type=int, default=4, help="planning: blocks per span (default: 4)")
+    parser.add_argument("--requests", type=positive_int, default=64, help="planning: requests admitted in one step")
+    parser.add_argument("--spans", type=positive_int, default=32, help="planning: spans per request")
+    parser.add_argument("--blocks-per-span", type=positive_int, default=4, help="planning: blocks per span (default: 4)")
     parser.add_argument("--no-decode", action="store_true", help="skip measuring a decode step on the engine")
     return parser.parse_args(list(argv))
 

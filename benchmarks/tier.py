@@ -35,11 +35,13 @@ from benchmarks.common import (
     BenchReport,
     base_parser,
     close_backend,
+    faster,
     format_table,
     make_backend,
     make_documents,
     model_label,
     new_figure,
+    positive_int,
     summarize,
     ttft_of,
     warm_up,
@@ -49,15 +51,17 @@ from benchmarks.rag import QUESTION, SECOND_QUESTION, rag_query
 __all__ = ["main"]
 
 GOAL_RESTART_VS_WARM = 2.0  # the restart's TTFT within 2x of warm in memory
+CORPUS_MAX_MODEL_LEN = 2048  # --corpus: each engine's context
+CORPUS_BLOCK_SIZE = 32  # (the engines' KV block, `EngineConfig`'s default)
 GOAL_RESTART_VS_STOCK = 10.0  # and >= 10x faster than stock cold
 GOAL_LOAD_SHARE = 0.5  # loading at >= 50% of a plain read of the same bytes
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = base_parser("tier", __doc__.splitlines()[0], model="default", reps=2)
-    parser.add_argument("--docs", type=int, default=8, help="documents per query (default: 8)")
-    parser.add_argument("--doc-tokens", type=int, default=512, help="tokens per document (default: 512)")
-    parser.add_argument("--max-model-len", type=int, default=8192, help="engine context length (default: 8192)")
+    parser.add_argument("--docs", type=positive_int, default=8, help="documents per query (default: 8)")
+    parser.add_argument("--doc-tokens", type=positive_int, default=512, help="tokens per document (default: 512)")
+    parser.add_argument("--max-model-len", type=positive_int, default=8192, help="engine context length (default: 8192)")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per engine, GiB (default: 1)")
     parser.add_argument("--tier-dir", type=Path, default=None, metavar="DIR",
                         help="the tier's folder (default: a temporary one, removed at the end)")
@@ -66,15 +70,25 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--corpus", action="store_true",
                         help="instead: a corpus larger than the engine's KV cache, Zipf-popular queries (bench bulk's "
                         "workload), one span engine with the corpus compiled into a tier and one without")
-    parser.add_argument("--pool", type=int, default=400, help="--corpus: fragments in the corpus (default: 400)")
-    parser.add_argument("--frag-tokens", type=int, default=128, help="--corpus: tokens per fragment (default: 128)")
-    parser.add_argument("--queries", type=int, default=64, help="--corpus: queries, one at a time (default: 64)")
-    parser.add_argument("--k", type=int, default=4, help="--corpus: fragments per query (default: 4)")
+    parser.add_argument("--pool", type=positive_int, default=400, help="--corpus: fragments in the corpus (default: 400)")
+    parser.add_argument("--frag-tokens", type=positive_int, default=128, help="--corpus: tokens per fragment (default: 128)")
+    parser.add_argument("--queries", type=positive_int, default=64, help="--corpus: queries, one at a time (default: 64)")
+    parser.add_argument("--k", type=positive_int, default=4, help="--corpus: fragments per query (default: 4)")
     parser.add_argument("--zipf", type=float, default=1.1, help="--corpus: Zipf exponent of popularity (default: 1.1)")
-    parser.add_argument("--kv-blocks", type=int, default=160,
+    parser.add_argument("--kv-blocks", type=positive_int, default=160,
                         help="--corpus: each engine's KV cache, in 32-token blocks (default: 160, a tenth of the "
                         "default corpus)")
-    return parser.parse_args(list(argv))
+    parser.add_argument("--pin", type=int, default=0, metavar="N",
+                        help="--corpus: also a third engine on the tier with the N most popular fragments pinned in "
+                        "its KV cache (SpanEngine.compile(..., pin=True)) before the queries (default: 0, none)")
+    args = parser.parse_args(list(argv))
+    if args.pin < 0:
+        parser.error(f"--pin must be 0 or more, got {args.pin}")
+    if args.corpus and args.kv_blocks * CORPUS_BLOCK_SIZE <= CORPUS_MAX_MODEL_LEN:  # (vLLM's start-up error named
+        # options this command does not have)
+        parser.error(f"--kv-blocks must be more than {CORPUS_MAX_MODEL_LEN // CORPUS_BLOCK_SIZE} (the engines' "
+                     f"{CORPUS_MAX_MODEL_LEN}-token context in {CORPUS_BLOCK_SIZE}-token blocks), got {args.kv_blocks}")
+    return args
 
 
 def corpus_main(args: argparse.Namespace, report: BenchReport) -> int:
@@ -82,13 +96,14 @@ def corpus_main(args: argparse.Namespace, report: BenchReport) -> int:
     from benchmarks.bulk import make_workload, workload_query
     from spanq_integrations import execute
 
-    options = {"max_model_len": 2048, "kv_blocks": args.kv_blocks, "max_num_seqs": 16}
+    options = {"max_model_len": CORPUS_MAX_MODEL_LEN, "kv_blocks": args.kv_blocks, "max_num_seqs": 16}
     own_dir = args.tier_dir is None
     tier_dir = Path(tempfile.mkdtemp(prefix="spanq-tier-")) if own_dir else args.tier_dir
     try:
-        for name, with_tier in (("without", False), ("with", True)):
+        variants = [("without", False), ("with", True), *([("pinned", True)] if args.pin else [])]
+        for name, with_tier in variants:
             extra = {"tier_dir": str(tier_dir)} if with_tier else {}
-            if with_tier:  # the corpus compiled first, on an engine of its own (then closed: a restart)
+            if name == "with":  # the corpus compiled first, on an engine of its own (then closed: a restart)
                 compiler = make_backend(args.model, spans=True, **extra, **options)
                 try:
                     w = make_workload(compiler.engine.tokenizer, pool=args.pool, queries=args.queries, k=args.k,
@@ -103,6 +118,9 @@ def corpus_main(args: argparse.Namespace, report: BenchReport) -> int:
                 warm_up(backend)
                 w = make_workload(backend.engine.tokenizer, pool=args.pool, queries=args.queries, k=args.k,
                                   frag_tokens=args.frag_tokens, zipf=args.zipf, seed=args.seed)
+                if name == "pinned":  # the pool is in popularity order: its first fragments are read most
+                    report.config["pins"] = asyncio.run(backend.engine.compile(w.fragments[: args.pin], pin=True))
+                    backend.engine.settle()
                 for q in range(args.queries):
                     (call,) = execute(workload_query(w, q, session=0), backend).calls
                     report.rows.append({
@@ -119,7 +137,8 @@ def corpus_main(args: argparse.Namespace, report: BenchReport) -> int:
         if own_dir:
             shutil.rmtree(tier_dir, ignore_errors=True)
     summary: dict[str, Any] = {}
-    for name in ("without", "with"):
+    names = [name for name, _ in variants]
+    for name in names:
         rows = [r for r in report.rows if r["engine"] == name]
         spans = sum(r["spans"] for r in rows)
         missed = sum(r["prepared_spans"] + r["deferred_spans"] for r in rows)
@@ -127,15 +146,24 @@ def corpus_main(args: argparse.Namespace, report: BenchReport) -> int:
                          "mean_ttft_s": sum(r["ttft_s"] for r in rows) / len(rows),
                          "modes": {m: sum(r["mode"] == m for r in rows) for m in sorted({str(r["mode"]) for r in rows})}}
     summary["mean_ttft_ratio"] = summary["without"]["mean_ttft_s"] / summary["with"]["mean_ttft_s"]
+    if "pinned" in summary:
+        summary["pinned_vs_with_mean_ttft_ratio"] = summary["with"]["mean_ttft_s"] / summary["pinned"]["mean_ttft_s"]
     report.summary = summary
     corpus_blocks = args.pool * -(-args.frag_tokens // 32)
     print(f"{model_label(args.model)}: {args.pool} fragments x {args.frag_tokens} tokens (~{corpus_blocks} blocks) "
           f"against a KV cache of {args.kv_blocks} blocks; {args.queries} queries of {args.k}, Zipf {args.zipf}")
+    label = {"without": "without the corpus in a tier", "with": "with the corpus in a tier",
+             "pinned": f"the tier, and the {args.pin} most popular pinned in its cache"}
     print(format_table(["span engine", "span hit rate", "mean TTFT (s)", "how its calls read"], [
-        [f"{name} the corpus in a tier", f"{summary[name]['span_hit_rate']:.3f}", f"{summary[name]['mean_ttft_s']:.3f}",
-         ", ".join(f"{m} {n}" for m, n in summary[name]["modes"].items())] for name in ("without", "with")]))
+        [label[name], f"{summary[name]['span_hit_rate']:.3f}", f"{summary[name]['mean_ttft_s']:.3f}",
+         ", ".join(f"{m} {n}" for m, n in summary[name]["modes"].items())] for name in names]))
     print(f"with the tier: span hit rate {summary['with']['span_hit_rate']:.3f} (goal >= 0.9), mean TTFT "
-          f"{summary['mean_ttft_ratio']:.2f}x better than without (goal >= 3x)")
+          f"{faster(summary['mean_ttft_ratio'])} than without (goal >= 3x faster)")
+    if "pinned" in summary:
+        pins = report.config["pins"]
+        print(f"pinned: {pins['pinned_blocks']} blocks ({pins['pin_refused']} refused past half the cache, "
+              f"{pins['pin_missing']} evicted first); mean TTFT {faster(summary['pinned_vs_with_mean_ttft_ratio'])} "
+              "than with the tier alone")
     report.label = f"{model_label(args.model)}-corpus"
     report.write()
     report.print_files()
@@ -255,7 +283,7 @@ def render(summary: dict[str, Any], args: argparse.Namespace) -> str:
     rows = [
         ["spans after a restart (from the tier)", f"{s['restart_ttft_s']['median']:.3f}", "1.00x"],
         ["spans warm in memory", f"{s['warm_ttft_s']['median']:.3f}", f"{1 / s['restart_over_warm']:.2f}x"],
-        ["stock cold", f"{s['stock_cold_ttft_s']['median']:.3f}", f"{1 / s['stock_cold_over_restart']:.2f}x"],
+        ["stock cold", f"{s['stock_cold_ttft_s']['median']:.3f}", f"{s['stock_cold_over_restart']:.2f}x"],
     ]
     table = format_table(["TTFT, median of reps", "s", "x the restart's time"], rows)
     share = (s["load_mb_s"] / s["plain_read_mb_s"]) if s["load_mb_s"] and s["plain_read_mb_s"] else float("nan")
