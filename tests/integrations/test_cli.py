@@ -348,7 +348,7 @@ def test_serve_refuses_a_cluster_flag_without_replicas(capsys):
 def test_an_embedded_run_ends_cleanly_and_prints_every_choice(tmp_path):
     """`spanq run` on the embedded engine: its new documents are prepared as spans while the answer is printed,
     and the process ends meanwhile — which printed the engine's failure and a traceback on every run. A call of
-    n choices prints each (the streamed one was choice 0, the `--json` answer the last)."""
+    n choices prints each (choice 0 as it streams)."""
     doc = json.loads(json.dumps(SPNL_QUERY))
     doc["g"].update(model="", n=2, temperature=1.0)
     path = tmp_path / "two.json"
