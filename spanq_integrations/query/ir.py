@@ -410,10 +410,10 @@ def _as_node(x: Any, where: str) -> Node:
     raise QueryValidationError(where, f"expected a query node or a string, got {type(x).__name__}{hint}")
 
 
-N = TypeVar("N", bound=BaseModel)
+_Model = TypeVar("_Model", bound=BaseModel)
 
 
-def _built(cls: type[N], builder: str, **fields: Any) -> N:
+def _built(cls: type[_Model], builder: str, **fields: Any) -> _Model:
     """`cls(**fields)`, a value out of range or of the wrong type a `QueryValidationError` at `builder(field)`
     (what a `SpanQueryError` handler catches; pydantic's own error named the model's class and a web page)."""
     try:
@@ -517,7 +517,7 @@ def _stops(stop: Any, where: str) -> tuple[str, ...]:
     if stop is None:
         return ()
     if isinstance(stop, str):
-        return (stop,)
+        return (stop,) if stop else ()
     try:
         stops = tuple(stop)
     except TypeError:

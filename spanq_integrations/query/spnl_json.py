@@ -361,7 +361,7 @@ def _read_generate_body(value: Any, path: str) -> Generate:
     body = _object(value, path, _G_FIELDS, required=("input",))
     n, stop, seed = (body.get(k) for k in ("n", "stop", "seed"))
     # one stop string, as OpenAI's API also takes it, or an array of them (what spanq writes)
-    stop_items = [] if stop is None else [stop] if isinstance(stop, str) else _array(stop, f"{path}.stop")
+    stop_items = [] if stop is None else ([stop] if stop else []) if isinstance(stop, str) else _array(stop, f"{path}.stop")
     return _build(  # type: ignore[return-value]
         Generate,
         path,

@@ -207,6 +207,7 @@ def test_a_stop_string_is_one_stop_and_fragment_metadata_is_the_documents():
     """`stop="END"` stopped at any E, N or D (a string is iterable); `fragment(text, metadata=doc.metadata)` nested
     the dict under a key "metadata"."""
     assert generate("q", stop="END").stop == ("END",) and generate("q", stop=["a", "b"]).stop == ("a", "b")
+    assert generate("q", stop="").stop == ()  # (an empty string stops nothing, as before)
     assert ir.fragment("x", metadata={"source": "s"}, page=2).metadata == {"source": "s", "page": 2}
     assert ir.fragment("x", source="s").metadata == {"source": "s"}
     assert generate("q", recompute="none").recompute == 0.0
