@@ -315,12 +315,12 @@ def render_tables(report: BenchReport, args: argparse.Namespace) -> str:
          r["inplace_tokens_per_ms"], r["fraction_of_inplace"], r["torch_tokens_per_ms"], r["torch_fraction_of_copy"]]
         for r in report.rows
     ]
-    headers = ["shape", "LxHxD", "blocks", "moved", "tokens", "reloc ms", "tok/ms", "best tok/ms", "copy tok/ms",
+    headers = ["shape", "LxHxD", "pattern", "moved", "tokens", "reloc ms", "tok/ms", "best tok/ms", "copy tok/ms",
                "copy GB/s", "x copy", "x copy best", "in-place tok/ms", "x in-place", "torch tok/ms", "torch x copy"]
     p = report.summary["planning"]
     plan_rows = [["CIDRA plan + admit", p["cidra_plan_us_per_step"]], ["position tracker", p["tracker_us_per_step"]],
                  ["total", p["total_us_per_step"]], ["duplicates planned", p["duplicates_per_step"]]]
-    for key in ("decode_step_s_batch1", f"decode_step_s_batch{args.requests}"):
+    for key in dict.fromkeys(("decode_step_s_batch1", f"decode_step_s_batch{args.requests}")):  # (once at --requests 1)
         if key in p:
             plan_rows.append([f"decode step ({key.rsplit('batch', 1)[1]} seq), us", p[key] * 1e6])
             plan_rows.append(["  planning share of it", p["share_of_" + key.replace("_s_", "_")]])
