@@ -415,7 +415,15 @@ _Model = TypeVar("_Model", bound=BaseModel)
 
 def _built(cls: type[_Model], builder: str, **fields: Any) -> _Model:
     """`cls(**fields)`, a value out of range or of the wrong type a `QueryValidationError` at `builder(field)`
-    (what a `SpanQueryError` handler catches; pydantic's own error named the model's class and a web page)."""
+    (what a `SpanQueryError` handler catches; pydantic's own error named the model's class and a web page). A text
+    that is not Unicode (a lone surrogate, from a bad decode) is refused here: it built, then failed in `to_json`."""
+    text = fields.get("text")
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise QueryValidationError(f"{builder}(text)", f"the text is not valid Unicode: {e.reason} at index "
+                                       f"{e.start}") from None
     try:
         return cls(**fields)
     except ValidationError as e:

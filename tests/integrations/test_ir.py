@@ -173,6 +173,7 @@ def test_a_retrieve_is_refused_at_its_node_in_the_limits_walk_where_the_caller_h
 BAD_BUILDS = [  # (what a user wrote, the path the error names, what it says)
     (lambda: ir.user(None), "user(text)", "a valid string, got None"),
     (lambda: ir.fragment(3), "fragment(text)", "a valid string, got 3"),
+    (lambda: ir.user("a\ud800b"), "user(text)", "not valid Unicode: surrogates not allowed at index 1"),
     (lambda: generate("q", temperature=3), "generate(temperature)", "less than or equal to 2, got 3"),
     (lambda: generate("q", n=0), "generate(n)", "greater than or equal to 1, got 0"),
     (lambda: generate("q", seed=-1), "generate(seed)", "greater than or equal to 0, got -1"),
