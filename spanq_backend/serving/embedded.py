@@ -79,6 +79,19 @@ class EmbeddedBackend(Backend):
         openmp.release_workers()
         return await self.engine.generate(call, path=path, on_token=on_token, span_output=span_output)
 
+    def pin(self, texts: list[str]) -> dict[str, Any]:
+        """Keep these documents' span KV in the engine's KV cache whatever else runs, until `unpin()`: computed now
+        where not cached (`SpanEngine.compile(texts, pin=True)`: at most half the cache; its report). The texts as
+        the app's queries send them (`corpus_texts` in `spanq_integrations.langchain` and `.llamaindex`). From a
+        script or from inside a running event loop."""
+        from spanq_integrations.runtime.sync import run_sync
+
+        return run_sync(lambda: self.engine.compile(list(texts), pin=True), name="spanq-pin")
+
+    def unpin(self) -> int:
+        """Drop the pins `pin` took (the blocks stay cached, evicted as any other from now on); how many blocks."""
+        return self.engine.unpin()
+
     async def aclose(self) -> None:
         self.close()
 

@@ -60,6 +60,24 @@ def test_a_pinned_corpus_stays_cached_while_other_documents_cycle_through_the_ca
     assert cached(engine, corpus) == [False, False]
 
 
+def test_an_app_pins_its_corpus_through_its_backend_from_inside_an_event_loop(small_engine):
+    """`EmbeddedBackend.pin` (sync, callable where an event loop runs: a notebook, an async app) pins as
+    `compile(pin=True)` does; `unpin` drops them."""
+    from spanq_backend.serving.embedded import EmbeddedBackend
+
+    backend = EmbeddedBackend(engine=small_engine)
+    corpus = [doc(f"app {i}") for i in range(2)]
+
+    async def inside_a_loop() -> dict:
+        return backend.pin(corpus)
+
+    report = asyncio.run(inside_a_loop())
+    assert report["pinned_blocks"] > 0 and small_engine.pinned_blocks == report["pinned_blocks"]
+    asyncio.run(small_engine.compile([doc(f"churn {i}") for i in range(12)]))
+    assert cached(small_engine, corpus) == [True, True]
+    assert backend.unpin() == report["pinned_blocks"] and small_engine.pinned_blocks == 0
+
+
 def test_at_most_half_the_cache_is_pinned_and_the_engine_still_answers(small_engine):
     engine = small_engine
     corpus = [doc(f"large {i}") for i in range(10)]  # more than half of the 64 blocks
