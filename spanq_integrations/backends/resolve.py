@@ -27,6 +27,7 @@ __all__ = [
     "embedded_model_named",
     "env_backend",
     "resolve_backend",
+    "runs_embedded",
 ]
 
 # The embedded span-aware engine lives in the server package; the client side reaches it by name only (the
@@ -56,12 +57,18 @@ def default_backend(model: str | None = None) -> Backend:
     return embedded("shared_embedded_backend")(model)
 
 
+def runs_embedded(spec: Backend | str | None) -> bool:
+    """Whether `spec` (read as `resolve_backend` reads it, $SPANQ_BACKEND for None) is the embedded engine, to be
+    started here: not a `Backend` given, nor a server's URL."""
+    return not isinstance(spec, Backend) and (spec if spec is not None else env_backend()) in (None, "embedded")
+
+
 def embedded_model_named(spec: Backend | str | None, model: str | None) -> str | None:
     """`model`, where `spec` (read as `resolve_backend` reads it) is the embedded engine and `model` names one it
     can start with nothing looked up: spanq's names ("default", "tiny", "tiny-<family>") or a model folder. None
     otherwise: such a call runs on the default engine (which warns that it does not serve the name). `execute`
     and `judge` pass what their calls name, so that `model="tiny"` runs on tiny as the adapters' `model=` does."""
-    if not model or isinstance(spec, Backend) or (spec if spec is not None else env_backend()) not in (None, "embedded"):
+    if not model or not runs_embedded(spec):
         return None
     if not (model in embedded("DEFAULT_MODEL_NAMES") or model in embedded("TINY_MODEL_NAMES")
             or model.startswith(embedded("TINY_FAMILY_PREFIX")) or os.path.isdir(os.path.expanduser(model))):

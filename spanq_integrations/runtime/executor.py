@@ -23,7 +23,7 @@ from spanq_integrations.backends.protocol import (
     UnreadAnswer,
     answer_of,
 )
-from spanq_integrations.backends.resolve import embedded_model_named, resolve_backend
+from spanq_integrations.backends.resolve import embedded_model_named, resolve_backend, runs_embedded
 from spanq_integrations.optimizer.context import TreeReduction
 from spanq_integrations.query.errors import (
     GenerationError,
@@ -66,24 +66,26 @@ def _one_model(query: Node) -> str | None:
     return next(iter(names)) if len(names) == 1 else None
 
 
-def _answer_path(tree: Node, path: str = "$") -> str | None:
-    """The path of the `Generate` whose output is the answer (the one `on_token` streams), or of the `Combine`
-    whose combined answer is (given to `on_token` in one piece)."""
+def _answer(tree: Node, path: str = "$") -> tuple[str, Node] | None:
+    """The path and node of the `Generate` whose output is the answer (the one `on_token` streams), or of the
+    `Combine` whose combined answer is (given to `on_token` in one piece); None if no one call answers."""
     if isinstance(tree, (Generate, Combine)):
-        return path
+        return path, tree
     if isinstance(tree, Cross) and tree.children:
         *_, (last_path, last) = child_paths(tree, path)
-        return _answer_path(last, last_path)
+        return _answer(last, last_path)
     return None
+
+
+def _answer_path(tree: Node) -> str | None:
+    found = _answer(tree)
+    return None if found is None else found[0]
 
 
 def answer_node(tree: Node) -> Node | None:
-    """The `Generate` (or `Combine`) whose output is the query's answer (`_answer_path`'s node); None if none."""
-    if isinstance(tree, (Generate, Combine)):
-        return tree
-    if isinstance(tree, Cross) and tree.children:
-        return answer_node(tree.children[-1])
-    return None
+    """The `Generate` (or `Combine`) whose output is the query's answer; None if no one call answers."""
+    found = _answer(tree)
+    return None if found is None else found[1]
 
 
 async def _all_or_cancel(aws: Sequence[Awaitable[Node]]) -> list[Node]:
@@ -303,7 +305,9 @@ async def aexecute(
                                         or max_concurrency < 1):
         raise QueryValidationError("execute(max_concurrency)", "calls in flight at once: a whole number from 1 (None: "
                                    f"the backend's limit), got {max_concurrency!r}")  # (0 and -1 ran as its limit and 1)
-    be, owned = resolve_backend(backend, embedded_model_named(backend, _one_model(query)))
+    # (the query's calls are read for a model name only where the embedded engine runs it: not on a server's path)
+    named = embedded_model_named(backend, _one_model(query)) if runs_embedded(backend) else None
+    be, owned = resolve_backend(backend, named)
     try:
         plan = query
         if optimize:
