@@ -717,10 +717,7 @@ class SpanEngine:
             report["pin_refused"] += counts.get("refused", 0)
             report["pin_missing"] += counts.get("missing", 0)
 
-        async def pin_in_tier(prompts: list[list[int]]) -> None:  # once its blocks are on disk (a pin marks a file)
-            if self.tier is not None:
-                await asyncio.get_running_loop().run_in_executor(None, lambda: self.tier.flush(timeout=None))
-                self.tier.pin(hashes_of(prompts))
+        pinned: list[list[int]] = []  # pinned in the cache: pinned in the tier too, once on disk (a pin marks a file)
 
         async def run(prompts: list[list[int]]) -> None:
             with self.generator.batch():
@@ -730,8 +727,6 @@ class SpanEngine:
                 report["prepared"] += 1
                 if pin:
                     await pin_now(p)
-            if pin:
-                await pin_in_tier(prompts)
 
         for index, text in enumerate(texts):
             call = Generate(input=Cross(children=[Plus(children=[Fragment(text=text)]), User(text="?")]))
@@ -752,22 +747,26 @@ class SpanEngine:
             if pin and self._probe is not None and self._probe.cached(prompt):
                 report["held"] += 1
                 await pin_now(prompt)
-                await pin_in_tier([prompt])
+                pinned.append(prompt)
                 continue
             if not pin and self._probe is not None and self.tier is not None and self._probe.tier_holds_all(prompt):
                 report["held"] += 1
                 if self.config.tier_pin:
-                    self.tier.pin(list(self._probe.block_hashes(prompt) or ()))
+                    self.tier.pin(hashes_of([prompt]))
                 continue
             if batch and sum(map(len, batch)) + len(prompt) > self.COMPILE_BATCH_TOKENS:
                 await run(batch)
                 batch = []
             batch.append(prompt)
+            if pin:
+                pinned.append(prompt)
         if batch:
             await run(batch)
         if self.tier is not None:
             # every block of the corpus on disk before the report (however slow the disk: no timeout)
             await asyncio.get_running_loop().run_in_executor(None, lambda: self.tier.flush(timeout=None))
+            if pinned:
+                self.tier.pin(hashes_of(pinned))
             after = self.tier.stats.as_dict()
             report["blocks_written"] = after["saved_blocks"] - before["saved_blocks"]
             report["bytes_written"] = after["bytes_written"] - before["bytes_written"]
