@@ -43,7 +43,8 @@ from spanq_backend.serving.generator import (
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR, LoweredPrompt
 from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE, recompute_setting
 from spanq_backend.vllm_integration import openmp, tier
-from spanq_backend.vllm_integration.cache_probe import BlockPins, BlockPoolProbe
+from spanq_backend.vllm_integration.cache_probe import BlockPoolProbe
+from spanq_backend.vllm_integration.engine_core import engine_pins
 from spanq_backend.vllm_integration.frontend import in_process_engines
 from spanq_backend.vllm_integration.support import STOCK, STOCK_ENGINE_KEY, query_span_support
 from spanq_integrations.backends.protocol import Completion, TokenCallback
@@ -350,7 +351,8 @@ class SpanEngine:
             if not self.span_support.enabled:
                 log.warning("spans are off for %s: %s", self.model_path.name, self.span_support.reason)
         self._probe = BlockPoolProbe.of(engine, c.block_size) if self.span_support.enabled else None
-        self._pins = BlockPins(self._probe.pool) if self._probe is not None else None  # (`compile(pin=True)`)
+        # (`compile(pin=True)`: the engine core's pins, which `spanq serve` takes through a utility call)
+        self._pins = engine_pins(engine.engine_core.engine_core) if self._probe is not None else None
         self.tier = tier.tier_for(c.tier_dir, engine.vllm_config) if c.tier_dir else None
         if self._probe is not None:
             self._probe.tier = self.tier
@@ -679,94 +681,42 @@ class SpanEngine:
         Returns how many spans had to be computed (the others were already cached)."""
         return await self.generator.prepare(lowered)
 
-    COMPILE_BATCH_TOKENS = 8192  # prepare prompts' tokens sent to the engine together by `compile`
-
     async def compile(self, texts: list[str], pin: bool = False) -> dict[str, Any]:
         """Compute each document's span KV (its `[anchor][span]` under this engine's default anchor and lead-in,
         exactly as a query's `plus` of it is prepared) and, on an engine with a tier, write it there: a later
         engine on the same tier answers queries over them without computing them. Documents whose span the tier
         holds already are skipped; one too long for the context window is counted (`too_long`, their indices in
         `too_long_documents`) and the rest compiled. Returns counts: documents, spans (distinct), already held,
-        prepared, tokens computed, and the tier's blocks and bytes written.
+        prepared, tokens computed, and the tier's blocks and bytes written (`serving/corpus.compile_corpus`).
 
         `pin`: the corpus stays in this engine's KV cache until `unpin` (or `reset_prefix_cache`) whatever else
         runs, and in the tier (never evicted from it); spans the tier holds are loaded into the cache to be pinned.
         At most half the cache's blocks are pinned; the report says how many blocks were pinned (`pinned_blocks`)
         and how many could not be (`pin_refused`: past that half; `pin_missing`: evicted before the pin)."""
-        from spanq_integrations.query.errors import ContextLengthError
-        from spanq_integrations.query.ir import Cross, Fragment, Plus, User
+        from spanq_backend.serving.corpus import compile_corpus
 
+        if pin and self._pins is None:
+            raise BackendError("this engine cannot pin spans: its spans are off or its cache cannot be reached")
         before = self.tier.stats.as_dict() if self.tier is not None else {}
-        seen: set[tuple[int, ...]] = set()
-        report: dict[str, Any] = {"documents": len(texts), "spans": 0, "held": 0, "prepared": 0, "tokens": 0,
-                                  "too_long": 0, "too_long_documents": []}
-        if pin:
-            if self._pins is None:
-                raise BackendError("this engine cannot pin spans: its spans are off or its cache cannot be reached")
-            report.update(pinned_blocks=0, pin_refused=0, pin_missing=0)
-        batch: list[list[int]] = []
 
-        def hashes_of(prompts: list[list[int]]) -> list[Any]:
-            return [h for p in prompts for h in (self._probe.block_hashes(p) or ())]  # type: ignore[union-attr]
-
-        async def pin_now(prompt: list[int]) -> None:  # in the cache, right after it is computed: before evictions
+        async def pin_blocks(hashes: list[Any]) -> dict[str, int]:  # on the engine's thread, between two steps
             done: concurrent.futures.Future[dict[str, int]] = concurrent.futures.Future()
-            self._put(("pin", (hashes_of([prompt]), done)))
-            counts = await asyncio.wrap_future(done)
-            report["pinned_blocks"] += counts.get("pinned", 0)
-            report["pin_refused"] += counts.get("refused", 0)
-            report["pin_missing"] += counts.get("missing", 0)
+            self._put(("pin", (hashes, done)))
+            return await asyncio.wrap_future(done)
 
-        pinned: list[list[int]] = []  # pinned in the cache: pinned in the tier too, once on disk (a pin marks a file)
+        def tier_held(prompt: list[int]) -> None:
+            if self.config.tier_pin:
+                self.tier.pin(list(self._probe.tier_keys(prompt) or ()))  # type: ignore[union-attr]
 
-        async def run(prompts: list[list[int]]) -> None:
-            with self.generator.batch():
-                opened = [self.generator.open_compute(p) for p in prompts]
-            for p, o in zip(prompts, opened):
-                report["tokens"] += await self.generator._computed(len(p), o)
-                report["prepared"] += 1
-                if pin:
-                    await pin_now(p)
-
-        for index, text in enumerate(texts):
-            call = Generate(input=Cross(children=[Plus(children=[Fragment(text=text)]), User(text="?")]))
-            try:
-                lowered = self.generator.lower(call)
-            except ContextLengthError:
-                report["too_long"] += 1
-                report["too_long_documents"].append(index)
-                continue
-            if not lowered.table.spans:
-                continue
-            prompt = lowered.prepare_prompt(0)
-            if tuple(prompt) in seen:
-                continue
-            seen.add(tuple(prompt))
-            self.generator._note_spans(lowered)  # known to this engine's queries (and reported to a router) as prepared
-            report["spans"] += 1
-            if pin and self._probe is not None and self._probe.cached(prompt):
-                report["held"] += 1
-                await pin_now(prompt)
-                pinned.append(prompt)
-                continue
-            if not pin and self._probe is not None and self.tier is not None and self._probe.tier_holds_all(prompt):
-                report["held"] += 1
-                if self.config.tier_pin:
-                    self.tier.pin(hashes_of([prompt]))
-                continue
-            if batch and sum(map(len, batch)) + len(prompt) > self.COMPILE_BATCH_TOKENS:
-                await run(batch)
-                batch = []
-            batch.append(prompt)
-            if pin:
-                pinned.append(prompt)
-        if batch:
-            await run(batch)
+        report, pinned = await compile_corpus(
+            self.generator, texts, pin=pin_blocks if pin else None, skip_tier_held=self.tier is not None,
+            on_tier_held=tier_held,
+        )  # fmt: skip
         if self.tier is not None:
             # every block of the corpus on disk before the report (however slow the disk: no timeout)
             await asyncio.get_running_loop().run_in_executor(None, lambda: self.tier.flush(timeout=None))
             if pinned:
-                self.tier.pin(hashes_of(pinned))
+                self.tier.pin([h for p in pinned for h in (self._probe.tier_keys(p) or ())])  # type: ignore[union-attr]
             after = self.tier.stats.as_dict()
             report["blocks_written"] = after["saved_blocks"] - before["saved_blocks"]
             report["bytes_written"] = after["bytes_written"] - before["bytes_written"]

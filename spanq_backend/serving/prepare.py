@@ -19,12 +19,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["prepare_main", "read_corpus"]
+__all__ = ["TEXT_KEYS", "prepare_main", "read_corpus", "text_of"]
 
 TEXT_KEYS = ("text", "page_content", "content")
 
 
-def _text_of(item: Any) -> str | None:
+def text_of(item: Any) -> str | None:
+    """A document's text: a non-blank JSON string, or an object's under one of `TEXT_KEYS`; None otherwise."""
     if isinstance(item, str):
         return item if item.strip() else None
     if isinstance(item, dict):
@@ -86,7 +87,7 @@ def read_corpus(path: Path) -> tuple[list[str], list[str]]:
     for where, item in entries:
         if isinstance(item, json.JSONDecodeError):
             problems.append(f"{where}: not JSON ({item.msg})")
-        elif (text := _text_of(item)) is None:
+        elif (text := text_of(item)) is None:
             problems.append(f"{where}: not a document (a string, or an object with one of {', '.join(TEXT_KEYS)})")
         else:
             texts.append(text)
@@ -97,21 +98,73 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="spanq prepare",
         description="Compute each document's span KV once and write it to a span tier (a folder), where engines "
-        "started on it later find it.",
+        "started on it later find it (--tier-dir); or have a running `spanq serve` prepare it, and pin it in its KV "
+        "cache with --pin (--server).",
     )
     parser.add_argument("corpus", metavar="CORPUS", help="JSON lines, one document each (a string, or an object "
                         "with text, page_content or content), or one JSON array of them; a LangChain "
                         "InMemoryVectorStore dump (store.dump(PATH)); or the folder a LlamaIndex index was "
                         "persisted to (storage_context.persist(DIR))")
-    parser.add_argument("--tier-dir", required=True, metavar="DIR", help="the span tier's folder (made if need be)")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--tier-dir", metavar="DIR", help="the span tier's folder (made if need be)")
+    where.add_argument("--server", metavar="URL", help="a running `spanq serve` (http://host:port): it prepares "
+                       "the corpus in its engine (and its own tier, if it has one); with --pin it keeps the corpus "
+                       "in its KV cache until `curl -X DELETE URL/v1/spans/pin`. Sends $SPANQ_API_KEY, if set")
     parser.add_argument("--model", default="default", metavar="NAME", help="the model the KV is for: default, tiny, "
                         "tiny-<family>, a model folder or a Hugging Face id (default: default)")
     parser.add_argument("--pin", action="store_true", help="pin the corpus's blocks in the tier: never removed to "
-                        "make room (engines started with --tier-max-gb evict the least recently used others)")
+                        "make room (engines started with --tier-max-gb evict the least recently used others); "
+                        "with --server, in the server's KV cache (at most half of it)")
     parser.add_argument("--tier-max-gb", type=float, default=None, metavar="GB", help="the tier's capacity while "
                         "compiling: past it the least recently used unpinned blocks are removed (default: no limit)")
     parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.server is not None:
+        if args.tier_max_gb is not None or args.model != "default":
+            parser.error("--server prepares on the server's own engine and tier: --model and --tier-max-gb are its")
+        if not args.server.removeprefix("spanq+").startswith(("http://", "https://")):
+            parser.error(f"--server: expected a URL such as http://127.0.0.1:8000, got {args.server!r}")
+    return args
+
+
+SERVER_BATCH = 256  # documents per request to a server (its --max-fragments is 512 unless set lower)
+
+
+def prepare_on_server(url: str, texts: list[str], pin: bool) -> dict[str, Any]:
+    """`POST URL/v1/spans` in batches: the server prepares (and pins) the documents; the reports summed. A
+    `RuntimeError` with the server's own message where it refuses or cannot be reached."""
+    import os
+    import urllib.error
+    import urllib.request
+
+    url = url.removeprefix("spanq+").rstrip("/")
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get("SPANQ_API_KEY"):
+        headers["Authorization"] = f"Bearer {os.environ['SPANQ_API_KEY']}"
+    total: dict[str, Any] = {}
+    for start in range(0, len(texts), SERVER_BATCH):
+        body = json.dumps({"documents": texts[start : start + SERVER_BATCH], "pin": pin}).encode()
+        request = urllib.request.Request(f"{url}/v1/spans", data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request) as response:  # no timeout: a CPU engine takes its time
+                report = json.load(response)
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")
+            try:
+                detail = json.loads(detail)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            raise RuntimeError(f"{url} answered {e.code}: {detail[:500]}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise RuntimeError(f"cannot reach {url}: {getattr(e, 'reason', e)}") from None
+        for key, value in report.items():
+            if key == "too_long_documents":
+                total.setdefault(key, []).extend(start + i for i in value)
+            elif key == "pinned_total":
+                total[key] = value
+            elif isinstance(value, int):
+                total[key] = total.get(key, 0) + value
+    return total
 
 
 def prepare_main(argv: list[str]) -> int:
@@ -130,6 +183,8 @@ def prepare_main(argv: list[str]) -> int:
     if not texts:
         print(f"spanq prepare: error: {corpus} holds no document", file=sys.stderr)
         return 2
+    if args.server is not None:
+        return _report_server(args, texts, problems)
     from spanq_backend.serving.engine import EngineConfig, SpanEngine
     from spanq_integrations.query.errors import SpanQueryError
 
@@ -157,5 +212,29 @@ def prepare_main(argv: list[str]) -> int:
             f"({report['tokens']} tokens computed), {report['held']} already in the tier; "
             f"{report.get('blocks_written', 0)} blocks ({report.get('bytes_written', 0) / 1e6:.1f} MB) written to "
             f"{report['tier']} in {report['seconds']} s"
+        )
+    return 1 if problems or report.get("too_long") else 0
+
+
+def _report_server(args: argparse.Namespace, texts: list[str], problems: list[str]) -> int:
+    started = time.perf_counter()
+    try:
+        report = prepare_on_server(args.server, texts, args.pin)
+    except RuntimeError as e:
+        print(f"spanq prepare: error: {e}", file=sys.stderr)
+        return 2
+    for index in report.get("too_long_documents", []):
+        print(f"spanq prepare: skipped document {index + 1}: too long for the model's context window", file=sys.stderr)
+    report["skipped_lines"] = len(problems)
+    report["seconds"] = round(time.perf_counter() - started, 2)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        pinned = (f"; {report.get('pinned_blocks', 0)} blocks pinned ({report.get('pin_refused', 0)} refused past half "
+                  f"the cache), {report.get('pinned_total', 0)} pinned in all") if args.pin else ""
+        print(
+            f"{report['documents']} documents, {report['spans']} spans: {report['prepared']} prepared on "
+            f"{args.server} ({report['tokens']} tokens computed), {report['held']} already held{pinned}, in "
+            f"{report['seconds']} s"
         )
     return 1 if problems or report.get("too_long") else 0

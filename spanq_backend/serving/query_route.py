@@ -49,11 +49,15 @@ from spanq_integrations.query.limits import (
 from spanq_integrations.query.spnl_json import from_json, to_json
 from spanq_integrations.runtime.executor import ExecutionResult, aexecute
 
-__all__ = ["EXECUTE_PATH", "SPANS_PATH", "QueryRun", "build_query_router", "error_body", "parse_query"]
+__all__ = [
+    "EXECUTE_PATH", "PIN_PATH", "SPANS_PATH", "QueryRun", "build_query_router", "error_body", "parse_documents",
+    "parse_query",
+]
 
 log = logging.getLogger("spanq.server")
 
 SPANS_PATH = "/v1/spans"  # GET: the digests of the spans whose KV the engine holds
+PIN_PATH = "/v1/spans/pin"  # GET: how many blocks are pinned; DELETE: drop every pin (POST /v1/spans pins)
 
 
 # HTTP status and error type for each spanq error a query can meet (subclasses before their bases).
@@ -119,6 +123,50 @@ def parse_query(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> Node:
     # (a retrieve is refused in the limits' walk: the optimizer's own error says how to register one in Python)
     check_limits(query, limits, no_retrieve=NO_RETRIEVER)
     return query
+
+
+def parse_documents(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> tuple[list[str], bool]:
+    """The documents of a `POST /v1/spans` body, `{"documents": [...], "pin": false}`, each a string or an object
+    with its text under `text`, `page_content` or `content` (a corpus line of `spanq prepare`), at most
+    `max_fragments` of them; and whether to pin them. A `QueryParseError` naming the first thing that is wrong."""
+    from spanq_backend.serving.prepare import TEXT_KEYS, text_of
+
+    shape = '{"documents": ["text", ...], "pin": true|false}'
+    if len(body) > limits.max_body_bytes:
+        raise body_too_large(limits, len(body))
+    try:
+        doc = json.loads(body)
+    except RecursionError:
+        raise QueryParseError("$", f"the body is nested too deeply; send {shape}") from None
+    except ValueError as e:
+        raise QueryParseError("$", f"the request body is not JSON ({e}); send {shape}") from e
+    if not isinstance(doc, dict):
+        raise QueryParseError("$", f"expected a JSON object: send {shape}")
+    unknown = sorted(set(doc) - {"documents", "pin"})
+    if unknown:
+        raise QueryParseError(f"$.{unknown[0]}", f"unknown field; send {shape}")
+    pin = doc.get("pin", False)
+    if not isinstance(pin, bool):
+        raise QueryParseError("$.pin", f"expected true or false, got {json.dumps(pin)[:40]}")
+    documents, where = doc.get("documents"), "$.documents"
+    if not isinstance(documents, list) or not documents:
+        raise QueryParseError(where, f"expected a non-empty list of documents: send {shape}")
+    if len(documents) > limits.max_fragments:
+        raise QueryLimitError(where, f"{len(documents)} documents: over the limit max_fragments={limits.max_fragments} "
+                              "(spanq serve --max-fragments); pin them in several requests")
+    texts = []
+    for i, item in enumerate(documents):
+        text = text_of(item)
+        if text is None:
+            keys = ", ".join(TEXT_KEYS)
+            raise QueryParseError(f"{where}[{i}]", f"not a document: a non-blank string, or an object with its text "
+                                  f"under {keys}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise QueryParseError(f"{where}[{i}]", f"not valid Unicode text (a lone surrogate at index {e.start})") from None
+        texts.append(text)
+    return texts, pin
 
 
 _END = object()
@@ -337,6 +385,75 @@ def build_query_router(
             "spans": generator.cached_span_digests(), "probe": generator.span_probe is not None,
             "tier": generator.tier_span_digests(), "tier_id": generator.tier_identity(),
         })
+
+    async def pin_call(backend: EngineClientBackend, method: str, *args: Any) -> Any:
+        """One of the plugin's engine core methods (`vllm_integration.engine_core`), between two engine steps."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            return await backend.engine_client.engine_core.call_utility_async(method, *args)
+        except EngineDeadError as e:
+            raise BackendUnavailableError(f"the server's engine has stopped: {e}") from e
+
+    @router.post(SPANS_PATH)
+    @with_cancellation
+    async def prepare_documents(raw_request: Request, body: bytes | Oversized = Depends(read_body)) -> Any:  # noqa: B008
+        """Prepare each document's span, as a query's `plus` of it is prepared (those cached already are not; with a
+        span tier, the tier saves them), so that later queries over them find them; with `"pin": true`, pin their
+        blocks in the engine's KV cache too: they stay there whatever else runs, until `DELETE /v1/spans/pin` (at
+        most half the cache is pinned: the rest are counted `pin_refused`). Answers the report of
+        `serving/corpus.compile_corpus`; pinning, with the blocks pinned in all (`pinned_total`)."""
+        from spanq_backend.serving.corpus import compile_corpus
+        from spanq_backend.vllm_integration.engine_core import PIN_METHOD, PINNED_METHOD
+
+        backend = await backend_of(raw_request)
+        if isinstance(body, Oversized):
+            return error_response(body_too_large(limits, body))
+        try:
+            texts, pinning = parse_documents(body, limits)
+            generator = backend.generator
+            if generator.span_probe is None:
+                raise RequestRejectedError(
+                    "this server cannot prepare spans: its spans are off, or its prefix cache cannot be followed here"
+                    + (f" ({generator.fallback})" if generator.fallback else "")
+                )
+
+            async def pin(hashes: list[Any]) -> dict[str, int]:
+                return dict(await pin_call(backend, PIN_METHOD, [bytes(h) for h in hashes]))
+
+            report, _ = await compile_corpus(generator, texts, pin=pin if pinning else None,
+                                             skip_tier_held=not pinning)  # fmt: skip
+            if pinning:
+                report["pinned_total"] = int(await pin_call(backend, PINNED_METHOD))
+        except Exception as e:  # noqa: BLE001 - every failure becomes an error answer
+            return error_response(e)
+        finally:
+            await refresh_engine_counters(backend)
+        log.info("prepared %d of %d documents%s", report["prepared"], len(texts),
+                 f", {report['pinned_blocks']} blocks pinned ({report['pinned_total']} in all)" if pinning else "")
+        return JSONResponse(report)
+
+    @router.delete(PIN_PATH)
+    async def unpin_documents(raw_request: Request) -> Any:
+        """Drop every pin: the blocks stay cached, evicted as any other from now on. How many."""
+        from spanq_backend.vllm_integration.engine_core import UNPIN_METHOD
+
+        backend = await backend_of(raw_request)
+        try:
+            return JSONResponse({"unpinned_blocks": int(await pin_call(backend, UNPIN_METHOD))})
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+
+    @router.get(PIN_PATH)
+    async def pinned(raw_request: Request) -> Any:
+        """How many blocks of the engine's KV cache are pinned now."""
+        from spanq_backend.vllm_integration.engine_core import PINNED_METHOD
+
+        backend = await backend_of(raw_request)
+        try:
+            return JSONResponse({"pinned_blocks": int(await pin_call(backend, PINNED_METHOD))})
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
 
     @router.post(EXECUTE_PATH)
     @with_cancellation

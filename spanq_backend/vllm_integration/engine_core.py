@@ -27,6 +27,7 @@ from spanq_backend.kv.cidra import CidraPlanner, StepPlan
 from spanq_backend.kv.span_hashing import span_block_hashes
 from spanq_backend.kv.span_table import SpanTable, SpanTableError
 from spanq_backend.vllm_integration.attention_probe import PROBE_PARAM
+from spanq_backend.vllm_integration.cache_probe import BlockPins
 from spanq_backend.vllm_integration.state import Extension
 from spanq_backend.vllm_integration.support import (
     STOCK,
@@ -38,14 +39,21 @@ from spanq_backend.vllm_integration.support import (
 
 __all__ = [
     "CONTEXT_TAG",
+    "PINNED_METHOD",
+    "PIN_METHOD",
+    "UNPIN_METHOD",
     "SpanBlockHasher",
+    "engine_pins",
     "make_hasher_factory",
     "manager_spans",
+    "pin_blocks",
+    "pinned_blocks",
     "rekey_after_connector",
     "rekey_missed_spans",
     "request_spans",
     "restore_span_keys",
     "span_table_of",
+    "unpin_blocks",
     "wrap_allocate_new_blocks",
     "wrap_get_computed_blocks",
     "wrap_get_num_blocks_to_allocate",
@@ -388,3 +396,44 @@ def wrap_allocate_new_blocks(orig: Any) -> Any:
         return duplicated + list(new_blocks)
 
     return allocate_new_blocks
+
+
+# --------------------------------------------------------------------------------------------- pinned blocks
+
+PIN_METHOD = "spanq_pin_blocks"  # EngineCore methods the plugin adds: a utility call reaches them from the server
+UNPIN_METHOD = "spanq_unpin_blocks"
+PINNED_METHOD = "spanq_pinned_blocks"
+
+
+def _core_pins(core: Any) -> BlockPins | None:
+    manager = core.scheduler.kv_cache_manager
+    if len(manager.kv_cache_config.kv_cache_groups) != 1:
+        return None  # (a model with several KV cache groups: no pins, as no cache probe)
+    return BlockPins(manager.block_pool)
+
+
+# One engine core's pinned blocks: taken by the embedded engine on its engine thread (`SpanEngine.compile(...,
+# pin=True)`) and by `spanq serve` through utility calls (`POST /v1/spans/pin`); both run between two steps.
+engine_pins: Extension[BlockPins | None] = Extension("vllm.v1.engine.core.EngineCore", _core_pins)
+
+
+def pin_blocks(self: Any, hashes: list[bytes]) -> dict[str, int]:
+    """`EngineCore.spanq_pin_blocks(hashes)`: pin the cached blocks of these block hashes (`BlockPins.pin`)."""
+    from vllm.v1.core.kv_cache_utils import BlockHash
+
+    pins = engine_pins(self)
+    if pins is None:
+        return {"pinned": 0, "already": 0, "missing": 0, "refused": len(hashes)}
+    return pins.pin([BlockHash(bytes(h)) for h in hashes])
+
+
+def unpin_blocks(self: Any) -> int:
+    """`EngineCore.spanq_unpin_blocks()`: drop every pin (the blocks stay cached, evictable again). How many."""
+    pins = engine_pins.get(self)
+    return pins.release() if pins is not None else 0
+
+
+def pinned_blocks(self: Any) -> int:
+    """`EngineCore.spanq_pinned_blocks()`: how many blocks are pinned now."""
+    pins = engine_pins.get(self)
+    return len(pins.held) if pins is not None else 0

@@ -276,6 +276,87 @@ def test_cached_fragments_send_no_prepare_requests(server: SpanqServe):
     assert second.metrics.cached_tokens >= 4 * 32
 
 
+def test_documents_posted_to_the_server_are_prepared_pinned_and_read_from_the_cache_until_unpinned(server: SpanqServe):
+    """`POST /v1/spans` prepares a corpus as the queries over it will read it and, with `"pin": true`, pins its
+    blocks in the engine's KV cache (through the engine core: `EngineCore.spanq_pin_blocks`); a query over it then
+    prepares nothing and reads nothing in context; `DELETE /v1/spans/pin` drops the pins. (That a pinned block
+    outlives the cache's pressure is tests/backend/test_pins.py, on the same engine core pins.)"""
+    corpus = [f"Logbook {c}: " + " ".join(f"the {c} buoy drifted {i} miles." for i in range(30)) for c in "PQR"]
+    url = server.url
+    try:
+        report = httpx.post(f"{url}/v1/spans", json={"documents": corpus, "pin": True}, timeout=120).json()
+        assert report["documents"] == report["spans"] == report["prepared"] == 3 and report["tokens"] > 0, report
+        assert report["pinned_blocks"] > 0 and report["pin_refused"] == report["pin_missing"] == 0, report
+        assert httpx.get(f"{url}/v1/spans/pin", timeout=30).json()["pinned_blocks"] == report["pinned_total"]
+        wait_until_prepared(url, corpus)  # (the route's own events have reached its cache mirror)
+        # again: all held, nothing computed, nothing pinned twice
+        again = httpx.post(f"{url}/v1/spans", json={"documents": corpus, "pin": True}, timeout=120).json()
+        assert again["held"] == 3 and again["prepared"] == again["tokens"] == again["pinned_blocks"] == 0, again
+        assert again["pinned_total"] == report["pinned_total"]
+        query = generate(cross(plus(*[fragment(t) for t in reversed(corpus)]), user("Which buoy?")), max_tokens=2,
+                         temperature=0.0)  # fmt: skip
+        result = asyncio.run(_generate(url, query))
+        assert result.metrics.prepared_spans == 0 and result.metrics.deferred_spans == 0, result.metrics
+        assert result.metrics.cached_tokens >= 0.8 * result.metrics.prompt_tokens, result.metrics  # the documents
+    finally:
+        dropped = httpx.delete(f"{url}/v1/spans/pin", timeout=30).json()
+    assert dropped["unpinned_blocks"] == report["pinned_total"]
+    assert httpx.get(f"{url}/v1/spans/pin", timeout=30).json()["pinned_blocks"] == 0
+
+
+async def _generate(url: str, query):
+    async with SpanBackend(url) as backend:
+        return await backend.generate(query)
+
+
+@pytest.mark.parametrize(
+    ("body", "path"),
+    [
+        (b"{", "$"),
+        (b"[]", "$"),
+        (b'{"documents": []}', "$.documents"),
+        (b'{"documents": ["fine", 7]}', "$.documents[1]"),
+        (b'{"documents": ["fine", {"title": "no text"}]}', "$.documents[1]"),
+        (b'{"documents": ["fine"], "pin": "yes"}', "$.pin"),
+        (b'{"docs": ["fine"]}', "$.docs"),
+        (b'{"documents": ["\\ud800"]}', "$.documents[0]"),
+    ],
+)
+def test_a_bad_corpus_body_is_a_400_naming_what_is_wrong_and_pins_nothing(server: SpanqServe, body: bytes, path: str):
+    response = httpx.post(f"{server.url}/v1/spans", content=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"].startswith(f"{path}:"), response.text
+    assert httpx.get(f"{server.url}/v1/spans/pin", timeout=30).json()["pinned_blocks"] == 0
+
+
+def test_spanq_prepare_sends_a_corpus_to_a_server_which_prepares_and_pins_it(server: SpanqServe, tmp_path, capsys):
+    """`spanq prepare CORPUS --server URL --pin`: the corpus file as `spanq prepare --tier-dir` reads it (bad lines
+    named and skipped), prepared and pinned on the running server; a server that is not there is one clear error."""
+    from spanq_backend.serving.prepare import prepare_main
+
+    corpus = tmp_path / "corpus.jsonl"
+    lines = [json.dumps({"page_content": f"Chart {c}: " + " ".join(f"the {c} reef lies {i} fathoms." for i in range(25))})
+             for c in "XY"]  # fmt: skip
+    corpus.write_text("\n".join([lines[0], "17", lines[1]]) + "\n")
+    try:
+        assert prepare_main([str(corpus), "--server", server.url, "--pin", "--json"]) == 1  # (a line was skipped)
+        out, err = capsys.readouterr()
+        report = json.loads(out)
+        assert report["documents"] == 2 and report["prepared"] + report["held"] == 2 and report["pinned_total"] > 0
+        assert report["skipped_lines"] == 1 and ":2: not a document" in err
+    finally:
+        httpx.delete(f"{server.url}/v1/spans/pin", timeout=30)
+    down = f"http://127.0.0.1:{_closed_port()}"
+    assert prepare_main([str(corpus), "--server", down]) == 2
+    assert f"cannot reach {down}" in capsys.readouterr().err
+
+
+def _closed_port() -> int:
+    from tests.servers import free_port
+
+    return free_port()
+
+
 SPAN_COUNTERS = ("span_calls", "spans_prepared", "spans_hit", "prepared_tokens", "padding_tokens",
                  "prepare_requests_saved", "blocks_relocated", "span_duplicates", "relocation_seconds", "deferred_spans",
                  "in_context_calls")
