@@ -191,12 +191,17 @@ class ChatSpanQuery(SpanQueryClient, BaseChatModel):
         if outcome.settings.tools:
             whole = cls._message_fields(outcome)
             fields["content"] = whole["content"]
+            valid, invalid = whole.get("tool_calls", []), whole.get("invalid_tool_calls", [])
+            # LangChain reads every chunk's args with its partial-JSON parser, also when a stream's chunks are added
+            # up: an unreadable call's raw text ('{"tool_calls": [{"name": "add", "arguments": {"a": 3') would read
+            # as a valid call. Its args go as a JSON string instead, which no parser reads as arguments: it stays
+            # an invalid call in the sum (its error is on this chunk's own `invalid_tool_calls`).
             fields["tool_call_chunks"] = [
                 tool_call_chunk(name=c["name"], args=json.dumps(c["args"]), id=c["id"], index=i)
-                for i, c in enumerate(whole.get("tool_calls", []))
+                for i, c in enumerate(valid)
             ] + [
-                tool_call_chunk(name=c["name"], args=c["args"], id=c["id"], index=i)
-                for i, c in enumerate(whole.get("invalid_tool_calls", []))
+                tool_call_chunk(name=c["name"], args=json.dumps(c["args"] or ""), id=c["id"], index=len(valid) + i)
+                for i, c in enumerate(invalid)
             ]
         message = AIMessageChunk(
             **fields,
@@ -204,6 +209,8 @@ class ChatSpanQuery(SpanQueryClient, BaseChatModel):
             response_metadata=outcome.response_metadata(),
             chunk_position="last",
         )
+        if outcome.settings.tools and whole.get("invalid_tool_calls"):
+            message.invalid_tool_calls = list(whole["invalid_tool_calls"])  # with their errors and raw args
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": outcome.finish_reason})
 
     def _begin(

@@ -154,6 +154,12 @@ def test_an_answer_cut_off_by_max_tokens_is_reported_not_guessed(compact_tiny):
     message = short.bind_tools([add], tool_choice="add").invoke("3 plus 4?")
     assert message.tool_calls == []
     assert "raise max_tokens" in message.invalid_tool_calls[0]["error"]
+    # streamed, the chunks added up (what an agent's stream, LangGraph's "messages" mode, a UI reads): still no
+    # call to dispatch (LangChain's partial-JSON parser read the cut-off text as a call named '')
+    chunks = list(short.bind_tools([add], tool_choice="add").stream("3 plus 4?"))
+    summed = sum(chunks[1:], chunks[0])
+    assert summed.tool_calls == [] and len(summed.invalid_tool_calls) == 1, summed
+    assert "raise max_tokens" in chunks[-1].invalid_tool_calls[0]["error"]  # the last chunk says why
     with pytest.raises(OutputParserException):
         short.with_structured_output(Count).invoke("Count them.")
     raw = short.with_structured_output(Count, include_raw=True).invoke("Count them.")
