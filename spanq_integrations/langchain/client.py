@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from langchain_core.documents import Document
 from langchain_core.utils import secret_from_env
-from pydantic import BaseModel, Field, PrivateAttr, SecretStr, field_validator
+from pydantic import BaseModel, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
 from spanq_integrations.backends.protocol import Backend, CallMetrics
 from spanq_integrations.backends.resolve import API_KEY_ENV, DEFAULT_MAX_RETRIES, env_backend
@@ -176,12 +176,12 @@ class SpanQueryClient(BaseModel):
     """Sampling temperature, 0 to 2; None: spanq's default (0.6)."""
     max_tokens: int | None = Field(default=None, ge=0)
     """The most tokens to generate; None: the backend's default."""
-    timeout: float | None = None
+    timeout: float | None = Field(default=None, gt=0)
     """Seconds a whole call may take (also the HTTP timeout of URL backends); None: no limit on the call (URL
     backends keep the resolver's HTTP timeout, 600 s)."""
     stop: list[str] | None = None
     """Stop sequences."""
-    max_retries: int = DEFAULT_MAX_RETRIES
+    max_retries: int = Field(default=DEFAULT_MAX_RETRIES, ge=0)
     """URL backends: how often a failed connection is retried."""
     streaming: bool = False
     """Whether `invoke` streams (callbacks' `on_llm_new_token` then sees each piece)."""
@@ -205,6 +205,20 @@ class SpanQueryClient(BaseModel):
     _backend_instance: Backend | None = PrivateAttr(default=None)
     _owns_backend: bool = PrivateAttr(default=False)
     _backend_lock: Any = PrivateAttr(default_factory=threading.Lock)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_parameters(cls, values: Any) -> Any:
+        from spanq_integrations.runtime.parameters import checked_parameters
+
+        return checked_parameters(cls, values)
+
+    @field_validator("recompute")
+    @classmethod
+    def _check_recompute(cls, value: Any) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0.0 <= value <= 1.0:
+            raise ValueError(f"recompute must be a share between 0 and 1 (or a policy name), got {value:g}")
+        return value
 
     @field_validator("backend")
     @classmethod
@@ -347,6 +361,8 @@ class SpanQueryClient(BaseModel):
     @staticmethod
     def _explain_context_length(error: ContextLengthError, prepared: PreparedPrompt) -> ContextLengthError:
         spans = [p for m in prepared.messages for p in m.parts if not isinstance(p, str)]
+        if not spans:
+            return error  # no documents: the prompt itself is too long (the error says so)
         hint = (
             " — a document is too long for the model's context: split documents into smaller chunks before "
             "indexing them (a text splitter), retrieve fewer, or use a model with a longer context"

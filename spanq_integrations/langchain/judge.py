@@ -123,16 +123,23 @@ class JudgeEnsemble(RunnableSerializable[Any, JudgeVerdict]):
     def _read_input(value: Any) -> tuple[str, list[Any], list[str] | None]:
         if isinstance(value, str):
             return value, [], None
+        from spanq_integrations.query.errors import ArgumentTypeError, ArgumentValueError
+
         if not isinstance(value, dict):
-            raise TypeError(f"JudgeEnsemble takes a question (str) or a dict, got {type(value).__name__}")
+            raise ArgumentTypeError("JudgeEnsemble.invoke(input)",
+                                    f"takes a question (str) or a dict, got {type(value).__name__}")
         question = value.get("question", value.get("input"))
         if not isinstance(question, str) or not question.strip():
-            raise ValueError("JudgeEnsemble needs a non-empty 'question' (or 'input')")
+            raise ArgumentValueError("JudgeEnsemble.invoke(input)", "needs a non-empty 'question' (or 'input')")
         candidates = value.get("candidates")
         if candidates is not None:
+            if isinstance(candidates, (str, BaseMessage)) or not hasattr(candidates, "__iter__"):
+                raise ArgumentTypeError("JudgeEnsemble.invoke(input['candidates'])",
+                                        f"takes a list of answers, got {type(candidates).__name__}")
             candidates = [c.text if isinstance(c, BaseMessage) else str(c) for c in candidates]
             if not candidates:
-                raise ValueError("'candidates' is empty: there is nothing to judge")
+                raise ArgumentValueError("JudgeEnsemble.invoke(input['candidates'])",
+                                         "is empty: there is nothing to judge")
         return question, list(value.get("documents") or ()), candidates
 
     def generators(self, question: str, documents: Sequence[Any] = ()) -> list[Node]:

@@ -138,15 +138,23 @@ def format_docs_as_spans(
     `document_prompt` is what `create_stuff_documents_chain` takes: a template over `page_content` and the
     metadata keys (e.g. `"[{source}] {page_content}"`). No documents give an empty list that formats as "".
     """
+    from spanq_integrations.query.errors import ArgumentTypeError
+
+    if isinstance(docs, (str, Document)) or docs is None or not hasattr(docs, "__iter__"):
+        raise ArgumentTypeError(
+            "format_docs_as_spans(docs)",
+            f"takes a list of Documents (or strings), got {type(docs).__name__}: pass the retriever's output"
+            + (", or wrap one document in a list" if isinstance(docs, (str, Document)) else ""),
+        )
     prompt = _as_prompt(document_prompt)
     blocks = []
-    for doc in docs:
+    for i, doc in enumerate(docs):
         if isinstance(doc, str):
             doc = Document(page_content=doc)
         if not isinstance(doc, Document):
-            raise TypeError(
-                f"format_docs_as_spans takes Documents (or strings), got {type(doc).__name__}: pass the "
-                "retriever's output"
+            raise ArgumentTypeError(
+                f"format_docs_as_spans(docs[{i}])",
+                f"takes Documents (or strings), got {type(doc).__name__}: pass the retriever's output",
             )
         text = format_document(doc, prompt) if prompt is not None else doc.page_content
         if text.strip():

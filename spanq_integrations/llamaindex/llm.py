@@ -31,7 +31,7 @@ from llama_index.core.base.llms.types import (
     TextBlock,
     ThinkingBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator, model_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
@@ -207,6 +207,20 @@ class SpanQueryLLM(FunctionCallingLLM):
     def __init__(self, backend: str | Backend | None = None, **kwargs: Any) -> None:
         check_backend_spec(backend)
         super().__init__(backend=backend, **kwargs)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_parameters(cls, values: Any) -> Any:
+        from spanq_integrations.runtime.parameters import checked_parameters
+
+        return checked_parameters(cls, values)
+
+    @field_validator("recompute")
+    @classmethod
+    def _check_recompute(cls, value: Any) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0.0 <= value <= 1.0:
+            raise ValueError(f"recompute must be a share between 0 and 1 (or a policy name), got {value:g}")
+        return value
 
     @classmethod
     def class_name(cls) -> str:

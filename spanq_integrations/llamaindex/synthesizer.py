@@ -66,6 +66,27 @@ class NoNodesError(QueryValidationError):
         super().__init__("nodes", message)
 
 
+def _checked_nodes(nodes: Any, name: str) -> list[NodeWithScore]:
+    """The retrieved nodes as `NodeWithScore`s (a bare node is wrapped, as a retriever would return it); an
+    `ArgumentTypeError` naming the argument for anything else."""
+    from llama_index.core.schema import BaseNode
+
+    from spanq_integrations.query.errors import ArgumentTypeError
+
+    if isinstance(nodes, (str, BaseNode, NodeWithScore)) or nodes is None or not hasattr(nodes, "__iter__"):
+        raise ArgumentTypeError(f"synthesize({name})", f"takes a list of NodeWithScore (a retriever's output), got "
+                                f"{type(nodes).__name__}")
+    checked = []
+    for i, n in enumerate(nodes):
+        if isinstance(n, BaseNode):
+            n = NodeWithScore(node=n)
+        if not isinstance(n, NodeWithScore):
+            raise ArgumentTypeError(f"synthesize({name}[{i}])", f"takes NodeWithScore (a retriever's output) or a "
+                                    f"node, got {type(n).__name__}")
+        checked.append(n)
+    return checked
+
+
 def span_query_llm(llm: Any) -> SpanQueryLLM:
     """`llm` if it is a `SpanQueryLLM`; `Settings.llm` if that is one; a new one on the embedded default."""
     if isinstance(llm, SpanQueryLLM):
@@ -263,9 +284,10 @@ class SpanQuerySynthesizer(BaseSynthesizer):
     ) -> tuple[QueryBundle, list[NodeWithScore], list[Fragment]]:
         """What `synthesize` and `asynthesize` share before answering: the query bundle (start event sent),
         the source nodes to return, and the nodes' fragments."""
+        nodes, additional = _checked_nodes(nodes, "nodes"), _checked_nodes(additional or (), "additional_source_nodes")
         bundle = QueryBundle(query_str=query) if isinstance(query, str) else query
         dispatcher.event(SynthesizeStartEvent(query=bundle))
-        return bundle, list(nodes) + list(additional or ()), self.node_fragments(nodes)
+        return bundle, nodes + additional, self.node_fragments(nodes)
 
     # ----------------------------------------------------------------------------------------- LlamaIndex API
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentTypeError",
+    "ArgumentValueError",
     "BackendError",
     "BackendUnavailableError",
     "ContextLengthError",
@@ -38,6 +40,16 @@ class QueryValidationError(SpanQueryError):
         self.path = path
         self.message = message
         super().__init__(f"{path}: {message}")
+
+
+class ArgumentTypeError(QueryValidationError, TypeError):
+    """An adapter was given an argument of the wrong type (`path` names the call and the argument): a spanq error
+    and, as Python and LangChain raise for it, a `TypeError`."""
+
+
+class ArgumentValueError(QueryValidationError, ValueError):
+    """An adapter was given an argument it cannot use (`path` names the call and the argument): a spanq error and,
+    as Python and LangChain raise for it, a `ValueError`."""
 
 
 class OptimizerError(SpanQueryError):

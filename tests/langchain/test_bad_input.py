@@ -98,3 +98,64 @@ def test_a_temperature_out_of_range_is_refused_when_the_model_is_made():
         with pytest.raises(ValidationError, match="temperature"):
             make(temperature=5)
         assert make(temperature=2).temperature == 2
+
+
+@pytest.mark.vllm
+def test_a_prompt_too_long_without_documents_does_not_blame_a_document(chat):
+    with pytest.raises(ContextLengthError) as caught:
+        chat.invoke("word " * 6000)
+    assert "document" not in str(caught.value), caught.value
+
+
+@pytest.mark.parametrize("wrong", ["one document as a string", Document(page_content="one document"), None, 7])
+def test_format_docs_as_spans_names_a_wrong_argument_instead_of_splitting_it(wrong):
+    """A string was split into one span per character, a single Document failed naming a tuple, None with
+    Python's own message; each is now spanq's error (and a TypeError, as LangChain raises) naming the argument."""
+    from spanq_integrations import SpanQueryError
+    from spanq_integrations.langchain import format_docs_as_spans
+
+    with pytest.raises(TypeError, match=r"format_docs_as_spans\(docs\): takes a list of Documents") as caught:
+        format_docs_as_spans(wrong)
+    assert isinstance(caught.value, SpanQueryError)
+    with pytest.raises(TypeError, match=r"docs\[1\].*got int"):
+        format_docs_as_spans(["fine", 3])
+    assert [b["text"] for b in format_docs_as_spans(["a doc", Document(page_content="another")])] == [
+        "a doc", "another"]  # fmt: skip
+
+
+def test_judge_ensemble_input_errors_are_spanqs_own():
+    from spanq_integrations import SpanQueryError
+
+    judge = JudgeEnsemble(llm=ChatSpanQuery(backend="http://127.0.0.1:9"))
+    for value, kind in (({"question": "q", "candidates": []}, ValueError), (None, TypeError),
+                        ({"question": "q", "candidates": "one answer"}, TypeError), ({"question": " "}, ValueError)):
+        with pytest.raises(kind) as caught:
+            judge.invoke(value)
+        assert isinstance(caught.value, SpanQueryError), caught.value
+
+
+@pytest.mark.parametrize("cls_path", ["spanq_integrations.langchain:ChatSpanQuery",
+                                      "spanq_integrations.langchain.llms:SpanQueryLLM",
+                                      "spanq_integrations.llamaindex:SpanQueryLLM"])
+def test_a_model_takes_chatopenais_model_name_and_refuses_a_parameter_it_does_not_know(cls_path):
+    """Code ported from ChatOpenAI passes model_name=: it was dropped, and the call ran on the default model (a
+    SmolLM2 engine started instead of tiny); a misspelt or foreign keyword was ignored the same way."""
+    import importlib
+
+    from pydantic import ValidationError
+
+    module, name = cls_path.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    backend = "http://127.0.0.1:9"
+    assert cls(backend=backend, model_name="tiny").model == "tiny"
+    assert cls(backend=backend, model="tiny", model_name="tiny").model == "tiny"
+    with pytest.raises(ValidationError, match="name two models"):
+        cls(backend=backend, model="a", model_name="b")
+    with pytest.raises(ValidationError, match="has no parameter 'temprature' \\(did you mean 'temperature'\\?\\)"):
+        cls(backend=backend, temprature=0)
+    with pytest.raises(ValidationError, match="has no parameter 'base_url'"):
+        cls(backend=backend, base_url="http://x")
+    with pytest.raises(ValidationError, match="recompute must be a share between 0 and 1"):
+        cls(backend=backend, recompute=2)
+    with pytest.raises(ValidationError, match="max_retries"):
+        cls(backend=backend, max_retries=-1)

@@ -177,3 +177,20 @@ def test_a_synthesizer_needs_a_span_query_llm():
     with pytest.raises(TypeError, match="need a SpanQueryLLM"):
         SpanQuerySynthesizer(llm=MockLLM())
     assert isinstance(SpanQuerySynthesizer()._llm, SpanQueryLLM)  # the embedded default, started lazily
+
+
+@pytest.mark.parametrize("wrong", [None, "a text", ["a", "b"], TextNode(text="one node")])
+def test_nodes_of_the_wrong_kind_are_spanqs_error_naming_the_argument(wrong):
+    """None, a string, strings, or one node (not a list) failed with Python's own TypeError or AttributeError
+    ('str' object has no attribute 'node'); a list of bare nodes is read as a retriever's output."""
+    from spanq_integrations import SpanQueryError
+
+    synthesizer = SpanQuerySynthesizer(llm=SpanQueryLLM(backend="http://127.0.0.1:9/v1"))
+    with pytest.raises(TypeError, match=r"synthesize\(nodes(\[0\])?\): takes") as caught:
+        synthesizer.synthesize("q?", wrong)
+    assert isinstance(caught.value, SpanQueryError)
+
+
+def test_bare_nodes_are_read_as_a_retrievers_output(span_llm):
+    response = SpanQuerySynthesizer(llm=span_llm).synthesize("q?", [TextNode(text="The mill is red.", id_="n1")])
+    assert response.metadata["spanq"]["calls"] == 1 and [n.node.node_id for n in response.source_nodes] == ["n1"]
