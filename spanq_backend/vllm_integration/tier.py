@@ -535,6 +535,13 @@ class DiskTier:
             return ahead.result()
         return self.open_block(key)
 
+    def refuse(self, block_hash: Any) -> None:
+        """Never offer the block again from this index (its loads keep failing), until a good copy is written."""
+        key = _key(block_hash)
+        with self._lock:
+            self._held.discard(key)
+            self._refused.add(key)
+
     def forget(self, block_hash: Any, why: str) -> None:
         """A block that failed to load: out of the index, its file moved aside (kept for a look, never read)."""
         key = _key(block_hash)
@@ -790,6 +797,8 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._in_flight: dict[bytes, str] = {}
         self._loading: dict[str, list[bytes]] = {}
         self.deferred_lookups = 0  # lookups answered "not yet" for that reason
+        # blocks of failed loads whose file is still there, by how many loads of them failed (`_load_failed`)
+        self._failures: dict[bytes, int] = {}
         # worker side
         self._arrays = EngineLayers([], [])  # the engine's KV caches, as byte rows (`layer_arrays`)
         self._received: set[str] = set()
@@ -861,10 +870,30 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
+        for rid in (getattr(connector_output, "failed_recving", None) or ()):  # (also in finished_recving)
+            self._load_failed(rid)
+            self._load_done(rid)
         for rid in (connector_output.finished_recving or ()):
             self._load_done(rid)  # vLLM caches its blocks when it schedules the request next, before others
-        for rid in (getattr(connector_output, "failed_recving", None) or ()):
-            self._load_done(rid)
+
+    MAX_LOAD_FAILURES = 2  # failed loads of a block whose file stays (it could not be moved aside) before it is refused
+
+    def _load_failed(self, rid: str) -> None:
+        """A request's load failed in the worker, which refused a block: moved its file aside and struck it from
+        its own index. Where the worker runs in another process (vLLM's default engine mode), this index still
+        holds it and would offer it to the request's next lookup, and to every lookup after, each load failing
+        again: the query would never answer. So the blocks of the failed load whose file is gone are forgotten
+        here too (`gone`), and one whose file stays (it could not be moved: a read-only folder) is refused after
+        `MAX_LOAD_FAILURES` failed loads. A forgotten block is found again once a good copy is written (`holds`
+        reads the disk)."""
+        for h in self._loading.get(rid, ()):
+            if self.tier.gone(h):
+                self._failures.pop(h, None)
+                continue
+            self._failures[h] = self._failures.get(h, 0) + 1
+            if self._failures[h] >= self.MAX_LOAD_FAILURES:
+                del self._failures[h]
+                self.tier.refuse(h)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id

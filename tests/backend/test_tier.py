@@ -221,7 +221,12 @@ def test_spanq_serve_on_a_compiled_tier_answers_from_it_as_the_engine_does(run, 
     command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", "tiny", "--port", str(port),
                "--max-model-len", "2048", "--tier-dir", str(folder / "tier"), "--recompute", "0"]  # as the engines ran
     flipped = Path(result["flipped"])
-    with running_server(command, tmp_path / "server.log", "spanq serve --tier-dir") as proc:
+    # vLLM's own engine mode on a CPU, as a user's shell starts it (the tests' other servers run the model runner in
+    # the engine core's process): the model runner in a process of its own, apart from the scheduler, each with its
+    # own index of the tier (in one process, the refused block's index entry went with the file; apart, the
+    # scheduler offered the block again forever and the query never answered)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    with running_server(command, tmp_path / "server.log", "spanq serve --tier-dir", env=env) as proc:
         url = f"http://127.0.0.1:{port}"
         call = query(list(reversed(DOCS))).model_copy(update={"model": "tiny"})
         answer = httpx.post(f"{url}/v1/query/execute", json=to_json(call), timeout=120)
@@ -394,10 +399,13 @@ def test_an_engine_with_a_tier_is_alone_in_its_process():
 
 def test_a_corpus_line_that_is_not_a_document_is_named(tmp_path):
     corpus = tmp_path / "c.jsonl"
-    corpus.write_text('"one"\n\n{"text": "two"}\n[1, 2]\n{"page_content": ""}\n')
+    corpus.write_text('"one"\n\n{"text": "two"}\n[1, 2]\n{"page_content": ""}\n"lone \\ud800 half"\n')
     texts, problems = read_corpus(corpus)
     assert texts == ["one", "two"]
-    assert [p.split(": ")[0] for p in problems] == [f"{corpus}:4", f"{corpus}:5"]
+    assert [p.split(": ")[0] for p in problems] == [f"{corpus}:4", f"{corpus}:5", f"{corpus}:6"]
+    # (JSON allows an escaped lone surrogate: no tokenizer reads it; `spanq prepare` failed on it with the
+    # tokenizer's TypeError once the engine had started, and compiled nothing)
+    assert problems[2].endswith("not valid Unicode text (a lone surrogate at index 5)")
     array = tmp_path / "a.json"
     array.write_text(json.dumps([{"text": "x"}, 3]))
     assert read_corpus(array) == (["x"], [f"{array}: item 1: not a document (a string, or an object with one of text, page_content, content)"])
@@ -415,6 +423,12 @@ def test_spanq_serve_takes_a_tier_folder_as_its_kv_connector_and_refuses_what_ca
     assert capped.kv_transfer_config.kv_connector_extra_config["max_bytes"] == 2_500_000_000
     with pytest.raises(ValueError, match="capacity"):
         parse_serve_args(["--model", "tiny", "--tier-dir", str(tmp_path / "tier"), "--tier-max-gb", "0"])
+    # a negative number after an option (vLLM's parser read "-1.5" as an option of its own: "unrecognized arguments")
+    with pytest.raises(ValueError, match="capacity.*got -1.5"):
+        parse_serve_args(["--model", "tiny", "--tier-dir", str(tmp_path / "never"), "--tier-max-gb", "-1.5"])
+    assert not (tmp_path / "never").exists(), "a usage error made the tier folder"
+    with pytest.raises(SystemExit):  # argparse's usage error, naming the option (an IndexError inside vLLM's parser)
+        parse_serve_args(["--recompute", "-0.1", "--model", "tiny"])
     with pytest.raises(ValueError, match="give --tier-dir too"):
         parse_serve_args(["--model", "tiny", "--tier-max-gb", "1"])
     with pytest.raises(ValueError, match="--kv-transfer-config"):
