@@ -12,7 +12,7 @@ from typing import Any
 
 from spanq_backend.serving.generator import SpanGenerator
 
-__all__ = ["BATCH_TOKENS", "PinBlocks", "compile_corpus"]
+__all__ = ["BATCH_TOKENS", "PinBlocks", "compile_corpus", "unicode_problem"]
 
 BATCH_TOKENS = 8192  # prepare prompts' tokens sent to the engine together
 
@@ -70,6 +70,11 @@ async def compile_corpus(
             if pin is not None:
                 await pin_now(p)
 
+    for index, text in enumerate(texts):  # (all checked before any is computed)
+        if (bad := unicode_problem(text)) is not None:
+            from spanq_integrations.query.errors import QueryValidationError
+
+            raise QueryValidationError(f"documents[{index}]", bad)
     for index, text in enumerate(texts):
         call = Generate(input=Cross(children=[Plus(children=[Fragment(text=text)]), User(text="?")]))
         try:
@@ -107,3 +112,13 @@ async def compile_corpus(
     if batch:
         await run(batch)
     return report, pinned
+
+
+def unicode_problem(text: str) -> str | None:
+    """What makes `text` not Unicode text (a lone surrogate, which JSON's `\\ud800` escapes allow: no tokenizer
+    reads it), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"not valid Unicode text (a lone surrogate at index {e.start})"
+    return None

@@ -82,6 +82,8 @@ def read_corpus(path: Path) -> tuple[list[str], list[str]]:
                     entries.append((f"{path}:{n}", json.loads(line)))
                 except json.JSONDecodeError as e:
                     entries.append((f"{path}:{n}", e))
+    from spanq_backend.serving.corpus import unicode_problem
+
     texts: list[str] = []
     problems: list[str] = []
     for where, item in entries:
@@ -89,9 +91,12 @@ def read_corpus(path: Path) -> tuple[list[str], list[str]]:
             problems.append(f"{where}: not JSON ({item.msg})")
         elif (text := text_of(item)) is None:
             problems.append(f"{where}: not a document (a string, or an object with one of {', '.join(TEXT_KEYS)})")
+        elif (bad := unicode_problem(text)) is not None:  # (no tokenizer reads it)
+            problems.append(f"{where}: {bad}")
         else:
             texts.append(text)
     return texts, problems
+
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

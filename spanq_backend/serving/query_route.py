@@ -129,6 +129,7 @@ def parse_documents(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> tuple[
     """The documents of a `POST /v1/spans` body, `{"documents": [...], "pin": false}`, each a string or an object
     with its text under `text`, `page_content` or `content` (a corpus line of `spanq prepare`), at most
     `max_fragments` of them; and whether to pin them. A `QueryParseError` naming the first thing that is wrong."""
+    from spanq_backend.serving.corpus import unicode_problem
     from spanq_backend.serving.prepare import TEXT_KEYS, text_of
 
     shape = '{"documents": ["text", ...], "pin": true|false}'
@@ -161,10 +162,8 @@ def parse_documents(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> tuple[
             keys = ", ".join(TEXT_KEYS)
             raise QueryParseError(f"{where}[{i}]", f"not a document: a non-blank string, or an object with its text "
                                   f"under {keys}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise QueryParseError(f"{where}[{i}]", f"not valid Unicode text (a lone surrogate at index {e.start})") from None
+        if (bad := unicode_problem(text)) is not None:
+            raise QueryParseError(f"{where}[{i}]", bad)
         texts.append(text)
     return texts, pin
 

@@ -92,3 +92,10 @@ def test_at_most_half_the_cache_is_pinned_and_the_engine_still_answers(small_eng
         assert engine.pinned_blocks == 0
     finally:
         engine.unpin()
+
+
+def test_a_document_that_is_not_unicode_text_is_named_before_anything_is_compiled(small_engine):
+    from spanq_integrations.query.errors import QueryValidationError
+
+    with pytest.raises(QueryValidationError, match=r"documents\[1\]: not valid Unicode text"):
+        asyncio.run(small_engine.compile([doc("fine"), "half \ud800 a pair"]))
