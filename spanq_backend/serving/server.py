@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -61,6 +62,22 @@ def limits_of(args: argparse.Namespace) -> QueryLimits:
 # vLLM's help formatter appends "(default: X)" to every option whose help does not show its default itself; this
 # shows it as nothing, where X would mislead ("True" for a --no- flag, "None" for no limit).
 NO_DEFAULT_SHOWN = "%(default).0s"
+
+
+_NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|-(inf|nan)", re.IGNORECASE)
+
+
+def joined_negative_values(argv: Sequence[str]) -> list[str]:
+    """`--option -0.1` as `--option=-0.1`: vLLM's parser reads a token that starts with "-" and holds a dot as a
+    dotted option (`--json-arg.key`), so a negative decimal after an option failed with an IndexError from inside
+    it, or took the next option as its value; joined, the option's own check names what is wrong with it."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE_NUMBER.fullmatch(token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
 
 
 def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -150,7 +167,7 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     )  # fmt: skip
     add_cluster_arguments(parser)  # shown in --help; they take effect only with --replicas (the cluster)
     parser.set_defaults(**{**SERVE_DEFAULTS, **platform_defaults()})  # the CPU settings on a CPU only
-    args = parser.parse_args(list(argv))
+    args = parser.parse_args(joined_negative_values(argv))
     given = [flag for flag in CLUSTER_ONLY if any(a == flag or a.startswith(f"{flag}=") for a in argv)]
     if given and args.replicas is None:
         raise ValueError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --replicas N (several engines)")
@@ -170,8 +187,9 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
 
         if args.kv_transfer_config is not None:
             raise ValueError("--tier-dir is served through vLLM's KV connector: --kv-transfer-config cannot be given too")
+        capacity = tier.gb_to_bytes(args.spanq_tier_max_gb)  # (checked before the folder is made)
         tier.check_tier_dir(args.spanq_tier_dir)  # a TierError is a ValueError: reported below
-        args.kv_transfer_config = tier.transfer_config(args.spanq_tier_dir, tier.gb_to_bytes(args.spanq_tier_max_gb))
+        args.kv_transfer_config = tier.transfer_config(args.spanq_tier_dir, capacity)
     elif args.spanq_tier_max_gb is not None:
         raise ValueError("--tier-max-gb is the capacity of a span tier: give --tier-dir too")
     spec = args.model_tag or args.model
