@@ -104,8 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args(argv)
 
-    llm = ChatSpanQuery(model=args.model, max_tokens=args.max_tokens, temperature=0.5)
-    judge_llm = ChatSpanQuery(model=args.model, max_tokens=args.max_tokens, temperature=0)
+    backend = None  # the embedded engine on --model
+    if args.model.startswith("tiny"):
+        # A random model pads a tool call's JSON with whitespace until max_tokens: with JSON written compactly
+        # (README, "Tools"), its calls are whole and its agents search
+        from spanq_backend.serving.embedded import EmbeddedBackend
+
+        backend = EmbeddedBackend(args.model, compact_json=True)
+    llm = ChatSpanQuery(backend=backend, model=args.model, max_tokens=args.max_tokens, temperature=0.5)
+    judge_llm = ChatSpanQuery(backend=backend, model=args.model, max_tokens=args.max_tokens, temperature=0)
     result = run(llm, judge_llm, n=args.n)
     verdict = result["verdict"]
     chosen = verdict.selection.index if verdict.selection else None

@@ -720,6 +720,7 @@ class SpanEngine:
             after = self.tier.stats.as_dict()
             report["blocks_written"] = after["saved_blocks"] - before["saved_blocks"]
             report["bytes_written"] = after["bytes_written"] - before["bytes_written"]
+            report["blocks_evicted"] = after["evicted_blocks"] - before["evicted_blocks"]  # (past the capacity)
         return report
 
     def unpin(self) -> int:

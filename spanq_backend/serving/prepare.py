@@ -207,6 +207,10 @@ def prepare_main(argv: list[str]) -> int:
         return 2
     for index in report.get("too_long_documents", []):
         print(f"spanq prepare: skipped document {index + 1}: too long for the model's context window", file=sys.stderr)
+    if report.get("blocks_evicted"):
+        print(f"spanq prepare: warning: {report['blocks_evicted']} blocks were removed to keep the tier within "
+              f"--tier-max-gb {args.tier_max_gb:g} (the least recently used: this corpus's first documents too, unless "
+              "pinned with --pin); a larger capacity keeps the whole corpus", file=sys.stderr)
     report["skipped_lines"] = len(problems)
     report["seconds"] = round(time.perf_counter() - started, 2)
     if args.json:

@@ -85,7 +85,7 @@ def test_spanq_prepare_compiles_a_corpus_names_bad_lines_and_skips_what_the_tier
     assert "skipped document 5: too long for the model's context window" in stderr, "named, and the rest compiled"
     assert first["documents"] == 5 and first["too_long"] == 1
     assert first["spans"] == 4 and first["prepared"] == 4 and first["held"] == 0
-    assert first["blocks_written"] > 4 and first["bytes_written"] > 0
+    assert first["blocks_written"] > 4 and first["bytes_written"] > 0 and first["blocks_evicted"] == 0
     assert again["prepared"] == 0 and again["held"] == 4 and again["blocks_written"] == 0
     assert result["prepare_files"]["pin"] == result["prepare_files"]["kv"] > 4, "--pin pins every block it writes"
     assert result["prepare_again_files"] == result["prepare_files"], "and every block of the corpus it finds held"
