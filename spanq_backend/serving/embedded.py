@@ -45,6 +45,10 @@ class EmbeddedBackend(Backend):
     def model_name(self) -> str:
         return self.engine.model_name
 
+    async def token_ids(self, text: str, model: str = "") -> list[int] | None:
+        """`text` as this engine's tokenizer splits it (no special tokens)."""
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+
     def serves(self, model: str) -> bool:
         """Whether `model` names this engine's model (as given, its folder, its served name, or a spanq name such
         as "default" or "tiny" for the folder it stands for)."""

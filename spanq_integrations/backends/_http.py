@@ -425,6 +425,20 @@ class HTTPBackend(Backend):
         except ValueError as e:
             raise BackendError(f"{url} answered with something that is not JSON: {raw[:200]!r}") from e
 
+    async def token_ids(self, text: str, model: str = "") -> list[int] | None:
+        """vLLM's `POST /tokenize` (`spanq serve` and vLLM's own server answer it); None where the server has no
+        such route or cannot be reached (an error here would fail a count, not a call)."""
+        body: dict[str, Any] = {"prompt": text, "add_special_tokens": False}
+        name = model or getattr(self, "model", "") or ""
+        if name:
+            body["model"] = name
+        try:
+            answer = await self._post_json("/tokenize", body, model=name)
+        except SpanQueryError:
+            return None
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        return [int(t) for t in tokens] if isinstance(tokens, list) else None
+
     async def served_models(self) -> list[str]:
         """The model ids the server lists under GET /v1/models (fetched once, then cached)."""
         if self._served_models is None:

@@ -217,6 +217,11 @@ class Backend(abc.ABC):
     ) -> Completion:
         """Run one model call; stream text pieces of the first choice to `on_token` as they arrive."""
 
+    async def token_ids(self, text: str, model: str = "") -> list[int] | None:
+        """`text` as the model's tokenizer splits it (no special tokens), or None where this backend cannot say
+        (a server without vLLM's `/tokenize`): what LangChain's `get_num_tokens` and `trim_messages` count by."""
+        return None
+
     async def aclose(self) -> None:
         """Release connections and engines; the backend is unusable afterwards."""
 

@@ -268,6 +268,14 @@ class SpanQueryClient(BaseModel):
             return self._backend_instance
         return await asyncio.to_thread(self._get_backend)
 
+    def get_token_ids(self, text: str) -> list[int]:
+        """`text` in the model's own tokens, by the backend (the embedded engine's tokenizer, a server's `/tokenize`):
+        what `get_num_tokens`, `get_num_tokens_from_messages` and so `trim_messages(token_counter=llm)` count by.
+        LangChain's default counts GPT-2 tokens, which it downloads (offline: 0 for every text, so nothing was ever
+        trimmed); it is still the fallback for a server that cannot tokenize."""
+        ids = background_loop().run(self._get_backend().token_ids(text, self.model or ""))
+        return ids if ids is not None else super().get_token_ids(text)  # type: ignore[misc]
+
     def close(self) -> None:
         """Close the backend if this model created it from a URL (the embedded default stays up)."""
         with self._backend_lock:

@@ -159,3 +159,24 @@ def test_a_model_takes_chatopenais_model_name_and_refuses_a_parameter_it_does_no
         cls(backend=backend, recompute=2)
     with pytest.raises(ValidationError, match="max_retries"):
         cls(backend=backend, max_retries=-1)
+
+
+@pytest.mark.vllm
+def test_tokens_are_counted_by_the_models_own_tokenizer_and_trim_messages_trims(chat, stock_vllm_server):
+    """LangChain's default counts GPT-2 tokens, downloaded on first use: offline, every text counted 0 tokens and
+    `trim_messages(token_counter=llm)` kept everything. The embedded engine counts by its tokenizer, a vLLM server
+    by its `/tokenize`; a server without one falls back to LangChain's count."""
+    from langchain_core.messages import AIMessage, trim_messages
+
+    from spanq_integrations.langchain import ChatSpanQuery
+
+    tokenizer = chat._get_backend().engine.tokenizer
+    text = "The ferry to Lindale leaves at noon from the harbour."
+    expected = len(tokenizer.encode(text, add_special_tokens=False))
+    assert expected > 5 and chat.get_num_tokens(text) == expected
+    served = ChatSpanQuery(backend=f"{stock_vllm_server}/v1", model="tiny")
+    assert served.get_num_tokens(text) == expected, "the server's own tokenizer (the same model)"
+    history = [HumanMessage(f"Question {i}: " + text) for i in range(6)] + [AIMessage("An answer.")]
+    kept = trim_messages(history, max_tokens=3 * (expected + 12), token_counter=chat, strategy="last")
+    assert 1 <= len(kept) < len(history), len(kept)
+    served.close()
