@@ -322,6 +322,10 @@ class SpanQueryClient(BaseModel):
         elif self.recover_documents != "off" and run_id is not None:
             source = "run_documents"
             candidates = tracker.candidates(run_id, tagged_only=self.recover_documents == "tagged")
+            if not candidates and self.recover_documents == "tagged" and (found := tracker.candidates(run_id)):
+                return PreparedPrompt(messages, fallback=(
+                    f"recover_documents='tagged': the run retrieved {len(found)} document(s), none tagged as a span; "
+                    "wrap the retriever in SpanRetriever, or use recover_documents='auto'"))
         else:
             return PreparedPrompt(messages)
         split, reason = split_at_documents(messages, candidates)

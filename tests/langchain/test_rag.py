@@ -226,6 +226,8 @@ def test_span_retriever_and_tagged_recovery(tiny_backend):
     llm = ChatSpanQuery(backend=tiny_backend, max_tokens=4, temperature=0, recover_documents="tagged")
     untagged = rag_app(OrderedRetriever(documents=docs, orders=ORDERS), llm).invoke(QUESTION)
     assert stats(untagged)["spans"] == 0
+    # and says why (it said nothing: no spans, no fallback)
+    assert "none tagged as a span; wrap the retriever in SpanRetriever" in stats(untagged)["fallback"]
     tagged = rag_app(SpanRetriever(retriever=OrderedRetriever(documents=docs, orders=ORDERS)), llm).invoke(
         QUESTION
     )
