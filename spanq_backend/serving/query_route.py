@@ -281,7 +281,10 @@ def build_query_router(
     started = asyncio.Lock()
 
     async def backend_of(request: Request) -> EngineClientBackend:
-        state = request.app.state
+        return await backend_of_app(request.app)
+
+    async def backend_of_app(app: Any) -> EngineClientBackend:
+        state = app.state
         async with started:
             backend = getattr(state, "spanq_backend", None)
             if backend is not None:
@@ -330,6 +333,7 @@ def build_query_router(
             log.debug("could not read the engine's span counters: %s", e)
 
     refreshing: list[asyncio.Task[None]] = []  # the one refresh a scrape started, while it runs
+    creating: list[asyncio.Task[EngineClientBackend]] = []  # the backend a scrape before any query started
 
     async def before_metrics(app: Any) -> None:
         """/metrics shows the engine processes' counters as of the scrape, not of the last query: what a server
@@ -338,8 +342,15 @@ def build_query_router(
         most (then shows the last counters read; the refresh goes on, for the next scrape), and scrapes meanwhile
         share one refresh."""
         backend = getattr(app.state, "spanq_backend", None)
-        if backend is None:
-            return
+        if backend is None:  # no query yet: the engine's counters (its tier's among them) are shown from the first
+            # scrape on, not from the first query; made once, in the background if it takes longer than a scrape waits
+            if not creating or (creating[0].done() and creating[0].exception() is not None):
+                creating[:] = [asyncio.ensure_future(backend_of_app(app))]
+            try:
+                backend = await asyncio.wait_for(asyncio.shield(creating[0]), METRICS_WAIT_S)
+            except Exception as e:  # noqa: BLE001  (a scrape never fails for it; the next one tries again)
+                log.debug("the span backend is not ready for /metrics: %s", e)
+                return
         if not refreshing or refreshing[0].done():
             refreshing[:] = [asyncio.ensure_future(refresh_engine_counters(backend))]
         with contextlib.suppress(asyncio.TimeoutError):

@@ -228,13 +228,19 @@ def test_spanq_serve_on_a_compiled_tier_answers_from_it_as_the_engine_does(run, 
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     with running_server(command, tmp_path / "server.log", "spanq serve --tier-dir", env=env) as proc:
         url = f"http://127.0.0.1:{port}"
-        call = query(list(reversed(DOCS))).model_copy(update={"model": "tiny"})
-        answer = httpx.post(f"{url}/v1/query/execute", json=to_json(call), timeout=120)
-        assert answer.status_code == 200, answer.text
 
         def shown() -> dict[str, float]:
             text = httpx.get(f"{url}/metrics", timeout=30).text
             return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("spanq_")}
+
+        # the tier's counters are on /metrics before any query (they appeared with the first query's answer)
+        deadline = time.monotonic() + 30
+        while "spanq_tier_loaded_blocks_total" not in (before := shown()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert before.get("spanq_tier_loaded_blocks_total") == 0, before
+        call = query(list(reversed(DOCS))).model_copy(update={"model": "tiny"})
+        answer = httpx.post(f"{url}/v1/query/execute", json=to_json(call), timeout=120)
+        assert answer.status_code == 200, answer.text
 
         # the refused span is in neither the engine's cache nor the tier now: prepared alone when the server is
         # idle, which writes its blocks to the tier again (from the engine core's writer thread). /metrics shows
