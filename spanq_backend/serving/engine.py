@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from spanq_backend.kv.span_table import SpanTable
-from spanq_backend.serving.engine_defaults import ENGINE_DEFAULTS, platform_defaults
+from spanq_backend.serving.engine_defaults import ENGINE_DEFAULTS, cpu_env_defaults, platform_defaults
 from spanq_backend.serving.generator import (
     IDLE_BATCH_TOKENS,
     ISOLATE_MIN_TOKENS,
@@ -169,14 +169,6 @@ def _kv_cache_size_of_its_own(config: EngineConfig) -> Iterator[None]:
                 os.environ[KV_CACHE_ENV] = hidden
 
 
-def _cpu_env_defaults() -> None:
-    """vLLM's CPU settings that suit an engine embedded in a user's process, where the user left them unset:
-    the engine core in this process, every core bound. vLLM reads them only from the environment; they are set
-    when an engine starts, never on import. (The KV cache's size is each engine's own: `EngineConfig`.)"""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
-
-
 # In-process engines of one process step one at a time: two forward passes at once on the CPU backend (one
 # oneDNN/OpenMP runtime per process) abort the process, and they would share the same cores anyway. An engine that
 # works on its own (deferred prepares while idle) may otherwise step beside another engine's call.
@@ -251,7 +243,7 @@ class SpanEngine:
             raise BackendError(f"spans are refused for this model: {e}") from e
         self.model_path: Path = self.admitted.path
         self.model_name = self.config.served_model_name or self.model_path.name
-        _cpu_env_defaults()
+        cpu_env_defaults()
         logs.configure()  # (the level was checked above)
         if self.config.spans:
             log.info("%s", family_line(self.model_path))  # after logs.configure: shown on a quiet first run

@@ -8,9 +8,12 @@ choices there: the model's dtype, compiled graphs, `gpu_memory_utilization`.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-__all__ = ["CPU_ENGINE_DEFAULTS", "DEFAULT_KV_CACHE_GIB", "ENGINE_DEFAULTS", "on_cpu", "platform_defaults"]
+__all__ = [
+    "CPU_ENGINE_DEFAULTS", "DEFAULT_KV_CACHE_GIB", "ENGINE_DEFAULTS", "cpu_env_defaults", "on_cpu", "platform_defaults",
+]
 
 DEFAULT_KV_CACHE_GIB = 1.0  # a CPU engine's KV cache, where nothing else says (vLLM's CPU default is most of RAM)
 
@@ -40,3 +43,12 @@ def on_cpu() -> bool:
 def platform_defaults(cpu: bool | None = None) -> dict[str, Any]:
     """`ENGINE_DEFAULTS` plus, on a CPU (`cpu`; None: this machine), `CPU_ENGINE_DEFAULTS`."""
     return {**ENGINE_DEFAULTS, **(CPU_ENGINE_DEFAULTS if (on_cpu() if cpu is None else cpu) else {})}
+
+
+def cpu_env_defaults() -> None:
+    """vLLM's CPU settings that suit an engine embedded in a user's process, where the user left them unset:
+    the engine core in this process (for `spanq serve`, whose engine core is a process of its own: the model runner
+    in that process), every core bound. vLLM reads them only from the environment; they are set
+    when an engine starts, never on import. (The KV cache's size is each engine's own: `EngineConfig`.)"""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")

@@ -27,7 +27,7 @@ from spanq_backend.serving.cluster_options import (
     add_cluster_arguments,
     positive_int,
 )
-from spanq_backend.serving.engine_defaults import ENGINE_DEFAULTS, platform_defaults
+from spanq_backend.serving.engine_defaults import ENGINE_DEFAULTS, cpu_env_defaults, on_cpu, platform_defaults
 from spanq_backend.serving.generator import ISOLATE_MIN_TOKENS, LEAD_IN_NEUTRAL, load_chat_tokenizer
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
 from spanq_backend.serving.processes import ExitGuard
@@ -331,6 +331,11 @@ def serve_main(argv: list[str]) -> int:
 
     guard = ExitGuard(EXIT_DEADLINE_S)  # a SIGTERM from here on ends this process and its engine core
     guard.install()
+    if on_cpu():
+        # The model runner in the engine core's process, every core bound (unless set): how the embedded engine and
+        # every served test run. vLLM's own CPU default runs it in a process of its own, with an index of a span
+        # tier apart from the scheduler's (docs/design.md §10: a refused block was offered forever there).
+        cpu_env_defaults()
     cli_env_setup()
     try:
         args = parse_serve_args(argv)
