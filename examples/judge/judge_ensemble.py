@@ -39,11 +39,14 @@ def candidates(question: str, n: int, model: str, max_tokens: int) -> list:
 def show(title: str, result: JudgeResult) -> None:
     print(f"\n== {title}")
     for level in result.levels:
-        print(f"level {level.level}: {len(level.calls)} call(s)")
+        in_code = sum(call.kind == "code" for call in level.calls)
+        print(f"level {level.level}: {len(level.calls) - in_code} model call(s)"
+              + (f", {in_code} combined in code" if in_code else ""))
         for call in level.calls:
             read = ", ".join(f"#{i.index}" if i.kind == "candidate" else "answer of the level below" for i in call.inputs)
             picked = f" (picks #{call.parsed.index})" if call.parsed is not None else " (no label)"
-            print(f"  {call.path}  reads {read}  ->  {call.output.strip()[:60]!r}{picked}")
+            how = " [combined in code, no model call]" if call.kind == "code" else ""
+            print(f"  {call.path}  reads {read}  ->  {call.output.strip()[:60]!r}{picked}{how}")
     m = result.metrics
     if result.verdict is not None:
         print(f"verdict: candidate #{result.verdict.index}: {result.verdict.text.strip()!r}")
