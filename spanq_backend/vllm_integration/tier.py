@@ -674,6 +674,8 @@ def gb_to_bytes(gb: float | None) -> int | None:
 def check_tier_dir(path: str | Path) -> None:
     """Make the folder if need be and check it can be written: `TierError` naming it, before an engine starts."""
     folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise TierError(f"the span tier folder {folder} is a file, not a folder: give a folder (made if need be)")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write-check-{os.getpid()}-{threading.get_ident()}"

@@ -390,6 +390,8 @@ def test_a_tier_folder_that_cannot_be_written_is_one_clear_error(tmp_path):
     blocker.write_text("")
     with pytest.raises(tier.TierError, match="cannot be written"):
         tier.check_tier_dir(blocker / "tier")
+    with pytest.raises(tier.TierError, match="is a file, not a folder"):  # ("cannot be written: File exists")
+        tier.check_tier_dir(blocker)
 
 
 def test_an_engine_with_a_tier_is_alone_in_its_process():
