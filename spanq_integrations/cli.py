@@ -343,11 +343,16 @@ def _source_checkout() -> Path | None:
     return root if (root / "benchmarks" / "__init__.py").is_file() else None
 
 
+def _names_replicas(token: str) -> bool:
+    """Whether a `spanq serve` argument is `--replicas` (or `--replica`, the prefix argparse takes for it)."""
+    return token.partition("=")[0] in ("--replicas", "--replica")
+
+
 def delegate(name: str, argv: list[str]) -> int:
     """Run `spanq serve` (the server package) / `spanq bench` (a source checkout's `benchmarks/`), imported
     only now."""
     module_name = DELEGATED[name]
-    if name == "serve" and any(a == "--replicas" or a.startswith("--replicas=") for a in argv):
+    if name == "serve" and any(_names_replicas(a) for a in argv):
         module_name = CLUSTER_MODULE  # several span engines behind one address, on Ray Serve
         try:
             importlib.import_module("ray.serve")

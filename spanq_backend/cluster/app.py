@@ -258,6 +258,26 @@ async def _relay_stream(chunks: Any) -> AsyncIterator[bytes]:
         yield f"data: {json.dumps(error)}\n\n".encode()
 
 
+PINS_ON_A_CLUSTER = (
+    "a cluster does not pin documents in its replicas' caches: a request reaches one replica, so the pins would "
+    "hold in that one only. Compile the corpus into the replicas' shared tier (spanq prepare CORPUS --tier-dir DIR "
+    "--pin: every replica loads it from there), or pin through each replica's own address"
+)
+
+
+def _pins_replica_cache(method: str, path: str, body: bytes) -> bool:
+    """Whether a request would pin (or unpin) documents in the cache of the one replica it reaches."""
+    path = path.strip("/")
+    if path == "v1/spans/pin":
+        return method != "GET"
+    if path == "v1/spans" and method == "POST":
+        try:
+            return json.loads(body).get("pin") is True
+        except (ValueError, AttributeError):
+            return False  # the replica names what is wrong with it
+    return False
+
+
 def _make_ingress(retries: int, max_body_bytes: int, queue_timeout_s: float) -> Any:
     from fastapi import FastAPI
     from fastapi.responses import Response, StreamingResponse
@@ -276,12 +296,14 @@ def _make_ingress(retries: int, max_body_bytes: int, queue_timeout_s: float) -> 
         def __init__(self, replicas: Any):
             self.replicas = replicas.options(stream=True)
 
-        @app.api_route("/{path:path}", methods=["GET", "POST"])
+        @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
         async def relay(self, path: str, request: Request) -> Any:
             body = await read_capped(request, max_body_bytes)
             if isinstance(body, Oversized):  # the replicas' own 400 (`spanq serve`'s query route), said here
                 refused = body_too_large(_limits(max_body_bytes), body)
                 return _error(400, type(refused).__name__, str(refused))
+            if _pins_replica_cache(request.method, path, body):
+                return _error(400, "RequestRejectedError", PINS_ON_A_CLUSTER)
             forwarded = ForwardedRequest(
                 method=request.method,
                 path="/" + path,
@@ -439,6 +461,10 @@ def serve_cluster(argv: Sequence[str]) -> int:
         return 2
     # A Ray started here is this command's to end whole: whatever it starts (Ray's processes, the replicas'
     # servers and engine cores) stays among this process's descendants when a process between them dies first.
+    if not cluster.ray_address and (taken := _port_taken(cluster.host, cluster.port)) is not None:
+        print(f"spanq serve: error: cannot listen on {cluster.host}:{cluster.port} ({taken}): another server is "
+              "there; give another --port", file=sys.stderr)
+        return 2
     adopted = not cluster.ray_address and adopt_orphans()
     try:
         connect(cluster.ray_address)
@@ -470,10 +496,16 @@ def serve_cluster(argv: Sequence[str]) -> int:
             flush=True,
         )
         try:
-            serve.run(app, name="spanq", route_prefix="/", blocking=False)
+            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         except Exception as e:  # noqa: BLE001 - a replica that cannot start: its server's log tail is in the error
             print(f"spanq serve: error: the replicas did not start: {e}", file=sys.stderr)
-            serve.shutdown()
+            _take_down(serve, cluster.ray_address)
+            return 1
+        if cluster.ray_address and _local_ray(cluster.ray_address) and not _answers_on(cluster.host, cluster.port):
+            print(f"spanq serve: error: the cluster does not answer on port {cluster.port}: Ray Serve already ran "
+                  "there, and its HTTP address is fixed when it starts (Ray's warning above names the field); give "
+                  "that port with --port, or start spanq on a cluster without Serve", file=sys.stderr, flush=True)
+            _take_down(serve, cluster.ray_address)
             return 1
         print(f"spanq serve: ready on http://{cluster.host}:{cluster.port}", file=sys.stderr, flush=True)
 
@@ -498,7 +530,7 @@ def serve_cluster(argv: Sequence[str]) -> int:
         import ray
 
         if cluster.ray_address:
-            serve.shutdown()  # someone else's cluster: take this application off it
+            _take_down(serve, cluster.ray_address)  # someone else's cluster: take this application off it
         # A Ray started here goes whole, replicas with it (each replica's server follows its actor out). Serve's
         # own shutdown first would wait on a controller whose cluster a Ctrl-C (the whole process group) is
         # taking down: 30 s, then a warning.
@@ -512,6 +544,57 @@ def serve_cluster(argv: Sequence[str]) -> int:
 
 def _interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
+
+
+APP_NAME = "spanq"  # the Serve application's name on its cluster
+
+
+def _take_down(serve: Any, ray_address: str | None) -> None:
+    """Take spanq's application off the cluster: on someone else's (`--ray-address`) only it (Serve's shutdown
+    removed every application there, the others' too); on a Ray started here, Serve whole."""
+    with contextlib.suppress(Exception):
+        if ray_address:
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
+
+
+def _local_ray(address: str) -> bool:
+    """Whether a Ray address names a cluster on this machine ("auto", or a loopback head): its Serve proxy
+    listens here. A remote head's proxy listens on that machine, whose address spanq is not given."""
+    host = address.removeprefix("ray://").rpartition(":")[0] or address
+    return address == "auto" or host in ("localhost", "127.0.0.1", "::1")
+
+
+def _port_taken(host: str, port: int) -> str | None:
+    """Why host:port cannot be listened on (something listens there already), or None. Ray Serve's proxy binds with
+    SO_REUSEPORT, so a second cluster on a taken port started "ready" and the kernel shared the connections out
+    between the two."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (a closed server's TIME_WAIT is no owner)
+            probe.bind((host, port))
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def _answers_on(host: str, port: int, timeout_s: float = 10.0) -> bool:
+    """Whether spanq's application answers `/health` at host:port (a wildcard host is asked on loopback). On a
+    cluster whose Serve already ran, Serve keeps its own HTTP address and ignores `--port`."""
+    import httpx
+
+    asked = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return httpx.get(f"http://{asked}:{port}/health", timeout=2).status_code == 200
+        except httpx.ConnectError:
+            if time.monotonic() > deadline:
+                return False
+        except httpx.HTTPError:
+            return True  # something answers there, slowly: not refused
+        time.sleep(0.5)
 
 
 serve_main = serve_cluster  # `spanq serve --replicas ...` (the command line's name for it)

@@ -172,7 +172,8 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     if given and args.replicas is None:
         raise ValueError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --replicas N (several engines)")
     if args.replicas is not None:
-        raise ValueError("--replicas needs the cluster extra: pip install 'spanq[cluster]'")
+        raise ValueError("write --replicas in full (--replicas N: an abbreviation of it is not read as the cluster's "
+                         "option), and install the cluster extra if need be: pip install 'spanq[cluster]'")
     if not 0 <= args.port <= 65535:  # (the socket's own OverflowError came after the model was loaded)
         raise ValueError(f"--port must be a port number, 0-65535; got {args.port}")
     if args.headless or args.grpc or (args.api_server_count or 1) != 1:

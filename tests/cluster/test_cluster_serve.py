@@ -182,6 +182,19 @@ def test_bad_input_is_a_4xx_through_the_cluster(cluster):
     assert httpx.post(f"{cluster.url}{EXECUTE}", json=unknown, headers=AUTH, timeout=60).status_code == 404
 
 
+def test_pinning_through_the_cluster_is_refused_by_name_and_preparing_goes_to_a_replica(cluster):
+    """A request reaches one replica: pins taken through the cluster held in that one only (and DELETE was a 405
+    from the ingress). Preparing without pins reaches a replica as any request does."""
+    spans = f"{cluster.url}/v1/spans"
+    for method, url, body in (("POST", spans, {"documents": ["A pinned note."], "pin": True}),
+                              ("DELETE", f"{spans}/pin", None)):
+        answer = httpx.request(method, url, json=body, headers=AUTH, timeout=60)
+        assert answer.status_code == 400, answer.text
+        assert "a cluster does not pin documents" in answer.json()["error"]["message"]
+    prepared = httpx.post(spans, json={"documents": ["A note prepared on a replica."]}, headers=AUTH, timeout=120)
+    assert prepared.status_code == 200 and prepared.json()["spans"] == 1, prepared.text
+
+
 def test_the_clients_api_key_goes_through_and_any_true_stream_parameter_streams(cluster):
     """The cluster runs with --api-key (each replica's server guards /v1 with it): the client's key goes through
     the ingress (it once kept only the content type: every request was a 401, and the replicas' reports of their
@@ -286,6 +299,25 @@ def test_cluster_flags_that_cannot_work_are_one_line_errors(flags, message, flag
     code, stderr = flag_errors[message]
     assert code == 2, stderr
     assert stderr.strip().splitlines()[-1].startswith(f"spanq serve: error: {message}")
+
+
+def test_a_cluster_on_a_port_another_server_holds_is_refused_before_ray_starts(capsys):
+    """Ray Serve's proxy binds with SO_REUSEPORT: a second cluster on a taken port said "ready" and the kernel
+    split the connections between the two. And `--replica 2`, which argparse takes for `--replicas 2`, went to
+    the single server, which said the cluster extra was missing."""
+    import socket
+
+    from spanq_backend.cluster.app import serve_cluster
+    from spanq_integrations.cli import _names_replicas
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        assert serve_cluster(["--replicas", "1", "--model", "tiny", "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err and time.monotonic() - started < 30
+    assert _names_replicas("--replica") and _names_replicas("--replicas=2") and not _names_replicas("--replay")
 
 
 def test_stopping_the_group_ends_the_cluster_and_all_it_started_even_with_a_replica_down(cluster):
