@@ -281,6 +281,7 @@ def test_no_replica_reachable_is_a_503_naming_it(cluster):
 
 FLAG_CASES = [
     (["--replicas", "0"], "--replicas must be at least 1, got 0"),
+    (["--replicas", "abc"], "--replicas must be a whole number, got 'abc'"),  # ("invalid positive_int value")
     (["--replicas", "2", "--tier-cost", "2"], "--tier-cost must be a number from 0 to 1, got 2"),
     (["--replicas", "2", "--ray-address", "ray://127.0.0.1:1"], "the Ray cluster at 'ray://127.0.0.1:1' does not answer"),
     (["--replicas", "2", "--ray-address", "nowhere"], "'nowhere' is not a Ray cluster address"),
