@@ -1,7 +1,7 @@
 """Compiling a corpus: each document's span KV computed once, as a query's `plus` of it is prepared, and, where
 asked, pinned in the engine's KV cache. One routine for both kinds of engine: the embedded `SpanEngine.compile`
 (whose engine core runs in-process: it pins on its own engine thread, and flushes and pins its span tier) and
-`spanq serve`'s `POST /v1/spans/pin` (whose engine core is another process: it pins through a utility call there,
+`spanq serve`'s `POST /v1/spans` (whose engine core is another process: it pins through a utility call there,
 `vllm_integration.engine_core.PIN_METHOD`).
 """
 

@@ -154,7 +154,7 @@ def parse_documents(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> tuple[
         raise QueryParseError(where, f"expected a non-empty list of documents: send {shape}")
     if len(documents) > limits.max_fragments:
         raise QueryLimitError(where, f"{len(documents)} documents: over the limit max_fragments={limits.max_fragments} "
-                              "(spanq serve --max-fragments); pin them in several requests")
+                              "(spanq serve --max-fragments); send them in several requests")
     texts = []
     for i, item in enumerate(documents):
         text = text_of(item)

@@ -872,10 +872,14 @@ class SpanTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
-        for rid in (getattr(connector_output, "failed_recving", None) or ()):  # (also in finished_recving)
+        failed = set(getattr(connector_output, "failed_recving", None) or ())  # (also in finished_recving)
+        for rid in failed:
             self._load_failed(rid)
             self._load_done(rid)
         for rid in (connector_output.finished_recving or ()):
+            if rid not in failed and self._failures:
+                for h in self._loading.get(rid, ()):  # loaded well: no failure of another load counts against it
+                    self._failures.pop(h, None)
             self._load_done(rid)  # vLLM caches its blocks when it schedules the request next, before others
 
     MAX_LOAD_FAILURES = 2  # failed loads of a block whose file stays (it could not be moved aside) before it is refused
