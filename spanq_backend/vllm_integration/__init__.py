@@ -87,7 +87,7 @@ PATCHES: tuple[Patch, ...] = (
           "`spanq serve` takes an attention probe's result from the engine's process through collective_rpc",
           add=attention_probe.worker_attention_scores),
     *(Patch("engine core", "vllm.v1.engine.core", f"EngineCore.{name}",
-            "`spanq serve` pins a corpus in the engine's KV cache (POST /v1/spans/pin) through a utility call, which "
+            "`spanq serve` pins a corpus in the engine's KV cache (POST /v1/spans, DELETE /v1/spans/pin) through a utility call, which "
             "reaches an engine core method by name between two steps; the embedded engine calls the same pins",
             add=method)
       for name, method in ((engine_core.PIN_METHOD, engine_core.pin_blocks),

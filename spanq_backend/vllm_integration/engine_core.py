@@ -413,7 +413,7 @@ def _core_pins(core: Any) -> BlockPins | None:
 
 
 # One engine core's pinned blocks: taken by the embedded engine on its engine thread (`SpanEngine.compile(...,
-# pin=True)`) and by `spanq serve` through utility calls (`POST /v1/spans/pin`); both run between two steps.
+# pin=True)`) and by `spanq serve` through utility calls (`POST /v1/spans`); both run between two steps.
 engine_pins: Extension[BlockPins | None] = Extension("vllm.v1.engine.core.EngineCore", _core_pins)
 
 
