@@ -218,9 +218,9 @@ class SpanQueryLLM(FunctionCallingLLM):
     @field_validator("recompute")
     @classmethod
     def _check_recompute(cls, value: Any) -> Any:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0.0 <= value <= 1.0:
-            raise ValueError(f"recompute must be a share between 0 and 1 (or a policy name), got {value:g}")
-        return value
+        from spanq_integrations.query.ir import recompute_in_range
+
+        return recompute_in_range(value)
 
     @classmethod
     def class_name(cls) -> str:

@@ -51,6 +51,7 @@ __all__ = [
     "fragment",
     "generate",
     "plus",
+    "recompute_in_range",
     "render",
     "repeat",
     "retrieve",
@@ -179,9 +180,7 @@ class Generate(_Node):
     @field_validator("recompute")
     @classmethod
     def _a_share_or_a_policy(cls, value: Recompute | None) -> Recompute | None:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0.0 <= value <= 1.0:
-            raise ValueError(f"recompute must be a share between 0 and 1, or one of {RECOMPUTE_POLICIES}; got {value}")
-        return value
+        return recompute_in_range(value)
 
     @field_validator("json_schema")
     @classmethod
@@ -533,6 +532,14 @@ def _stops(stop: Any, where: str) -> tuple[str, ...]:
     if not all(isinstance(x, str) for x in stops):
         raise QueryValidationError(where, f"expected a string or a list of strings, got {stop!r}")
     return stops
+
+
+def recompute_in_range(value: Any) -> Any:
+    """`value` unless it is a share outside [0, 1] (a `ValueError`, as a pydantic validator raises): what
+    `Generate.recompute` and the framework models' `recompute` accept of a number."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0.0 <= value <= 1.0:
+        raise ValueError(f"recompute must be a share between 0 and 1, or one of {RECOMPUTE_POLICIES}; got {value}")
+    return value
 
 
 def _recompute(value: Any, where: str) -> Any:
