@@ -499,14 +499,14 @@ def serve_cluster(argv: Sequence[str]) -> int:
             serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         except Exception as e:  # noqa: BLE001 - a replica that cannot start: its server's log tail is in the error
             print(f"spanq serve: error: the replicas did not start: {e}", file=sys.stderr)
-            _take_down(serve, cluster.ray_address)
+            if not cluster.ray_address:  # (on someone else's cluster, `finally` takes spanq's application off)
+                serve.shutdown()
             return 1
         if cluster.ray_address and _local_ray(cluster.ray_address) and not _answers_on(cluster.host, cluster.port):
             print(f"spanq serve: error: the cluster does not answer on port {cluster.port}: Ray Serve already ran "
                   "there, and its HTTP address is fixed when it starts (Ray's warning above names the field); give "
                   "that port with --port, or start spanq on a cluster without Serve", file=sys.stderr, flush=True)
-            _take_down(serve, cluster.ray_address)
-            return 1
+            return 1  # (`finally` takes spanq's application off)
         print(f"spanq serve: ready on http://{cluster.host}:{cluster.port}", file=sys.stderr, flush=True)
 
         def on_signal(*_: Any) -> None:
@@ -529,8 +529,9 @@ def serve_cluster(argv: Sequence[str]) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         import ray
 
-        if cluster.ray_address:
-            _take_down(serve, cluster.ray_address)  # someone else's cluster: take this application off it
+        if cluster.ray_address:  # someone else's cluster: only this application off it (Serve's shutdown removed
+            with contextlib.suppress(Exception):  # every application there, the others' too)
+                serve.delete(APP_NAME)
         # A Ray started here goes whole, replicas with it (each replica's server follows its actor out). Serve's
         # own shutdown first would wait on a controller whose cluster a Ctrl-C (the whole process group) is
         # taking down: 30 s, then a warning.
@@ -547,16 +548,6 @@ def _interrupt(*_: Any) -> None:
 
 
 APP_NAME = "spanq"  # the Serve application's name on its cluster
-
-
-def _take_down(serve: Any, ray_address: str | None) -> None:
-    """Take spanq's application off the cluster: on someone else's (`--ray-address`) only it (Serve's shutdown
-    removed every application there, the others' too); on a Ray started here, Serve whole."""
-    with contextlib.suppress(Exception):
-        if ray_address:
-            serve.delete(APP_NAME)
-        else:
-            serve.shutdown()
 
 
 def _local_ray(address: str) -> bool:

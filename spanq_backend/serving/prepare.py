@@ -142,10 +142,12 @@ def prepare_on_server(url: str, texts: list[str], pin: bool) -> dict[str, Any]:
     import urllib.error
     import urllib.request
 
+    from spanq_integrations.backends.resolve import API_KEY_ENV
+
     url = url.removeprefix("spanq+").rstrip("/")
     headers = {"Content-Type": "application/json"}
-    if os.environ.get("SPANQ_API_KEY"):
-        headers["Authorization"] = f"Bearer {os.environ['SPANQ_API_KEY']}"
+    if os.environ.get(API_KEY_ENV):
+        headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
     total: dict[str, Any] = {}
     for start in range(0, len(texts), SERVER_BATCH):
         body = json.dumps({"documents": texts[start : start + SERVER_BATCH], "pin": pin}).encode()

@@ -443,27 +443,27 @@ def build_query_router(
                  f", {report['pinned_blocks']} blocks pinned ({report['pinned_total']} in all)" if pinning else "")
         return JSONResponse(report)
 
+    async def pin_count(raw_request: Request, method: str, key: str) -> Any:
+        """`{key: n}`, n the block count an engine core pin method answers; or the error's answer."""
+        backend = await backend_of(raw_request)
+        try:
+            return JSONResponse({key: int(await pin_call(backend, method))})
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+
     @router.delete(PIN_PATH)
     async def unpin_documents(raw_request: Request) -> Any:
         """Drop every pin: the blocks stay cached, evicted as any other from now on. How many."""
         from spanq_backend.vllm_integration.engine_core import UNPIN_METHOD
 
-        backend = await backend_of(raw_request)
-        try:
-            return JSONResponse({"unpinned_blocks": int(await pin_call(backend, UNPIN_METHOD))})
-        except Exception as e:  # noqa: BLE001
-            return error_response(e)
+        return await pin_count(raw_request, UNPIN_METHOD, "unpinned_blocks")
 
     @router.get(PIN_PATH)
     async def pinned(raw_request: Request) -> Any:
         """How many blocks of the engine's KV cache are pinned now."""
         from spanq_backend.vllm_integration.engine_core import PINNED_METHOD
 
-        backend = await backend_of(raw_request)
-        try:
-            return JSONResponse({"pinned_blocks": int(await pin_call(backend, PINNED_METHOD))})
-        except Exception as e:  # noqa: BLE001
-            return error_response(e)
+        return await pin_count(raw_request, PINNED_METHOD, "pinned_blocks")
 
     @router.post(EXECUTE_PATH)
     @with_cancellation
