@@ -5,7 +5,24 @@ waits minutes on an address that does not answer). Kept apart from `app.py`, whi
 from __future__ import annotations
 
 import logging
+import os
 import socket
+
+# An HTTP/2 client's opening (RFC 9113, 3.4): the preface, then an empty SETTINGS frame. Ray's GCS and its client
+# server are gRPC servers, which answer with a SETTINGS frame of their own (a frame header's fourth byte is its
+# type, 4); an HTTP/1 server answers with text or closes, and one that says nothing is not Ray either.
+_H2_OPENING = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _speaks_grpc(sock: socket.socket) -> bool:
+    sock.sendall(_H2_OPENING)
+    head = b""
+    try:
+        while len(head) < 9 and (chunk := sock.recv(9 - len(head))):
+            head += chunk
+    except OSError:
+        return False
+    return len(head) == 9 and head[3] == 4
 
 
 def connect(address: str | None) -> None:
@@ -20,10 +37,16 @@ def connect(address: str | None) -> None:
         if not port.isdigit():
             raise ConnectionError(f"{address!r} is not a Ray cluster address (host:port, ray://host:port or auto)")
         try:
-            with socket.create_connection((host or "127.0.0.1", int(port)), timeout=5):
-                pass
+            with socket.create_connection((host or "127.0.0.1", int(port)), timeout=5) as sock:
+                # Ray over TLS answers no plain opening: its own connect is the check there
+                is_ray = os.environ.get("RAY_USE_TLS", "0").lower() not in ("0", "false") or _speaks_grpc(sock)
         except OSError as e:
             raise ConnectionError(f"the Ray cluster at {address!r} does not answer: {e.strerror or e}") from None
+        if not is_ray:
+            raise ConnectionError(
+                f"{address!r} is not a Ray cluster: something listens there but does not speak Ray's protocol "
+                "(gRPC); give the head's GCS address (host:6379 by default) or its client server's (ray://host:10001)"
+            )
     try:
         warnings.filterwarnings("ignore", message="Ray Client connection timed out")
         if address:
@@ -31,4 +54,10 @@ def connect(address: str | None) -> None:
         else:
             ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
+        if address and address != "auto":  # it answered the check above: it is Ray, and it refused this process
+            raise ConnectionError(
+                f"the Ray cluster at {address!r} answers but this process could not join it ({e}); a cluster with "
+                "token authentication needs its token here (RAY_AUTH_TOKEN, or the file Ray reads it from), and "
+                "a cluster runs one Ray version for all its processes"
+            ) from None
         raise ConnectionError(f"the Ray cluster at {address!r} does not answer: {e}") from None

@@ -122,16 +122,27 @@ def test_spanq_run_bulk_names_a_malformed_line_and_runs_the_rest(tmp_path: Path)
 
 
 def test_bulk_flags_that_cannot_work_are_one_line_errors(tmp_path: Path):
+    import http.server
+    import threading
+
     from tests.commands import run_in_one_process
 
     path = tmp_path / "q.jsonl"
     path.write_text(json.dumps(to_json(batch(1)[0])) + "\n")
+    # a web server where a Ray address was meant: Ray's own join would wait minutes on it
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    web_address = f"127.0.0.1:{web.server_port}"
     cases = [
         (["--actors", "0"], "--actors must be at least 1, got 0"),
         (["--backend", "http://127.0.0.1:9"], "--bulk runs on a pool of embedded span engines"),
         (["--ray-address", "ray://127.0.0.1:1"], "the Ray cluster at 'ray://127.0.0.1:1' does not answer"),
+        (["--ray-address", web_address], f"{web_address!r} is not a Ray cluster: something listens there"),
     ]
-    done = run_in_one_process([["run", "--bulk", str(path), *flags] for flags, _ in cases])
+    try:
+        done = run_in_one_process([["run", "--bulk", str(path), *flags] for flags, _ in cases], timeout=120)
+    finally:
+        web.shutdown()
     for (flags, message), (code, stderr) in zip(cases, done, strict=True):
         assert code == 2, (flags, stderr)
         assert stderr.strip().splitlines()[-1].startswith(f"spanq: error: {message}"), (flags, stderr)
