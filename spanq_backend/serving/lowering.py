@@ -526,6 +526,13 @@ def _order_key(text: str) -> bytes:
 
 def check_fits(ids: list[int], padded: int, max_model_len: int | None, max_new_tokens: int) -> None:
     """Refuse a prompt that, with the tokens it asks for, does not fit the model's context window."""
+    if max_model_len is not None and max_new_tokens >= max_model_len:  # no prompt fits: the call's field is wrong
+        error = ContextLengthError(
+            f"max_tokens={max_new_tokens} is not below the model's context window of {max_model_len} tokens; "
+            f"this prompt of {len(ids)} tokens leaves room for at most {max(max_model_len - len(ids), 0)}"
+        )
+        error.field = ".g.max_tokens"
+        raise error
     if max_model_len is not None and len(ids) + max(max_new_tokens, 1) > max_model_len:
         of_padding = f" ({padded} of them padding)" if padded else ""
         raise ContextLengthError(

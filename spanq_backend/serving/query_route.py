@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -100,6 +101,14 @@ def usage_of(result: ExecutionResult) -> dict[str, Any]:
 NO_RETRIEVER = "this server has no retriever: retrieve the documents first and send them as fragments of a plus"
 
 
+def _not_json(e: ValueError) -> str:
+    """Why a body is not JSON, in the client's terms: Python's refusal of a huge integer literal tells the reader to
+    raise an interpreter limit (`sys.set_int_max_str_digits`), which is the server's to set, not the client's."""
+    if "integer string conversion" in str(e):
+        return f"a number in it has more than {sys.get_int_max_str_digits()} digits"
+    return str(e)
+
+
 def parse_query(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> Node:
     """The span query in a request body, within `limits`; a `QueryParseError` naming the JSON path if it is not
     one, a `QueryLimitError` naming the limit if it asks for too much. Nothing else runs before this passes."""
@@ -113,7 +122,7 @@ def parse_query(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> Node:
         ) from None
     except ValueError as e:
         raise QueryParseError(
-            "$", f"the request body is not JSON ({e}); send a span query in spnl JSON"
+            "$", f"the request body is not JSON ({_not_json(e)}); send a span query in spnl JSON"
         ) from e
     if isinstance(doc, str):  # (`from_json` would read the string as JSON text again)
         raise QueryParseError("$", "expected a query node (a JSON object), got a string: send the query's JSON itself, "
@@ -140,7 +149,7 @@ def parse_documents(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> tuple[
     except RecursionError:
         raise QueryParseError("$", f"the body is nested too deeply; send {shape}") from None
     except ValueError as e:
-        raise QueryParseError("$", f"the request body is not JSON ({e}); send {shape}") from e
+        raise QueryParseError("$", f"the request body is not JSON ({_not_json(e)}); send {shape}") from e
     if not isinstance(doc, dict):
         raise QueryParseError("$", f"expected a JSON object: send {shape}")
     unknown = sorted(set(doc) - {"documents", "pin"})

@@ -69,7 +69,10 @@ class ModelNotFoundError(BackendError):
 
 
 class ContextLengthError(BackendError):
-    """A prompt (or a single span) does not fit the model's context window."""
+    """A prompt (or a single span) does not fit the model's context window. `field` is the call's own field to
+    blame where the prompt is not at fault (`.g.max_tokens`: more tokens asked for than the window holds)."""
+
+    field: str = ""
 
 
 class RequestRejectedError(BackendError):

@@ -229,8 +229,8 @@ class _Run:
                 completion = await self.backend.generate(closed, path=path, on_token=on_token, **extra)
             except SpanQueryError as e:
                 if getattr(e, "path", None) is None and not isinstance(e, GenerationError):
-                    e.path = path  # type: ignore[attr-defined]
-                    e.args = (f"{path}: {e}",)
+                    e.path = path + getattr(e, "field", "")  # type: ignore[attr-defined]
+                    e.args = (f"{e.path}: {e}",)  # type: ignore[attr-defined]
                 raise
             except (asyncio.CancelledError, KeyboardInterrupt):
                 raise

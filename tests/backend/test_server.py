@@ -923,11 +923,16 @@ def test_values_the_engine_would_refuse_are_400s_naming_the_path(server: SpanqSe
         '{"g":{"max_tokens":2,"temperature":1e308,"input":{"user":"hi"}}}': "$.g.temperature",
         '{"g":{"max_tokens":2,"seed":1208925819614629174706176,"input":{"user":"hi"}}}': "$.g.seed",
         '{"g":{"max_tokens":2,"input":{"user":"\\ud800"}}}': "$.g.input.user",
+        '{"g":{"max_tokens":10000000,"input":{"user":"hi"}}}': "$.g.max_tokens",  # over the window whatever the prompt
+        '{"g":{"max_tokens":2,"input":{"cross":[{"user":"hi"},{"g":{"max_tokens":10000000,"input":{"user":"x"}}}]}}}':
+            "$.g.input.cross[1].g.max_tokens",
+        '{"g":{"max_tokens":' + "9" * 5000 + ',"input":{"user":"hi"}}}': "$: the request body is not JSON (a number",
     }
     for body, path in cases.items():
         answer = _post_raw(server, body)
-        assert answer.status_code == 400, (body, answer.status_code, answer.text[:300])
+        assert answer.status_code == 400, (body[:100], answer.status_code, answer.text[:300])
         assert answer.json()["error"]["message"].startswith(path), answer.text
+        assert "set_int_max_str_digits" not in answer.text, "the client was told to raise the server's limit"
     _assert_healthy(server)
 
 
