@@ -52,7 +52,8 @@ def check(root: Path) -> dict[str, int]:
             except FileNotFoundError:
                 pass  # removed since the folder was listed (an engine's eviction): nothing to check
             except (OSError, ValueError) as e:
-                tier.forget(bytes.fromhex(path.stem), str(e))
+                tier.forget(bytes.fromhex(path.stem), str(e),
+                            then="fails its check ({why}): set aside, an engine computes it again when a span needs it")
                 bad += 1
     return {"good": good, "set_aside": bad}
 

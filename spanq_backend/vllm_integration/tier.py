@@ -542,8 +542,9 @@ class DiskTier:
             self._held.discard(key)
             self._refused.add(key)
 
-    def forget(self, block_hash: Any, why: str) -> None:
-        """A block that failed to load: out of the index, its file moved aside (kept for a look, never read)."""
+    def forget(self, block_hash: Any, why: str, then: str = "not loaded ({why}); it is computed instead") -> None:
+        """A block that failed to load (or a check): out of the index, its file moved aside (kept for a look, never
+        read); `then` is what the log line says of it."""
         key = _key(block_hash)
         with self._lock:
             self._held.discard(key)
@@ -556,7 +557,7 @@ class DiskTier:
                 self.rescan()
         except OSError:
             pass
-        log.warning("span tier: block %s… not loaded (%s); it is computed instead", key.hex()[:12], why)
+        log.warning("span tier: block %s… %s", key.hex()[:12], then.format(why=why))
 
     # -- writing
 

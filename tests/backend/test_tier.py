@@ -447,7 +447,7 @@ def test_spanq_serve_takes_a_tier_folder_as_its_kv_connector_and_refuses_what_ca
         parse_serve_args(["--model", "tiny", "--tier-dir", str(tmp_path / "file" / "tier")])
 
 
-def test_spanq_tier_lists_checks_and_clears_what_a_tier_holds(tmp_path, capsys):
+def test_spanq_tier_lists_checks_and_clears_what_a_tier_holds(tmp_path, capsys, caplog):
     from spanq_backend.serving.tier_command import tier_main
 
     store = tier.DiskTier(tmp_path, "ns1", {"model": "abc" * 10, "model_name": "tiny-llama-s0", "dtype": "torch.float32",
@@ -468,6 +468,8 @@ def test_spanq_tier_lists_checks_and_clears_what_a_tier_holds(tmp_path, capsys):
     store.path_of(broken).write_bytes(bytes(data))
     assert tier_main([str(tmp_path), "--check", "--json"]) == 1, "a block set aside is the exit status 1"
     assert json.loads(capsys.readouterr().out) == {"good": 1, "set_aside": 1}
+    said = [r.getMessage() for r in caplog.records if "span tier: block" in r.getMessage()]
+    assert len(said) == 1 and "fails its check" in said[0] and "computed instead" not in said[0], said
     assert not store.path_of(broken).exists() and store.path_of(broken).with_suffix(".bad").exists()
     assert tier_main([str(tmp_path), "--clear", "other"]) == 2, "a namespace that is not there is named"
     assert "no namespace 'other'" in capsys.readouterr().err
