@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import numbers
 import threading
 import uuid
 from collections.abc import Sequence
@@ -41,7 +42,7 @@ from spanq_integrations.backends.resolve import DEFAULT_MAX_RETRIES, DEFAULT_TIM
 from spanq_integrations.llamaindex.run_nodes import current_record, install_tracker
 from spanq_integrations.llamaindex.usage import METADATA_KEY, usage_of
 from spanq_integrations.optimizer.context import TreeReduction
-from spanq_integrations.query.errors import QueryValidationError
+from spanq_integrations.query.errors import ArgumentValueError, QueryValidationError
 from spanq_integrations.query.ir import (
     DEFAULT_TEMPERATURE,
     MAX_TEMPERATURE,
@@ -295,10 +296,16 @@ class SpanQueryLLM(FunctionCallingLLM):
         """A `Generate` over `input` with this LLM's settings; `options` override max_tokens, temperature,
         stop and seed for this call (other keyword arguments LlamaIndex passes along are ignored)."""
         picked = {k: options[k] for k in _CALL_OPTIONS if options.get(k) is not None}
+        # (a Generate's 0 is "the server's default", up to the whole context window: not what 0 asks for here)
+        max_tokens = picked.get("max_tokens", self.max_tokens)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 1:
+            raise ArgumentValueError(
+                "SpanQueryLLM(max_tokens)", f"max_tokens must be a whole number of at least 1, got {max_tokens!r}"
+            )
         return generate(
             input,
             model=self.model,
-            max_tokens=int(picked.get("max_tokens", self.max_tokens)),
+            max_tokens=int(max_tokens),
             temperature=float(picked.get("temperature", self.temperature)),
             stop=picked.get("stop"),
             seed=picked.get("seed", self.seed),

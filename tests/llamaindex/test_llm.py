@@ -55,6 +55,9 @@ def test_chat_is_one_generate_over_the_messages_in_order():
     assert [type(c) for c in query.input.children] == [System, User, Assistant, User]
     assert (query.max_tokens, query.temperature, query.stop) == (3, 0.3, ("\n",))
     assert llm.completion_query("hi").input.children == (User(text="hi"),)
+    for bad in (0, -1, 2.5, "3"):  # a Generate's 0 would mean the server's default: up to the whole window
+        with pytest.raises(ValueError, match=rf"max_tokens must be a whole number of at least 1, got {bad!r}"):
+            llm.chat_query(CONVERSATION, max_tokens=bad)
 
 
 @pytest.mark.parametrize(
