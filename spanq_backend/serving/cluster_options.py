@@ -45,9 +45,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     `spanq_backend.cluster`). Defined once: the single-engine command shows them in its help and refuses them
     without `--replicas`; the cluster parses them."""
     group = parser.add_argument_group(
-        "several replicas (the cluster extra: pip install 'spanq[cluster]')",
-        "with --replicas N, N span engines serve behind one address on Ray Serve, each query routed to the replica "
-        "that holds most of its spans",
+        "cluster",
+        "several replicas: with --replicas N, N span engines serve behind one address on Ray Serve, each query "
+        "routed to the replica that holds most of its spans (the cluster extra: pip install 'spanq[cluster]')",
     )
     group.add_argument("--replicas", type=positive_int, default=None, metavar="N",
                        help="serve N span engines behind one address (default: one engine, no Ray)")

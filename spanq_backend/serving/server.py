@@ -93,7 +93,7 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
             description="vLLM's OpenAI-compatible server with span-aware KV reuse and POST /v1/query/execute. "
             "--model takes default (SmolLM2-135M-Instruct), tiny, tiny-<family>, a model folder or a Hugging Face "
             "id (from the local cache, else downloaded unless HF_HUB_OFFLINE=1); every other `vllm serve` option passes through. spanq's own options: "
-            "--help=spanq; the query limits: --help=limits; everything: --help=all.",
+            "--help=spanq; the query limits: --help=limits; several replicas: --help=cluster; everything: --help=all.",
         )
     )
     limits = parser.add_argument_group(

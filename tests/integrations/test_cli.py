@@ -318,7 +318,9 @@ def test_serve_help_shows_every_flag_of_the_command(capsys):
         assert flag in shown, flag
     # vLLM's --help lists its groups only: spanq's own options and limits have groups of their own, named there,
     # whose help describes each flag (they were in vLLM's unnamed group, described under --help=all alone)
-    assert "--help=spanq" in shown and "--help=limits" in shown
+    assert "--help=spanq" in shown and "--help=limits" in shown and "--help=cluster" in shown
+    # the list of groups keeps its layout: a long group title pushed every description into a narrow column
+    assert re.search(r"^  CacheConfig\s+Configuration for the KV cache\.$", shown, re.MULTILINE), shown[-3000:]
 
     def group_help(name: str) -> str:
         with pytest.raises(SystemExit):
@@ -330,6 +332,7 @@ def test_serve_help_shows_every_flag_of_the_command(capsys):
         assert re.search(rf"^  {flag}\b.*\n\s+\S", own, re.MULTILINE), (flag, own)
     # no default that misleads: "(default: True)" on a --no- flag, "(default: None)" after "no limit"
     assert "(default: True)" not in own and "(default: None)" not in own, own
+    assert "--replicas" in group_help("cluster")
     limits = group_help("limits")
     assert re.search(r"--max-n N\s+the most choices of one generate call \(n\) \(default: 16\)", limits), limits
     assert "(default 16)" not in limits  # said once
