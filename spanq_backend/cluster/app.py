@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +61,7 @@ log = logging.getLogger("spanq.cluster")
 ROUTER_CLASS = "spanq_backend.cluster.routing:SpanAffinityRouter"
 DEFAULT_ROUTER_CLASS = "spanq_backend.cluster.routing:HealthyFirstRouter"  # Ray Serve's own, failing replicas last
 RETRY_PAUSE_S = 0.5  # between tries of a request whose replica failed
+GATHER_TIMEOUT_S = 10.0  # how long the cluster's /metrics and /v1/spans wait for each replica
 END_GRACE_S = 5.0  # on stopping a local Ray: how long what it started has to exit after Ray's shutdown, then killed
 CLUSTER_HINT = "spanq serve --replicas needs Ray Serve: pip install 'spanq[cluster]'"
 
@@ -80,6 +83,7 @@ class ForwardedRequest:
     body: bytes
     headers: tuple[tuple[str, str], ...] = ()  # the client's end-to-end headers (its API key among them)
     digests: list[str] | None = field(default=None, compare=False)  # the router's, computed once per request
+    replica: str | None = None  # the one replica it is for (the ingress's reads of every replica), else routed
 
     @property
     def span_body(self) -> bytes | None:
@@ -280,11 +284,12 @@ def _pins_replica_cache(method: str, path: str, body: bytes) -> bool:
 
 def _make_ingress(retries: int, max_body_bytes: int, queue_timeout_s: float) -> Any:
     from fastapi import FastAPI
-    from fastapi.responses import Response, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from ray import serve
     from ray.exceptions import RayActorError, RayTaskError
 
-    from spanq_backend.cluster.policy import mark_failing
+    from spanq_backend.cluster.gather import GATHERED, merge_metrics, merge_spans, short_id
+    from spanq_backend.cluster.policy import mark_failing, running_replicas
 
     app = FastAPI(title="spanq cluster")
     replica_failures = (RayActorError, RayTaskError, ConnectionError)
@@ -312,6 +317,10 @@ def _make_ingress(retries: int, max_body_bytes: int, queue_timeout_s: float) -> 
                 body=body,
                 headers=tuple((k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED),
             )
+            if request.method == "GET" and path.strip("/") in GATHERED:
+                gathered = await self.gather(path.strip("/"), forwarded)
+                if gathered is not None:
+                    return gathered
             last = "no replica is running"
             for _ in range(retries + 1):
                 chunks = self.replicas.forward.remote(forwarded)
@@ -349,6 +358,75 @@ def _make_ingress(retries: int, max_body_bytes: int, queue_timeout_s: float) -> 
                     _relay_stream(chunks), status_code=head["status"], media_type=head["content_type"] or None
                 )
             return _error(503, "BackendUnavailableError", f"no replica could answer after {retries + 1} tries: {last}")
+
+        async def ask(self, forwarded: ForwardedRequest) -> tuple[int, bytes]:
+            """One replica's whole answer to a request addressed to it: (status, body); an exception where it did
+            not answer within `GATHER_TIMEOUT_S`."""
+            chunks = self.replicas.forward.remote(forwarded)
+            try:
+                async with asyncio.timeout(GATHER_TIMEOUT_S):
+                    await chunks.__anext__()  # taken
+                    head = await chunks.__anext__()
+                    if "unavailable" in head:
+                        raise ConnectionError(head["unavailable"])
+                    parts = []
+                    async for chunk in chunks:
+                        if isinstance(chunk, dict):
+                            raise ConnectionError(chunk.get("unavailable", "the replica stopped mid-answer"))
+                        parts.append(chunk)
+            except TimeoutError:
+                chunks.cancel()
+                raise TimeoutError(f"no answer within {GATHER_TIMEOUT_S:g} s") from None
+            return head["status"], b"".join(parts)
+
+        async def gather(self, path: str, forwarded: ForwardedRequest) -> Any:
+            """`GET /metrics` or `GET /v1/spans` asked of every running replica and merged (`gather.py`): a
+            replica that does not answer is named (a comment in the metrics, `unanswered` in the spans); a status
+            every replica gives alike (401 without the API key) is theirs. None where no replica is known yet."""
+            ids = running_replicas()
+            if not ids:  # the handle's router starts with its first request and then hears of the replicas
+                with contextlib.suppress(Exception):
+                    await self.ask(dataclasses.replace(forwarded, method="GET", path="/health", query=""))
+                for _ in range(50):
+                    if ids := running_replicas():
+                        break
+                    await asyncio.sleep(0.1)
+                else:
+                    return None
+            # One after another: Ray Serve's router matches a chosen replica to a waiting request by the HTTP
+            # request's id, which concurrent calls under one request share (one got the other's replica; the
+            # other waited for ever).
+            answers: list[tuple[int, bytes] | BaseException] = []
+            for rid in ids:
+                try:
+                    answers.append(await self.ask(dataclasses.replace(forwarded, replica=rid)))
+                except Exception as e:  # noqa: BLE001 - the replica is named in the answer, the others still asked
+                    answers.append(e)
+            bodies, unanswered = {}, {}
+            for rid, answer in zip(ids, answers, strict=True):
+                if isinstance(answer, BaseException):
+                    unanswered[short_id(rid)] = f"{type(answer).__name__}: {answer}"
+                elif answer[0] != 200:
+                    unanswered[short_id(rid)] = f"HTTP {answer[0]}"
+                else:
+                    bodies[rid] = answer[1]
+            statuses = {a[0] for a in answers if not isinstance(a, BaseException)}
+            if not bodies and len(statuses) == 1:  # every replica refused it alike: their answer
+                status, body = next(a for a in answers if not isinstance(a, BaseException))
+                return Response(body, status_code=status, media_type="application/json")
+            if not bodies:
+                return _error(503, "BackendUnavailableError", f"no replica answered {path}: {unanswered}")
+            if path == "metrics":
+                try:
+                    text = merge_metrics({rid: b.decode("utf-8") for rid, b in bodies.items()})
+                except (ValueError, UnicodeDecodeError) as e:
+                    return _error(502, "BackendError", str(e))
+                notes = "".join(f"# spanq: replica {r} did not answer: {why}\n" for r, why in unanswered.items())
+                return Response(notes + text, media_type="text/plain; version=0.0.4; charset=utf-8")
+            merged = merge_spans({rid: json.loads(b) for rid, b in bodies.items()})
+            if unanswered:
+                merged["unanswered"] = unanswered
+            return JSONResponse(merged)
 
     return SpanIngress
 
@@ -473,6 +551,7 @@ def serve_cluster(argv: Sequence[str]) -> int:
         return 2
     own = set(processes(parent=os.getpid()))  # Ray's own processes: their exits are Ray's to collect
     stop = asyncio.Event()
+    stopping = threading.Event()  # for the console's watch of the replicas
     log_dir: str | None = None
     # A SIGTERM while the replicas start (a service manager's stop, a deploy's timeout) stops the start-up as a
     # Ctrl-C does, through the cleanup below: it killed this process at once (Ray's core printed its stack dump)
@@ -510,6 +589,7 @@ def serve_cluster(argv: Sequence[str]) -> int:
         print(f"spanq serve: ready on http://{cluster.host}:{cluster.port}", file=sys.stderr, flush=True)
 
         def on_signal(*_: Any) -> None:
+            stopping.set()
             stop.set()
 
         async def wait() -> None:
@@ -522,10 +602,14 @@ def serve_cluster(argv: Sequence[str]) -> int:
                 if adopted:
                     reap_adopted(own)  # a restarted replica's supervisor, say: not left a zombie
 
+        # (on a thread of its own that the exit does not wait for: Serve's status call waits without bound on a
+        # controller the stop is taking down)
+        threading.Thread(target=watch_replicas, args=(serve, stopping), daemon=True).start()
         asyncio.run(wait())
     except KeyboardInterrupt:  # (Ctrl-C, or the SIGTERM above, before the replicas were ready)
         print("spanq serve: stopped while the replicas were starting", file=sys.stderr, flush=True)
     finally:
+        stopping.set()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         import ray
 
@@ -541,6 +625,28 @@ def serve_cluster(argv: Sequence[str]) -> int:
         if log_dir:
             shutil.rmtree(log_dir, ignore_errors=True)
     return 0
+
+
+def watch_replicas(serve: Any, stopping: threading.Event, every_s: float = 5.0) -> None:
+    """Say on the console when the replicas' states change (one failed and restarts, it is back), until
+    `stopping` is set."""
+    said = replica_states(serve)
+    while not stopping.wait(every_s):
+        now = replica_states(serve)
+        if now and now != said and not stopping.is_set():
+            print(f"spanq serve: replicas: {now} (were: {said})", file=sys.stderr, flush=True)
+            said = now
+
+
+def replica_states(serve: Any) -> str:
+    """How many of the cluster's replicas are in each state, as Ray Serve says ("2 running", "1 running, 1
+    starting"); empty where Serve does not answer."""
+    try:
+        states = serve.status().applications[APP_NAME].deployments["SpanReplica"].replica_states
+        counts = sorted((str(getattr(state, "value", state)).lower(), int(n)) for state, n in states.items() if n)
+    except Exception:  # noqa: BLE001 - the controller busy or gone: nothing to say this time (never the cluster's end)
+        return ""
+    return ", ".join(f"{n} {state}" for state, n in counts)
 
 
 def _interrupt(*_: Any) -> None:

@@ -24,8 +24,8 @@ from spanq_backend.serving.lowering import span_digest
 UNKNOWN_QUEUE = 1 << 20  # a replica whose queue length could not be read: ranked last
 
 __all__ = [
-    "TIER_COST", "Recent", "ReplicaView", "footprint", "forget_failing", "healthy_first", "is_failing", "mark_failing",
-    "query_span_digests", "rank_replicas",
+    "TIER_COST", "Recent", "ReplicaView", "addressed_to", "footprint", "healthy_first", "is_failing", "mark_failing",
+    "query_span_digests", "rank_replicas", "replicas_running", "running_replicas",
 ]
 
 
@@ -63,10 +63,32 @@ def is_failing(replica_id: str) -> bool:
     return True
 
 
-def forget_failing(live: AbstractSet[str]) -> None:
-    """Drop the marks of replicas that are gone (Ray replaced them: new ids)."""
+# The replicas Ray runs, by full id, as its routers last heard (the ingress asks each of them for the cluster's
+# /metrics and /v1/spans: `gather.py`).
+_RUNNING: set[str] = set()
+
+
+def replicas_running(live: AbstractSet[str]) -> None:
+    """Ray's set of running replicas, as a router heard it: kept for the ingress; the failure marks of replicas
+    that are gone (Ray replaced them: new ids) dropped."""
+    _RUNNING.clear()
+    _RUNNING.update(live)
     for rid in [r for r in list(_FAILING) if r not in live]:  # (list(): the ingress may mark one meanwhile)
         _FAILING.pop(rid, None)
+
+
+def running_replicas() -> list[str]:
+    return sorted(_RUNNING)
+
+
+def addressed_to(args: Sequence[Any]) -> str | None:
+    """The replica a request is addressed to (`ForwardedRequest.replica`: one of the ingress's reads of every
+    replica), or None: routed as the router sees fit."""
+    for arg in args:
+        replica = getattr(arg, "replica", None)
+        if isinstance(replica, str):
+            return replica
+    return None
 
 
 R = TypeVar("R")

@@ -27,11 +27,12 @@ from spanq_backend.cluster.policy import (
     UNKNOWN_QUEUE,
     Recent,
     ReplicaView,
-    forget_failing,
+    addressed_to,
     healthy_first,
     is_failing,
     query_span_digests,
     rank_replicas,
+    replicas_running,
 )
 
 __all__ = ["HealthyFirstRouter", "SpanAffinityRouter"]
@@ -54,6 +55,8 @@ class SpanAffinityRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        if (addressed := _addressed(candidate_replicas, pending_request)) is not None:
+            return addressed
         spans = self._spans_of(pending_request)
         queues = await self._queue_lens(candidate_replicas)
         views = []
@@ -110,7 +113,7 @@ class SpanAffinityRouter(RequestRouter):
             self._pool(self._tier_reports.pop(gone)[1])
         for gone in [rid for rid in self.recent.by_replica if rid not in live]:
             self.recent.forget(gone)
-        forget_failing(live)
+        replicas_running(live)
 
     def _reported(self, replica_id: str, stats: dict[str, Any]) -> AbstractSet[str]:
         """The replica's reported spans as a set, converted once per report."""
@@ -161,6 +164,18 @@ class SpanAffinityRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
 
 
+def _addressed(
+    candidates: list[RunningReplica], pending_request: PendingRequest | None
+) -> list[list[RunningReplica]] | None:
+    """A request addressed to one replica (the ingress's reads of every replica) goes to it alone, or waits while
+    it is not a candidate (the ingress bounds the wait); None for any other request."""
+    rid = addressed_to(pending_request.args) if pending_request is not None else None
+    if rid is None:
+        return None
+    chosen = [r for r in candidates if r.replica_id.to_full_id_str() == rid]
+    return [chosen] if chosen else []
+
+
 def _failing(replica: RunningReplica) -> bool:
     return is_failing(replica.replica_id.to_full_id_str())
 
@@ -171,9 +186,11 @@ class HealthyFirstRouter(PowerOfTwoChoicesRequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        if (addressed := _addressed(candidate_replicas, pending_request)) is not None:
+            return addressed
         ranks = await super().choose_replicas(candidate_replicas, pending_request)
         return healthy_first(ranks, candidate_replicas, _failing)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        forget_failing({r.replica_id.to_full_id_str() for r in replicas})
+        replicas_running({r.replica_id.to_full_id_str() for r in replicas})

@@ -276,3 +276,34 @@ def test_the_ingress_reads_a_stream_request_as_the_server_does():
     assert flag_value(["--api-key", "k", "--port", "1"], "--api-key") == "k"
     assert flag_value(["--api-key=a", "--api-key", "b"], "--api-key") == "b"
     assert flag_value(["--api-keys", "x"], "--api-key") is None
+
+
+def test_the_cluster_merges_its_replicas_metrics_and_spans_without_losing_or_doubling_any():
+    """`gather.py`: every replica's samples kept, labelled with the replica, each metric family said once; a text
+    that is not Prometheus's named by its replica; the spans of all replicas, each once, and per replica."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from spanq_backend.cluster.gather import merge_metrics, merge_spans
+
+    def text(running: float, tokens: float) -> str:
+        return ("# HELP vllm:num_requests_running Running.\n# TYPE vllm:num_requests_running gauge\n"
+                f'vllm:num_requests_running{{model_name="m"}} {running}\n'
+                "# HELP vllm:prompt_tokens_total Prompt tokens.\n# TYPE vllm:prompt_tokens_total counter\n"
+                f'vllm:prompt_tokens_total{{model_name="m"}} {tokens}\n'
+                "# HELP t Time.\n# TYPE t histogram\n"
+                f't_bucket{{le="1.0"}} {tokens}\nt_bucket{{le="+Inf"}} {tokens}\nt_count {tokens}\nt_sum 2.0\n')
+
+    merged = merge_metrics({"SERVE_REPLICA::spanq#SpanReplica#aaa": text(1, 10), "SERVE_REPLICA::spanq#SpanReplica#bbb": text(2, 20)})
+    samples = {(s.name, s.labels.get("le", ""), s.labels["replica"]): s.value
+               for f in text_string_to_metric_families(merged) for s in f.samples}  # fmt: skip
+    assert samples[("vllm:num_requests_running", "", "aaa")] == 1 and samples[("vllm:num_requests_running", "", "bbb")] == 2
+    assert samples[("vllm:prompt_tokens_total", "", "aaa")] == 10 and samples[("vllm:prompt_tokens_total", "", "bbb")] == 20
+    assert samples[("t_bucket", "+Inf", "bbb")] == 20 and len(samples) == 12
+    assert merged.count("# TYPE vllm:prompt_tokens_total counter") == 1 and merged.count("# TYPE t histogram") == 1
+    with pytest.raises(ValueError, match="replica bbb's /metrics is not Prometheus text"):
+        merge_metrics({"x#aaa": text(1, 1), "x#bbb": "<html>oops</html>\n"})
+
+    spans = merge_spans({"x#aaa": {"spans": ["d1", "d2"], "probe": True, "tier": ["d1"], "tier_id": "T"},
+                         "x#bbb": {"spans": ["d2", "d3"], "probe": True, "tier": [], "tier_id": "T"}})  # fmt: skip
+    assert spans["spans"] == ["d1", "d2", "d3"] and spans["tier"] == ["d1"] and spans["tier_id"] == "T"
+    assert spans["replicas"] == {"aaa": {"spans": 2, "tier": 1, "tier_id": "T"}, "bbb": {"spans": 2, "tier": 0, "tier_id": "T"}}

@@ -174,6 +174,35 @@ def test_each_span_is_prepared_once_across_the_fleet_and_answers_match_one_engin
     assert sum(r.calls[0].prepared_spans for r in again) == 0
 
 
+def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+
+
+def test_the_clusters_metrics_and_spans_speak_for_every_replica(cluster):
+    """`GET /metrics` and `GET /v1/spans` on the cluster's address are every replica's, not the one a request
+    happened to reach: each sample labelled with its replica, each span held anywhere listed once."""
+    _run_all(cluster.url, workload(4))  # documents of both pools: the replicas hold different spans
+    own_spans = [httpx.get(f"{url}/v1/spans", headers=AUTH, timeout=30).json()["spans"]
+                 for url in cluster.replica_urls().values()]  # fmt: skip
+    own_tokens = sorted(v for url in cluster.replica_urls().values()
+                        for _, v in _samples(httpx.get(f"{url}/metrics", timeout=30).text, "vllm:prompt_tokens_total"))
+    gathered = httpx.get(f"{cluster.url}/v1/spans", headers=AUTH, timeout=60)
+    assert gathered.status_code == 200, gathered.text
+    spans = gathered.json()
+    assert len(own_spans) == 2 and len(spans["replicas"]) == 2, spans.get("replicas")
+    assert set(spans["spans"]) == set(own_spans[0]) | set(own_spans[1]) and len(set(spans["spans"])) == len(spans["spans"])
+    assert sorted(r["spans"] for r in spans["replicas"].values()) == sorted(map(len, own_spans))
+    assert httpx.get(f"{cluster.url}/v1/spans", timeout=60).status_code == 401, "the replicas' key check went"
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=60)
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    tokens = _samples(metrics.text, "vllm:prompt_tokens_total")
+    assert sorted(labels["replica"] for labels, _ in tokens) == sorted(spans["replicas"]), tokens
+    assert sorted(v for _, v in tokens) == own_tokens
+    assert metrics.text.count("# TYPE vllm:prompt_tokens_total counter") == 1, "a metric family said twice"
+
+
 def test_bad_input_is_a_4xx_through_the_cluster(cluster):
     bad = {"g": {"model": "", "input": {"cross": [{"user": "hi"}, {"usr": "typo"}]}}}
     answer = httpx.post(f"{cluster.url}{EXECUTE}", json=bad, headers=AUTH, timeout=60)
@@ -255,6 +284,10 @@ def test_a_replica_killed_mid_answer_is_routed_around_its_answers_retried_whole_
     while not (set(cluster.replica_servers()) - set(urls)):  # a new replica's server, started by Ray Serve
         assert time.monotonic() < deadline, "Ray Serve did not restart the replica"
         time.sleep(2)
+    said = re.compile(r"^spanq serve: replicas: .*\b(starting|stopping|recovering)\b.*\(were: 2 running\)$", re.MULTILINE)
+    while not said.search(cluster.log.read_text(errors="replace")):  # the console says the replica went
+        assert time.monotonic() < deadline, f"the console did not say a replica went:\n{log_tail(cluster.log)}"
+        time.sleep(1)
 
 
 def test_no_replica_reachable_is_a_503_naming_it(cluster):
