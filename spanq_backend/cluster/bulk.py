@@ -121,10 +121,11 @@ def run_bulk(
 def _run_groups(queries: Sequence[Node], groups: list[list[int]], actors: int, model: str) -> Iterator[BulkItem]:
     import ray
 
-    data_log = logging.getLogger("ray.data")
-    data_log.setLevel(logging.ERROR)  # turning progress bars off is said as a warning
     ray.data.DataContext.get_current().enable_progress_bars = False  # the items are the progress
-    data_log.setLevel(logging.WARNING)
+    # (after Ray Data's first use, which sets its loggers' levels: its INFO lines of each run go; and the warning
+    # that says progress bars are off)
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     rows = [
         {"partition": p, "queries": json.dumps([[i, to_json(queries[i])] for i in group])}
         for p, group in enumerate(groups)

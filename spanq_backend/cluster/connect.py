@@ -51,7 +51,8 @@ def connect(address: str | None) -> None:
         warnings.filterwarnings("ignore", message="Ray Client connection timed out")
         if address:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-        else:
+        else:  # a Ray of this process's own, stopped with it: its notice on token authentication is not the user's
+            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
             ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
         if address and address != "auto":  # it answered the check above: it is Ray, and it refused this process

@@ -121,6 +121,23 @@ def test_spanq_run_bulk_names_a_malformed_line_and_runs_the_rest(tmp_path: Path)
     assert "1 of 5 queries failed" in stderr.getvalue()
 
 
+def test_spanq_run_bulk_on_a_ray_of_its_own_prints_answers_not_rays_chatter(tmp_path: Path):
+    """On a Ray it starts for the batch, the command's stderr is not Ray's: no notice on token authentication (a
+    Ray of this process's own, stopped with it), no Ray Data INFO lines on each run, no warning that progress bars
+    are off. (Ray's core still writes one line for its actor pool: C++, beyond Python's logging.)"""
+    import subprocess
+    import sys
+
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps(to_json(q)) + "\n" for q in batch(2)))
+    done = subprocess.run([sys.executable, "-m", "spanq_integrations.cli", "run", "--bulk", str(path), "--model", "tiny",
+                           "--actors", "1"], capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [json.loads(line)["index"] for line in done.stdout.splitlines()] == [0, 1]
+    for chatter in ("Token authentication", " INFO ", "Progress bars disabled", "Starting execution of Dataset"):
+        assert chatter not in done.stderr, done.stderr
+
+
 def test_bulk_flags_that_cannot_work_are_one_line_errors(tmp_path: Path):
     import http.server
     import threading
