@@ -61,7 +61,7 @@ log = logging.getLogger("spanq.cluster")
 ROUTER_CLASS = "spanq_backend.cluster.routing:SpanAffinityRouter"
 DEFAULT_ROUTER_CLASS = "spanq_backend.cluster.routing:HealthyFirstRouter"  # Ray Serve's own, failing replicas last
 RETRY_PAUSE_S = 0.5  # between tries of a request whose replica failed
-GATHER_TIMEOUT_S = 10.0  # how long the cluster's /metrics and /v1/spans wait for each replica
+GATHER_TIMEOUT_S = 8.0  # how long the cluster's /metrics and /v1/spans wait for all replicas together
 END_GRACE_S = 5.0  # on stopping a local Ray: how long what it started has to exit after Ray's shutdown, then killed
 CLUSTER_HINT = "spanq serve --replicas needs Ray Serve: pip install 'spanq[cluster]'"
 
@@ -241,6 +241,21 @@ class SpanReplica:
             self._stop()
 
 
+async def _whole_body(chunks: Any) -> bytes:
+    """The rest of a replica's answer (after its head), whole; a `ConnectionError` where its server went away
+    mid-answer (the replica marked failing: the router tries the others first)."""
+    from spanq_backend.cluster.policy import mark_failing
+
+    parts: list[bytes] = []
+    async for chunk in chunks:
+        if isinstance(chunk, dict):
+            if "replica" in chunk:
+                mark_failing(chunk["replica"])
+            raise ConnectionError(chunk.get("unavailable", "the replica stopped mid-answer"))
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 def _error(status: int, kind: str, message: str) -> Any:
     from fastapi.responses import JSONResponse
 
@@ -318,7 +333,7 @@ def _make_ingress(retries: int, max_body_bytes: int, queue_timeout_s: float) -> 
                 headers=tuple((k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED),
             )
             if request.method == "GET" and path.strip("/") in GATHERED:
-                gathered = await self.gather(path.strip("/"), forwarded)
+                gathered = await self.gather(path.strip("/"), forwarded, request.headers)
                 if gathered is not None:
                     return gathered
             last = "no replica is running"
@@ -341,14 +356,7 @@ def _make_ingress(retries: int, max_body_bytes: int, queue_timeout_s: float) -> 
                         await asyncio.sleep(RETRY_PAUSE_S)
                         continue
                     if not forwarded.streams:  # whole, so that a replica lost mid-answer is retried
-                        parts: list[bytes] = []
-                        async for chunk in chunks:
-                            if isinstance(chunk, dict):  # its server went away mid-answer
-                                if "replica" in chunk:
-                                    mark_failing(chunk["replica"])
-                                raise ConnectionError(chunk.get("unavailable", "the replica stopped mid-answer"))
-                            parts.append(chunk)
-                        body = b"".join(parts)
+                        body = await _whole_body(chunks)
                         return Response(body, status_code=head["status"], media_type=head["content_type"] or None)
                 except (StopAsyncIteration, *replica_failures) as e:
                     last = f"{type(e).__name__}: {e}"
@@ -359,71 +367,75 @@ def _make_ingress(retries: int, max_body_bytes: int, queue_timeout_s: float) -> 
                 )
             return _error(503, "BackendUnavailableError", f"no replica could answer after {retries + 1} tries: {last}")
 
-        async def ask(self, forwarded: ForwardedRequest) -> tuple[int, bytes]:
-            """One replica's whole answer to a request addressed to it: (status, body); an exception where it did
-            not answer within `GATHER_TIMEOUT_S`."""
+        async def ask(self, forwarded: ForwardedRequest, timeout_s: float) -> tuple[int, str, bytes]:
+            """One replica's whole answer to a request addressed to it: (status, content type, body); an exception
+            where it did not answer within `timeout_s`."""
             chunks = self.replicas.forward.remote(forwarded)
             try:
-                async with asyncio.timeout(GATHER_TIMEOUT_S):
+                async with asyncio.timeout(timeout_s):
                     await chunks.__anext__()  # taken
                     head = await chunks.__anext__()
                     if "unavailable" in head:
+                        mark_failing(head["replica"])
                         raise ConnectionError(head["unavailable"])
-                    parts = []
-                    async for chunk in chunks:
-                        if isinstance(chunk, dict):
-                            raise ConnectionError(chunk.get("unavailable", "the replica stopped mid-answer"))
-                        parts.append(chunk)
+                    body = await _whole_body(chunks)
             except TimeoutError:
                 chunks.cancel()
-                raise TimeoutError(f"no answer within {GATHER_TIMEOUT_S:g} s") from None
-            return head["status"], b"".join(parts)
+                raise TimeoutError(f"no answer within {timeout_s:.1f} s") from None
+            return head["status"], head["content_type"], body
 
-        async def gather(self, path: str, forwarded: ForwardedRequest) -> Any:
-            """`GET /metrics` or `GET /v1/spans` asked of every running replica and merged (`gather.py`): a
-            replica that does not answer is named (a comment in the metrics, `unanswered` in the spans); a status
-            every replica gives alike (401 without the API key) is theirs. None where no replica is known yet."""
-            ids = running_replicas()
-            if not ids:  # the handle's router starts with its first request and then hears of the replicas
+        async def gather(self, path: str, forwarded: ForwardedRequest, headers: Any) -> Any:
+            """`GET /metrics` or `GET /v1/spans` asked of every running replica and merged (`gather.py`), within
+            one deadline (a scrape's own, from Prometheus's header, else `GATHER_TIMEOUT_S`): a replica that does
+            not answer in time is named (a comment in the metrics, `unanswered` in the spans); a status every
+            replica gives alike (401 without the API key) is theirs. None where no replica is known yet."""
+            budget = GATHER_TIMEOUT_S
+            with contextlib.suppress(TypeError, ValueError):
+                budget = min(budget, 0.9 * float(headers.get("x-prometheus-scrape-timeout-seconds")))
+            deadline = time.monotonic() + budget
+            # the path as the replica's routes have it; the body as it is (a compressed one would be opaque here)
+            plain = (*((k, v) for k, v in forwarded.headers if k.lower() != "accept-encoding"), ("accept-encoding", "identity"))
+            forwarded = dataclasses.replace(forwarded, path="/" + path, headers=plain)
+            if not running_replicas():  # the handle's router starts with its first request, then hears of them
                 with contextlib.suppress(Exception):
-                    await self.ask(dataclasses.replace(forwarded, method="GET", path="/health", query=""))
-                for _ in range(50):
-                    if ids := running_replicas():
-                        break
+                    await self.ask(dataclasses.replace(forwarded, path="/health", query=""), budget / 2)
+                while not running_replicas() and time.monotonic() < deadline:
                     await asyncio.sleep(0.1)
-                else:
+                if not running_replicas():
                     return None
             # One after another: Ray Serve's router matches a chosen replica to a waiting request by the HTTP
             # request's id, which concurrent calls under one request share (one got the other's replica; the
-            # other waited for ever).
-            answers: list[tuple[int, bytes] | BaseException] = []
-            for rid in ids:
+            # other waited for ever). Each replica is looked up again before it is asked: one gone since is
+            # not asked (the router would have no such replica to send it to).
+            answers: dict[str, tuple[int, str, bytes] | str] = {}
+            for rid in running_replicas():
+                if rid not in running_replicas():
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0.05:
+                    answers[rid] = "not asked: the time to answer was spent"
+                    continue
                 try:
-                    answers.append(await self.ask(dataclasses.replace(forwarded, replica=rid)))
+                    answers[rid] = await self.ask(dataclasses.replace(forwarded, replica=rid), left)
                 except Exception as e:  # noqa: BLE001 - the replica is named in the answer, the others still asked
-                    answers.append(e)
-            bodies, unanswered = {}, {}
-            for rid, answer in zip(ids, answers, strict=True):
-                if isinstance(answer, BaseException):
-                    unanswered[short_id(rid)] = f"{type(answer).__name__}: {answer}"
-                elif answer[0] != 200:
-                    unanswered[short_id(rid)] = f"HTTP {answer[0]}"
-                else:
-                    bodies[rid] = answer[1]
-            statuses = {a[0] for a in answers if not isinstance(a, BaseException)}
-            if not bodies and len(statuses) == 1:  # every replica refused it alike: their answer
-                status, body = next(a for a in answers if not isinstance(a, BaseException))
-                return Response(body, status_code=status, media_type="application/json")
+                    answers[rid] = " ".join(f"{type(e).__name__}: {e}".split())  # (one line: a comment of the metrics)
+            bodies = {rid: a[2] for rid, a in answers.items() if not isinstance(a, str) and a[0] == 200}
+            unanswered = {short_id(rid): a if isinstance(a, str) else f"HTTP {a[0]}"
+                          for rid, a in answers.items() if rid not in bodies}  # fmt: skip
+            refusals = [a for a in answers.values() if not isinstance(a, str)]
+            if not bodies and refusals and len({a[0] for a in refusals}) == 1:  # all refused it alike: theirs
+                status, content_type, body = refusals[0]
+                return Response(body, status_code=status, media_type=content_type or None)
             if not bodies:
                 return _error(503, "BackendUnavailableError", f"no replica answered {path}: {unanswered}")
-            if path == "metrics":
-                try:
+            try:
+                if path == "metrics":
                     text = merge_metrics({rid: b.decode("utf-8") for rid, b in bodies.items()})
-                except (ValueError, UnicodeDecodeError) as e:
-                    return _error(502, "BackendError", str(e))
-                notes = "".join(f"# spanq: replica {r} did not answer: {why}\n" for r, why in unanswered.items())
-                return Response(notes + text, media_type="text/plain; version=0.0.4; charset=utf-8")
-            merged = merge_spans({rid: json.loads(b) for rid, b in bodies.items()})
+                    notes = "".join(f"# spanq: replica {r} did not answer: {why}\n" for r, why in unanswered.items())
+                    return Response(notes + text, media_type="text/plain; version=0.0.4; charset=utf-8")
+                merged = merge_spans({rid: json.loads(b) for rid, b in bodies.items()})
+            except (ValueError, UnicodeDecodeError, AttributeError) as e:
+                return _error(502, "BackendError", f"a replica's {path} could not be read: {e}")
             if unanswered:
                 merged["unanswered"] = unanswered
             return JSONResponse(merged)
@@ -634,7 +646,7 @@ def watch_replicas(serve: Any, stopping: threading.Event, every_s: float = 5.0) 
     while not stopping.wait(every_s):
         now = replica_states(serve)
         if now and now != said and not stopping.is_set():
-            print(f"spanq serve: replicas: {now} (were: {said})", file=sys.stderr, flush=True)
+            print(f"spanq serve: replicas: {now}" + (f" (were: {said})" if said else ""), file=sys.stderr, flush=True)
             said = now
 
 

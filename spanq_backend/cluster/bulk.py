@@ -112,20 +112,23 @@ def run_bulk(
     if started:
         connect(address)
     try:
-        yield from _run_groups(queries, groups, actors, model)
+        yield from _run_groups(queries, groups, actors, model, quiet=started)
     finally:
         if started:  # a Ray it started for this batch, not one the caller holds: stopped with the batch
             ray.shutdown()
 
 
-def _run_groups(queries: Sequence[Node], groups: list[list[int]], actors: int, model: str) -> Iterator[BulkItem]:
+def _run_groups(
+    queries: Sequence[Node], groups: list[list[int]], actors: int, model: str, quiet: bool
+) -> Iterator[BulkItem]:
     import ray
 
     ray.data.DataContext.get_current().enable_progress_bars = False  # the items are the progress
-    # (after Ray Data's first use, which sets its loggers' levels: its INFO lines of each run go; and the warning
-    # that says progress bars are off)
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
-    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    if quiet:  # on a Ray of the batch's own (a caller's Ray keeps its logging as the caller set it)
+        # (after Ray Data's first use, which sets its loggers' levels: its INFO lines of each run go; and the
+        # warning that says progress bars are off)
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
+        logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     rows = [
         {"partition": p, "queries": json.dumps([[i, to_json(queries[i])] for i in group])}
         for p, group in enumerate(groups)

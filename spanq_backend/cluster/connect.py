@@ -32,21 +32,24 @@ def connect(address: str | None) -> None:
 
     import ray
 
+    probed = False
     if address and address != "auto":  # Ray itself waits minutes for an address that does not answer
         host, _, port = address.removeprefix("ray://").rpartition(":")
         if not port.isdigit():
             raise ConnectionError(f"{address!r} is not a Ray cluster address (host:port, ray://host:port or auto)")
+        tls = os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")  # (Ray's own reading of it)
         try:
-            with socket.create_connection((host or "127.0.0.1", int(port)), timeout=5) as sock:
-                # Ray over TLS answers no plain opening: its own connect is the check there
-                is_ray = os.environ.get("RAY_USE_TLS", "0").lower() not in ("0", "false") or _speaks_grpc(sock)
+            with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=5) as sock:
+                is_ray = tls or _speaks_grpc(sock)  # Ray over TLS answers no plain opening: its own join checks it
         except OSError as e:
             raise ConnectionError(f"the Ray cluster at {address!r} does not answer: {e.strerror or e}") from None
         if not is_ray:
             raise ConnectionError(
                 f"{address!r} is not a Ray cluster: something listens there but does not speak Ray's protocol "
-                "(gRPC); give the head's GCS address (host:6379 by default) or its client server's (ray://host:10001)"
+                "(gRPC); give the head's GCS address (host:6379 by default) or its client server's (ray://host:10001), "
+                "and for a cluster that uses TLS set RAY_USE_TLS=1 as its nodes do"
             )
+        probed = not tls
     try:
         warnings.filterwarnings("ignore", message="Ray Client connection timed out")
         if address:
@@ -55,7 +58,7 @@ def connect(address: str | None) -> None:
             logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
             ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
-        if address and address != "auto":  # it answered the check above: it is Ray, and it refused this process
+        if probed:  # it answered as Ray does above, and refused this process
             raise ConnectionError(
                 f"the Ray cluster at {address!r} answers but this process could not join it ({e}); a cluster with "
                 "token authentication needs its token here (RAY_AUTH_TOKEN, or the file Ray reads it from), and "

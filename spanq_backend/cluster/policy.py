@@ -25,7 +25,7 @@ UNKNOWN_QUEUE = 1 << 20  # a replica whose queue length could not be read: ranke
 
 __all__ = [
     "TIER_COST", "Recent", "ReplicaView", "addressed_to", "footprint", "healthy_first", "is_failing", "mark_failing",
-    "query_span_digests", "rank_replicas", "replicas_running", "running_replicas",
+    "query_span_digests", "rank_replicas", "replica_died", "replicas_running", "running_replicas",
 ]
 
 
@@ -65,20 +65,26 @@ def is_failing(replica_id: str) -> bool:
 
 # The replicas Ray runs, by full id, as its routers last heard (the ingress asks each of them for the cluster's
 # /metrics and /v1/spans: `gather.py`).
-_RUNNING: set[str] = set()
+_RUNNING: frozenset[str] = frozenset()
 
 
 def replicas_running(live: AbstractSet[str]) -> None:
-    """Ray's set of running replicas, as a router heard it: kept for the ingress; the failure marks of replicas
-    that are gone (Ray replaced them: new ids) dropped."""
-    _RUNNING.clear()
-    _RUNNING.update(live)
+    """Ray's set of running replicas, as a router heard it: kept for the ingress (replaced whole: the ingress reads
+    it from another thread); the failure marks of replicas that are gone (Ray replaced them: new ids) dropped."""
+    global _RUNNING
+    _RUNNING = frozenset(live)
     for rid in [r for r in list(_FAILING) if r not in live]:  # (list(): the ingress may mark one meanwhile)
         _FAILING.pop(rid, None)
 
 
 def running_replicas() -> list[str]:
     return sorted(_RUNNING)
+
+
+def replica_died(replica_id: str) -> None:
+    """A replica whose actor died, before Ray's next set of running replicas says so: not asked any more."""
+    global _RUNNING
+    _RUNNING = _RUNNING - {replica_id}
 
 
 def addressed_to(args: Sequence[Any]) -> str | None:

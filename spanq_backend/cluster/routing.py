@@ -32,6 +32,7 @@ from spanq_backend.cluster.policy import (
     is_failing,
     query_span_digests,
     rank_replicas,
+    replica_died,
     replicas_running,
 )
 
@@ -161,18 +162,21 @@ class SpanAffinityRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         self.recent.forget(replica_id.to_full_id_str())
+        replica_died(replica_id.to_full_id_str())
         super().on_replica_actor_died(replica_id)
 
 
 def _addressed(
     candidates: list[RunningReplica], pending_request: PendingRequest | None
 ) -> list[list[RunningReplica]] | None:
-    """A request addressed to one replica (the ingress's reads of every replica) goes to it alone, or waits while
-    it is not a candidate (the ingress bounds the wait); None for any other request."""
-    rid = addressed_to(pending_request.args) if pending_request is not None else None
-    if rid is None:
+    """A request addressed to one replica (the ingress's reads of every replica) goes to it alone; while it is not
+    a candidate, Ray backs off and asks again (the ingress bounds the wait). Without the backoff flag Ray asks again
+    at once, without yielding: the router's loop spun and routed nothing more. None for any other request."""
+    if pending_request is None or (rid := addressed_to(pending_request.args)) is None:
         return None
     chosen = [r for r in candidates if r.replica_id.to_full_id_str() == rid]
+    if not chosen:
+        pending_request.routing_context.should_backoff = True
     return [chosen] if chosen else []
 
 
@@ -194,3 +198,7 @@ class HealthyFirstRouter(PowerOfTwoChoicesRequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         replicas_running({r.replica_id.to_full_id_str() for r in replicas})
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        replica_died(replica_id.to_full_id_str())
+        super().on_replica_actor_died(replica_id)

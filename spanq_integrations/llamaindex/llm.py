@@ -298,9 +298,10 @@ class SpanQueryLLM(FunctionCallingLLM):
         picked = {k: options[k] for k in _CALL_OPTIONS if options.get(k) is not None}
         # (a Generate's 0 is "the server's default", up to the whole context window: not what 0 asks for here)
         max_tokens = picked.get("max_tokens", self.max_tokens)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 1:
+        whole = isinstance(max_tokens, numbers.Integral) or (isinstance(max_tokens, float) and max_tokens.is_integer())
+        if isinstance(max_tokens, bool) or not whole or max_tokens < 1:
             raise ArgumentValueError(
-                "SpanQueryLLM(max_tokens)", f"max_tokens must be a whole number of at least 1, got {max_tokens!r}"
+                "max_tokens (this call's)", f"max_tokens must be a whole number of at least 1, got {max_tokens!r}"
             )
         return generate(
             input,

@@ -183,6 +183,7 @@ def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
 def test_the_clusters_metrics_and_spans_speak_for_every_replica(cluster):
     """`GET /metrics` and `GET /v1/spans` on the cluster's address are every replica's, not the one a request
     happened to reach: each sample labelled with its replica, each span held anywhere listed once."""
+    cluster.wait_for_replicas(2)
     _run_all(cluster.url, workload(4))  # documents of both pools: the replicas hold different spans
     own_spans = [httpx.get(f"{url}/v1/spans", headers=AUTH, timeout=30).json()["spans"]
                  for url in cluster.replica_urls().values()]  # fmt: skip

@@ -58,6 +58,7 @@ def test_chat_is_one_generate_over_the_messages_in_order():
     for bad in (0, -1, 2.5, "3"):  # a Generate's 0 would mean the server's default: up to the whole window
         with pytest.raises(ValueError, match=rf"max_tokens must be a whole number of at least 1, got {bad!r}"):
             llm.chat_query(CONVERSATION, max_tokens=bad)
+    assert llm.chat_query(CONVERSATION, max_tokens=5.0).max_tokens == 5  # (as int() read it before)
 
 
 @pytest.mark.parametrize(
