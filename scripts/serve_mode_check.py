@@ -2,7 +2,8 @@
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, spanq's CPU default since 2026-12-06) and in a process of its own (`=1`, vLLM's
 default). Per mode: time to first token of span queries over documents the server has not seen (cold) and has (warm,
 in another order), and of a stock chat completion over as much text (the time to a one-token answer); decode speed
-of a 64-token streamed answer. Wall times at the client, medians over `--reps`.
+of a 64-token streamed answer, once the engine is idle (the cold documents are prepared as spans when it is).
+Wall times at the client, medians over `--reps`.
 
     python scripts/serve_mode_check.py [--model default] [--docs 8] [--words 210] [--reps 5] [--modes 0,1]
 """
@@ -50,6 +51,20 @@ def one_token_s(url: str, path: str, body: dict) -> float:
     if answer.status_code != 200:
         raise SystemExit(f"{path}: HTTP {answer.status_code}: {answer.text[:500]}")
     return time.perf_counter() - started
+
+
+def wait_idle(url: str, timeout_s: float = 120.0) -> None:
+    """Until the engine runs and queues no request (vLLM's gauges in /metrics)."""
+    import re
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        busy = sum(float(v) for v in re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text,
+                                                 re.MULTILINE))  # fmt: skip
+        if busy == 0:
+            return
+        time.sleep(0.2)
 
 
 def decode_rate(url: str, name: str, prompt: str, tokens: int = 64) -> float:
@@ -102,6 +117,7 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, float]:
                 "model": name, "max_tokens": 1, "temperature": 0,
                 "messages": [{"role": "system", "content": "Answer from the records."},
                              {"role": "user", "content": text + "\n\nWhich record names a beacon first?"}]})  # fmt: skip
+            wait_idle(url)  # (the cold documents are prepared as spans when the engine is idle: not beside this)
             d = decode_rate(url, name, f"Count from {rep}.")
             if rep:
                 cold.append(c)

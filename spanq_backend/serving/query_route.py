@@ -327,6 +327,7 @@ def build_query_router(
                 read_in_context=read_in_context,
                 keep_span_order=keep_span_order,
             )
+            backend.generator.outside_requests = getattr(state, "spanq_outside_requests", 0)
             if not support.unanswered:  # kept; workers that could not be asked are asked again next query
                 state.spanq_backend = backend
         return backend
@@ -366,6 +367,18 @@ def build_query_router(
             await asyncio.wait_for(asyncio.shield(refreshing[0]), METRICS_WAIT_S)
 
     router.spanq_before_metrics = before_metrics  # (`frontend.query_route_mounted` runs it before each scrape)
+
+    def engine_request(app: Any, started: bool) -> None:
+        """A request of the engine's other routes (a stock chat completion) started or ended: the span backend's
+        deferred prepares wait while any runs. Counted from the server's start (a backend made meanwhile, at the
+        first query, starts from the count)."""
+        state = app.state
+        state.spanq_outside_requests = max(0, getattr(state, "spanq_outside_requests", 0) + (1 if started else -1))
+        backend = getattr(state, "spanq_backend", None)
+        if backend is not None:
+            backend.generator.outside_request(started)
+
+    router.spanq_engine_request = engine_request  # (`frontend.query_route_mounted` runs it around those requests)
 
     async def read_body(request: Request) -> bytes | Oversized:
         """The body, read before the handler runs (`with_cancellation` then listens on the connection for a

@@ -90,23 +90,53 @@ in_process_engines = InProcessEngines()
 @contextlib.contextmanager
 def query_route_mounted(router: Callable[[], Any]) -> Iterator[None]:
     """While inside, vLLM's `build_app` also includes `router()` (a FastAPI router) in the app it builds, and runs
-    its `spanq_before_metrics(app)`, if it has one, before each GET /metrics (vLLM's own route) answers."""
+    its `spanq_before_metrics(app)`, if it has one, before each GET /metrics (vLLM's own route) answers, and its
+    `spanq_engine_request(app, started)` around each request of vLLM's other POST routes (the engine's work that
+    is not spanq's: a stock chat completion)."""
 
     def including_the_route(stock_build_app: Callable[..., Any]) -> Callable[..., Any]:
         def build_app(args: Any, supported_tasks: Any = None, model_config: Any = None) -> Any:
             app = stock_build_app(args, supported_tasks, model_config)
             included = router()
+            own = {getattr(route, "path", None) for route in included.routes}
             app.include_router(included)
             hook = getattr(included, "spanq_before_metrics", None)
-            for route in app.router.routes if hook is not None else ():
-                if getattr(route, "path", None) == "/metrics":  # vLLM's route and its mount (the app has started:
-                    route.app = _BeforeMetrics(route.app, hook)  # no middleware can be added to it any more)
+            counted = getattr(included, "spanq_engine_request", None)
+            # (the app has started: no middleware can be added to it any more; its routes' apps are wrapped)
+            for route in app.router.routes:
+                path = getattr(route, "path", None)
+                if hook is not None and path == "/metrics":  # vLLM's route and its mount
+                    route.app = _BeforeMetrics(route.app, hook)
+                elif counted is not None and "POST" in (getattr(route, "methods", None) or ()) and path not in own \
+                        and path not in _NOT_ENGINE_WORK:
+                    route.app = _Counted(route.app, counted)
             return app
 
         return build_app
 
     with MOUNT_QUERY_ROUTE.applied(including_the_route):
         yield
+
+
+_NOT_ENGINE_WORK = frozenset({"/tokenize", "/detokenize"})  # POST routes that run nothing in the engine
+
+
+class _Counted:
+    """A route's ASGI app, with `hook(app, True)` before a request and `hook(app, False)` once its answer (a stream
+    too) is sent or the client went away."""
+
+    def __init__(self, app: Any, hook: Callable[[Any, bool], None]):
+        self.app, self.hook = app, hook
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.hook(scope["app"], True)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.hook(scope["app"], False)
 
 
 class _BeforeMetrics:

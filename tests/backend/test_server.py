@@ -96,6 +96,44 @@ def wait_until_prepared(url: str, texts, timeout_s: float = 60.0) -> None:
     pytest.fail(f"the server did not prepare {len(wanted)} documents within {timeout_s} s")
 
 
+def test_deferred_prepares_wait_for_a_stock_request_under_way(server: SpanqServe):
+    """A span query over new documents reads them in context and prepares them alone when the engine is idle. A
+    stock chat completion running meanwhile (vLLM's own route, beside spanq's) keeps the engine busy: the prepares
+    wait for its end (they ran beside it, and its decode at a sixth of its speed: SmolLM2, 64 tokens at 4 tokens/s
+    against 28), then run."""
+    import threading
+
+    from spanq_backend.serving.lowering import span_digest
+
+    new = {c: f"Ledger {c} (stock-beside). " + " ".join(f"The {w} of {c} rings {i}." for i, w in
+                                                         enumerate(["bell", "gong", "horn"] * 4)) for c in "PQR"}  # fmt: skip
+    asyncio.run(_generate(server.url, generate(user("Hi"), max_tokens=1)))  # (the server's span backend made)
+    streaming = threading.Event()
+
+    def long_stock_answer() -> None:
+        body = {"model": server.served_name, "max_tokens": 3900, "temperature": 0, "ignore_eos": True, "stream": True,
+                "messages": [{"role": "user", "content": "Count on."}]}  # fmt: skip
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120) as answer:
+            for _ in answer.iter_lines():
+                streaming.set()
+
+    stock = threading.Thread(target=long_stock_answer)
+    stock.start()
+    try:
+        assert streaming.wait(60), "the stock answer did not start"
+        result = asyncio.run(_generate(server.url, rag_query("PQR", docs=new, instruction="Answer from the ledgers.")))
+        assert result.metrics.deferred_spans == 3, result.metrics
+        assert stock.is_alive(), "the stock answer ended before the span query did: make it longer"
+        wanted = {span_digest(t) for t in new.values()}
+        while stock.is_alive():  # none of them prepared beside it
+            held = wanted & set(httpx.get(f"{server.url}/v1/spans", timeout=10).json()["spans"])
+            assert not held or not stock.is_alive(), f"{len(held)} prepared while a stock answer ran"
+            time.sleep(0.1)
+    finally:
+        stock.join()
+    wait_until_prepared(server.url, new.values())  # and once it is gone, they are
+
+
 def documents_warm(server: SpanqServe) -> None:
     """DOCS held as spans by the server, whichever tests ran before (the server reads new documents in context
     and prepares them when idle): a test that compares warm answers or counts cached tokens starts from here."""
