@@ -11,14 +11,9 @@ Wall times at the client, medians over `--reps`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,12 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spanq_integrations import cross, fragment, generate, plus, system, user
 from spanq_integrations.query.spnl_json import to_json
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.servers import free_port, models_answer, running_server
 
 
 def documents(rep: int, n: int, words: int) -> list[str]:
@@ -85,23 +75,10 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, float]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING=mode)
-    log = Path(tempfile.mkdtemp(prefix="serve-mode-")) / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", args.model,
-                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"spanq serve (mode {mode}) did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(1)
-        name = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", args.model, "--port", str(port)]
+    with tempfile.TemporaryDirectory(prefix="serve-mode-") as work, \
+            running_server(command, Path(work) / "serve.log", f"spanq serve (mode {mode})", env=env):
+        (name, *_) = models_answer(url)
         cold, warm, stock, decode = [], [], [], []
         for rep in range(args.reps + 1):  # the first is a warm-up, not counted
             docs = documents(rep, args.docs, args.words)
@@ -126,15 +103,6 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, float]:
                 decode.append(d)
         return {"span cold TTFT s": statistics.median(cold), "span warm TTFT s": statistics.median(warm),
                 "stock cold TTFT s": statistics.median(stock), "decode tokens/s": statistics.median(decode)}  # fmt: skip
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        shutil.rmtree(log.parent, ignore_errors=True)
 
 
 def main() -> None:
