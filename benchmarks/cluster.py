@@ -46,6 +46,7 @@ from benchmarks.common import (
     positive_int,
     summarize,
 )
+from spanq_backend.serving.cluster_options import non_negative_int
 
 # Per replica: 65% of the default pool's 513 blocks, so one replica cannot hold it all; the fleet's 672 hold it with
 # room for what running queries add (a replica caching its half, 257 blocks, has 79 to spare).
@@ -59,7 +60,7 @@ def parse_args(argv: list[str]) -> Any:
     parser.add_argument("--replicas", type=positive_int, default=2, help="replicas per cluster (default: 2)")
     parser.add_argument("--pool", type=positive_int, default=64, help="documents in the shared pool (default: 64)")
     parser.add_argument("--frag-tokens", type=positive_int, default=256, help="tokens per document (default: 256)")
-    parser.add_argument("--topics", type=positive_int, default=8,
+    parser.add_argument("--topics", type=non_negative_int, default=8,
                         help="topics the pool is split into; 0: documents drawn independently (default: 8)")  # fmt: skip
     parser.add_argument("--k", type=positive_int, default=4, help="documents per query (default: 4)")
     parser.add_argument("--queries", type=positive_int, default=480, help="queries in the workload (default: 480)")

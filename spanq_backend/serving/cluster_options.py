@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["CLUSTER_ONLY", "ROUTINGS", "TIER_COST", "add_cluster_arguments", "positive_float", "positive_int"]
+__all__ = ["CLUSTER_ONLY", "ROUTINGS", "TIER_COST", "add_cluster_arguments", "non_negative_int", "positive_float",
+           "positive_int"]
 
 # What loading a span from a span tier costs the affinity router, against computing it (a miss: 1; a span the
 # replica's KV cache holds: 0; `spanq_backend/cluster/policy.py`). Measured on this project's CPU machine at 8 x 512
@@ -30,10 +31,10 @@ def positive_int(text: str) -> int:
 ROUTINGS = ("affinity", "default")  # --routing: span affinity (spanq's router) or Ray Serve's own
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
     try:
         value = int(text)
-    except ValueError:  # (argparse named this function: "invalid _non_negative_int value")
+    except ValueError:  # (argparse names this function: "invalid non_negative_int value")
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
@@ -56,7 +57,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     group.add_argument("--ray-address", default=None, metavar="ADDR",
                        help="with --replicas: an existing Ray cluster (ray://host:10001, host:port or auto); "
                        "default: a local Ray on this machine")
-    group.add_argument("--max-imbalance", type=_non_negative_int, default=4, metavar="N",
+    group.add_argument("--max-imbalance", type=non_negative_int, default=4, metavar="N",
                        help="with --replicas: a replica holding a query's spans is preferred unless its queue is more "
                        "than N requests longer than the shortest (default 4)")
     group.add_argument("--tier-cost", type=_fraction, default=TIER_COST, metavar="C",

@@ -541,3 +541,81 @@ def test_quality_bench(engines, tmp_path):
              "--hf-check", "0", "--speed-docs", "0", "--out", str(tmp_path / "system"), "--no-progress"]
     assert main(shape, backends=engines) == 0
     assert [r["task"] for r in read_report(tmp_path / "system", "quality-tiny")["rows"]] == ["system-prompt"]
+
+
+# --------------------------------------------------------------------------------------------- the docs' commands
+
+_DOC_FILES = ("README.md", "docs/benchmarks.md", "docs/design.md", "docs/architecture.md")
+_BENCH_COMMAND = re.compile(r"(?:\bspanq|spanq_integrations\.cli) bench ([a-z]+)((?:[^`#&|;\n])*)")
+
+
+def documented_bench_commands(root: Path) -> list[tuple[str, str, list[str]]]:
+    """Every `spanq bench NAME ...` the project's docs write (where, NAME, its arguments): each line of a fenced
+    block (one ending in a backslash joined to the next) and each inline code span (one that wraps, joined), up to
+    a shell comment, a `&&` or a pipe. A command shown in part ("... --tag X ...") is skipped."""
+    import shlex
+
+    found = []
+    for name in _DOC_FILES:
+        text = (root / name).read_text()
+        pieces = []  # (offset, text)
+        for block in re.finditer(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", text, re.MULTILINE | re.DOTALL):
+            offset = block.start(1)
+            for line in block.group(1).replace("\\\n", "  ").split("\n"):
+                pieces.append((offset, line))
+                offset += len(line) + 1
+        prose = re.sub(r"^[ \t]*```.*?^[ \t]*```", lambda m: re.sub(r"[^\n]", " ", m.group(0)), text, flags=re.MULTILINE | re.DOTALL)
+        pieces += [(m.start(1), m.group(1).replace("\n", " ")) for m in re.finditer(r"`([^`]+)`", prose)]
+        for offset, piece in sorted(pieces):
+            for match in _BENCH_COMMAND.finditer(piece):
+                args = match.group(2).strip()
+                if args.endswith(("...", "…")):
+                    continue
+                found.append((f"{name}:{text.count(chr(10), 0, offset) + 1}", match.group(1), shlex.split(args)))
+    return found
+
+
+def test_every_bench_command_the_docs_write_parses_as_written(capsys):
+    """A reader who copies a documented benchmark command gets the benchmark, not a usage error: every one in the
+    README and docs is parsed by its benchmark's own parser (its checks after parsing included). `--topics 0` of
+    `bench cluster` (documents drawn independently, as the docs measure it) was refused as "must be at least 1"."""
+    root = Path(benchmarks.__file__).resolve().parents[1]
+    commands = documented_bench_commands(root)
+    assert len(commands) > 100, f"found only {len(commands)} commands: the pattern no longer matches the docs"
+    refused = []
+    for where, name, argv in commands:
+        assert name in BENCHMARKS, f"{where}: no benchmark {name!r}"
+        try:
+            importlib.import_module(BENCHMARKS[name][0]).parse_args(argv)
+        except SystemExit as e:
+            if e.code:  # (`--help` is 0)
+                refused.append(f"{where}: spanq bench {name} {' '.join(argv)}")
+    assert not refused, "\n".join(refused)
+
+
+def test_a_documented_command_the_parser_refuses_is_named(tmp_path):
+    """The check above can fail: a doc with a misspelt option is named with its line."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "benchmarks.md").write_text(
+        "```sh\nspanq bench rag --model tiny --grid\nspanq bench rag --gird  # x\n```\n"
+        "Measured with (`spanq bench rag --model tiny --docs\n4 --reps 2`; see `spanq bench rag ...`).\n")
+    for name in ("README.md", "docs/design.md", "docs/architecture.md"):
+        (tmp_path / name).write_text("")
+    commands = documented_bench_commands(tmp_path)
+    assert [(w, n, a) for w, n, a in commands] == [
+        ("docs/benchmarks.md:2", "rag", ["--model", "tiny", "--grid"]),
+        ("docs/benchmarks.md:3", "rag", ["--gird"]),
+        ("docs/benchmarks.md:5", "rag", ["--model", "tiny", "--docs", "4", "--reps", "2"]),
+    ]
+    with pytest.raises(SystemExit):
+        importlib.import_module(BENCHMARKS["rag"][0]).parse_args(commands[1][2])
+
+
+def test_bench_cluster_takes_topics_0_as_its_docs_and_help_say():
+    """`--topics 0` (no topics: documents drawn independently by their own popularity; docs/benchmarks.md measures
+    it) was refused as "must be at least 1" once counts of 0 became usage errors; a negative count still is one."""
+    cluster = importlib.import_module(BENCHMARKS["cluster"][0])
+    assert cluster.parse_args(["--topics", "0"]).topics == 0
+    assert cluster.parse_args([]).topics == 8
+    with pytest.raises(SystemExit):
+        cluster.parse_args(["--topics", "-1"])
