@@ -2,10 +2,11 @@
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, spanq's CPU default since 2026-12-06) and in a process of its own (`=1`, vLLM's
 default). Per mode: time to first token of span queries over documents the server has not seen (cold) and has (warm,
 in another order), and of a stock chat completion over as much text (the time to a one-token answer); decode speed
-of a 64-token streamed answer, once the engine is idle (the cold documents are prepared as spans when it is).
-Wall times at the client, medians over `--reps`.
+of a 64-token streamed answer, once the engine is idle (the cold documents are prepared as spans when it is); the
+time from the command to a server that answers. Wall times at the client, medians over `--reps`. `--serve-args`
+passes more arguments to every server (`--no-enforce-eager`: the model compiled, vLLM's own default).
 
-    python scripts/serve_mode_check.py [--model default] [--docs 8] [--words 210] [--reps 5] [--modes 0,1]
+    python scripts/serve_mode_check.py [--model default] [--docs 8] [--words 210] [--reps 5] [--modes 0,1] [--serve-args=...]
 """
 
 from __future__ import annotations
@@ -75,9 +76,12 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, float]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING=mode)
-    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", args.model, "--port", str(port)]
+    command = [sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", args.model, "--port", str(port),
+               *args.serve_args.split()]
+    launched = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="serve-mode-") as work, \
             running_server(command, Path(work) / "serve.log", f"spanq serve (mode {mode})", env=env):
+        start_s = time.perf_counter() - launched
         (name, *_) = models_answer(url)
         cold, warm, stock, decode = [], [], [], []
         for rep in range(args.reps + 1):  # the first is a warm-up, not counted
@@ -101,7 +105,7 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, float]:
                 warm.append(w)
                 stock.append(s)
                 decode.append(d)
-        return {"span cold TTFT s": statistics.median(cold), "span warm TTFT s": statistics.median(warm),
+        return {"start s": start_s, "span cold TTFT s": statistics.median(cold), "span warm TTFT s": statistics.median(warm),
                 "stock cold TTFT s": statistics.median(stock), "decode tokens/s": statistics.median(decode)}  # fmt: skip
 
 
@@ -112,6 +116,7 @@ def main() -> None:
     parser.add_argument("--words", type=int, default=210)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--modes", default="0,1")
+    parser.add_argument("--serve-args", default="", help="more `spanq serve` arguments, e.g. '--no-enforce-eager'")
     args = parser.parse_args()
     results = {}
     for mode in args.modes.split(","):

@@ -914,11 +914,13 @@ def test_a_body_over_the_size_limit_is_refused_with_its_size(server: SpanqServe)
 
 
 def test_spanq_serve_says_when_it_is_ready_and_what_a_query_prepares(server: SpanqServe):
-    """The server's log shows spanq's progress as the embedded engine's does (README, "Logs"): a line as it starts,
-    one when its engine is up with the address it serves on, and one for a query's new documents. It showed only the
+    """The server's log shows spanq's progress as the embedded engine's does (README, "Logs"): a line as it starts
+    (on a CPU, saying it runs eager and what compiling would buy), one when its engine is up with the address it serves on, and one for a query's new documents. It showed only the
     model's family (vLLM's own INFO lines, its "ready" among them, are off by default)."""
     log = server.log.read_text("utf-8", "replace")
     assert re.search(r"^spanq: starting a span-aware vLLM server on \S+", log, re.MULTILINE), log[-3000:]
+    # eager on a CPU (spanq's default there), and how to compile instead: vLLM's own line about it is dropped
+    assert re.search(r"^spanq: starting .*\(eager, to start in seconds: --no-enforce-eager compiles", log, re.MULTILINE)
     assert re.search(r"^spanq: \S+ ready in \d+\.\d s; the HTTP server starts on http://\S+:\d+ ", log, re.MULTILINE), log[-3000:]
     logged = server.log.stat().st_size
     fresh = {c: f"Logbook {c} {time.time_ns()}. " + DOCS[c] for c in "AB"}

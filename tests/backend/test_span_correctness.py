@@ -57,10 +57,26 @@ async def run_with_logprobs(engine, call):
     return lowered, prepared, outs[-1], tokens, torch.tensor(logprobs, dtype=torch.float64)
 
 
-def test_reordered_spans_hit_cache_and_match_reference(engine, hf_model):
+@pytest.fixture(scope="module")
+def compiled_engine(tiny_model):
+    """An engine whose model runs compiled (torch.compile; `spanq serve --no-enforce-eager`, vLLM's own default),
+    where every other test's runs eager (spanq's CPU default: it starts in seconds)."""
+    from spanq_backend.serving.engine import SpanEngine
+
+    eng = SpanEngine(model=str(tiny_model), block_size=32, max_model_len=2048, max_num_seqs=8, cold_spans="isolate",
+                     recompute=0, enforce_eager=False)
+    assert not eng.config.engine_options()["enforce_eager"]
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_reordered_spans_hit_cache_and_match_reference(request, hf_model, mode):
     """The same documents read in another order: every span from the cache, moved, and the answer span
     attention's. (By default a set is read in one order whatever order it is given, `lowering.span_order`: the
-    engine keeps the order given here, so that the second read puts each document somewhere else.)"""
+    engine keeps the order given here, so that the second read puts each document somewhere else.) The same
+    with the model compiled: the span table changes only what the attention reads, outside the compiled graph."""
+    engine = request.getfixturevalue("engine" if mode == "eager" else "compiled_engine")
     async def scenario():
         first = await run_with_logprobs(engine, rag_query("ABCD"))
         second = await run_with_logprobs(engine, rag_query("DCBA"))
