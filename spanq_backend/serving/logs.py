@@ -20,7 +20,7 @@ import os
 import sys
 import warnings
 
-__all__ = ["LOG_LEVEL_ENV", "SPANQ_NOISE", "configure", "level"]
+__all__ = ["LOG_LEVEL_ENV", "SPANQ_NOISE", "configure", "level", "quiet_import"]
 
 LOG_LEVEL_ENV = "SPANQ_LOG_LEVEL"
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -35,6 +35,7 @@ SPANQ_NOISE: dict[str, str] = {
     "Enforce eager set": "spanq runs eager on CPU on purpose (no compile step at start-up)",
     "Inductor compilation was disabled by user settings": "the same choice, said again",
     "triton-cpu is expected on x86 CPUs": "a platform fact of the CPU build; spanq needs no Triton there",
+    "Triton is installed, but doesn't include CPU backend": "the same platform fact, said when vLLM is imported",
     "Model Runner V2 requires Triton": "the same platform fact",
     "Initializing KVConnectorBase_V1. This API is experimental": "spanq's span tier is a KV connector on purpose",
     "selects a KV connector that does not support it": "spanq runs one KV cache group anyway (hybrid manager off)",
@@ -44,6 +45,7 @@ SPANQ_NOISE: dict[str, str] = {
 
 _NOISY_LOGGERS = (
     "vllm.triton_utils.dispatcher",
+    "vllm.triton_utils.importing",
     "vllm.v1.worker.cpu_worker",
     "vllm.v1.engine.input_processor",
     "vllm.platforms.interface",
@@ -89,6 +91,18 @@ _NOISE_FILTER = _DropNoise()
 
 
 _verbose = False
+
+
+def quiet_import() -> None:
+    """Drop the noise vLLM logs while it is imported (before `configure` runs: at spanq's first import of vLLM,
+    with no handler of vLLM's yet, the line was printed bare, the first a new user saw), unless a level that shows
+    vLLM's INFO lines is asked for. An unknown `SPANQ_LOG_LEVEL` is left for `configure` to name."""
+    try:
+        quiet = logging.getLevelName(level()) >= logging.WARNING
+    except ValueError:
+        quiet = True
+    if quiet:
+        logging.getLogger("vllm.triton_utils.importing").addFilter(_NOISE_FILTER)
 
 
 def configure(verbose: bool = False) -> str:
