@@ -18,6 +18,7 @@ from spanq_integrations.backends.protocol import Usage
 from spanq_integrations.optimizer import TreeReduction, optimize
 from spanq_integrations.query.errors import (
     BackendError,
+    BackendTimeoutError,
     BackendUnavailableError,
     ContextLengthError,
     GenerationError,
@@ -123,6 +124,7 @@ __all__ = [  # noqa: RUF022  (grouped by topic)
     "QueryValidationError",
     "OptimizerError",
     "BackendError",
+    "BackendTimeoutError",
     "BackendUnavailableError",
     "ModelNotFoundError",
     "ContextLengthError",

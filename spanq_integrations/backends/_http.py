@@ -21,6 +21,7 @@ import httpx
 from spanq_integrations.backends.protocol import Backend, TokenCallback
 from spanq_integrations.query.errors import (
     BackendError,
+    BackendTimeoutError,
     BackendUnavailableError,
     ContextLengthError,
     ModelNotFoundError,
@@ -302,11 +303,14 @@ async def _deadline(seconds: float | None, url: str) -> AsyncIterator[None]:
     if not seconds:
         yield
         return
+    limit = asyncio.timeout(seconds)
     try:
-        async with asyncio.timeout(seconds):
+        async with limit:
             yield
     except TimeoutError as e:
-        raise BackendUnavailableError(
+        if not limit.expired():  # (the call's own timeout error, a read's: said as it is)
+            raise
+        raise BackendTimeoutError(
             f"{url} did not finish the call within {seconds:g} s (the backend's timeout, for a whole call): the "
             "server may be overloaded, or the answer long; raise the backend's timeout"
         ) from e
@@ -382,7 +386,7 @@ class HTTPBackend(Backend):
                 if attempt >= self.max_retries:
                     raise _unreachable(url, e) from e
             except httpx.TimeoutException as e:  # connected, but no answer in time
-                raise BackendUnavailableError(
+                raise BackendTimeoutError(
                     f"{url} did not answer in time ({type(e).__name__}): the server may be overloaded; "
                     "raise the backend's timeout"
                 ) from e

@@ -9,6 +9,7 @@ order of preference.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import threading
@@ -31,10 +32,15 @@ from spanq_integrations.langchain.messages import (
 )
 from spanq_integrations.langchain.run_documents import install_tracker, run_document_tracker
 from spanq_integrations.langchain.spans import document_span_id, span_marker
-from spanq_integrations.query.errors import BackendUnavailableError, ContextLengthError
+from spanq_integrations.query.errors import (
+    ArgumentTypeError,
+    BackendTimeoutError,
+    ContextLengthError,
+)
 from spanq_integrations.query.ir import DEFAULT_TEMPERATURE, MAX_TEMPERATURE, generate
 from spanq_integrations.runtime.background_loop import background_loop
 from spanq_integrations.runtime.executor import aexecute
+from spanq_integrations.runtime.parameters import checked_call_options
 from spanq_integrations.runtime.tools import ToolSpec, check_choice, reply_schema
 
 __all__ = ["CallOutcome", "CallSettings", "PreparedPrompt", "SpanQueryClient"]
@@ -179,8 +185,8 @@ class SpanQueryClient(BaseModel):
     timeout: float | None = Field(default=None, gt=0)
     """Seconds a whole call may take (also the HTTP timeout of URL backends); None: no limit on the call (URL
     backends keep the resolver's HTTP timeout, 600 s)."""
-    stop: list[str] | None = None
-    """Stop sequences."""
+    stop: list[str] | str | None = None
+    """Stop sequences (one string: one sequence, as ChatOpenAI reads it)."""
     max_retries: int = Field(default=DEFAULT_MAX_RETRIES, ge=0)
     """URL backends: how often a failed connection is retried."""
     streaming: bool = False
@@ -286,7 +292,8 @@ class SpanQueryClient(BaseModel):
 
     # ----------------------------------------------------------------------------------------- a call
 
-    def _settings(self, stop: list[str] | None, kwargs: dict[str, Any]) -> CallSettings:
+    def _settings(self, stop: list[str] | str | None, kwargs: dict[str, Any]) -> CallSettings:
+        kwargs = checked_call_options(f"{type(self).__name__} call", kwargs, CALL_OPTIONS, RENAMED_CALL_OPTIONS)
         temperature = kwargs.get("temperature", self.temperature)
         max_tokens = kwargs.get("max_tokens", self.max_tokens)
         tools = tuple(ToolSpec.from_openai(t) for t in kwargs.get("tools") or ())
@@ -301,7 +308,7 @@ class SpanQueryClient(BaseModel):
             model=kwargs.get("model") or self.model or "",
             temperature=DEFAULT_TEMPERATURE if temperature is None else float(temperature),
             max_tokens=int(max_tokens or 0),
-            stop=tuple(stop if stop is not None else (self.stop or ())),
+            stop=stop_sequences(stop if stop is not None else self.stop, f"{type(self).__name__} call (stop=...)"),
             seed=kwargs.get("seed", self.seed),
             json_schema=schema,
             tools=tools if choice != "none" else (),
@@ -353,8 +360,10 @@ class SpanQueryClient(BaseModel):
         run = aexecute(query, backend, on_token=on_token)
         try:
             result = await (asyncio.wait_for(run, self.timeout) if self.timeout else run)
+        except BackendTimeoutError:  # the backend's own limit (a URL backend's HTTP timeout): said as it is
+            raise
         except TimeoutError as e:
-            raise BackendUnavailableError(
+            raise BackendTimeoutError(
                 f"{self.backend_label} did not answer within timeout={self.timeout} s; raise the timeout"
             ) from e
         except ContextLengthError as e:
@@ -434,12 +443,34 @@ class SpanQueryClient(BaseModel):
         }
         temperature = kwargs.get("temperature", self.temperature)
         params["ls_temperature"] = DEFAULT_TEMPERATURE if temperature is None else temperature
-        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        max_tokens = kwargs.get("max_tokens", kwargs.get("max_completion_tokens", self.max_tokens))
         if max_tokens:
             params["ls_max_tokens"] = max_tokens
         if stop or self.stop:
-            params["ls_stop"] = list(stop or self.stop or ())
+            with contextlib.suppress(TypeError):  # (for tracing only: the call itself names a bad `stop`)
+                params["ls_stop"] = list(stop_sequences(stop or self.stop, "stop"))
         return params
+
+
+# The options a call reads (`invoke(..., **options)`, `bind(...)`, `bind_tools`); any other is refused by name.
+CALL_OPTIONS = frozenset({
+    "temperature", "max_tokens", "seed", "model", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+    "span_documents",
+    "strict",  # a tool's or schema's strictness (ChatOpenAI's): constrained decoding keeps every answer to it anyway
+    "ls_structured_output_format",  # LangChain's tracing of `with_structured_output` (a chat model's run pops it)
+})
+RENAMED_CALL_OPTIONS = {"max_completion_tokens": "max_tokens"}  # ChatOpenAI's newer spelling
+
+
+def stop_sequences(stop: Any, where: str) -> tuple[str, ...]:
+    """Stop sequences as a tuple: one string is one sequence (a string's characters each stopped the answer)."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise ArgumentTypeError(where, f"stop sequences are a string or a list of strings, not {stop!r}")
 
 
 def _response_schema(response_format: Any) -> dict[str, Any] | None:

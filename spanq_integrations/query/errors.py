@@ -6,6 +6,7 @@ __all__ = [
     "ArgumentTypeError",
     "ArgumentValueError",
     "BackendError",
+    "BackendTimeoutError",
     "BackendUnavailableError",
     "ContextLengthError",
     "GenerationError",
@@ -62,6 +63,11 @@ class BackendError(SpanQueryError):
 
 class BackendUnavailableError(BackendError):
     """The serving backend cannot be reached or dropped the connection."""
+
+
+class BackendTimeoutError(BackendUnavailableError, TimeoutError):
+    """The backend did not answer within a time limit (a call's `timeout`, the backend's): a spanq error and, as
+    asyncio and LangChain's retry helpers expect of one, a `TimeoutError`."""
 
 
 class ModelNotFoundError(BackendError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-__all__ = ["RENAMED", "checked_parameters"]
+__all__ = ["RENAMED", "checked_call_options", "checked_parameters"]
 
 RENAMED = {"model_name": "model"}  # other frameworks' spellings of spanq's parameters
 
@@ -36,3 +36,30 @@ def checked_parameters(cls: Any, values: Any) -> Any:
             named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise ValueError(f"{cls.__name__} has no parameter {', '.join(named)}")
     return values
+
+
+def checked_call_options(owner: str, options: dict[str, Any], known: frozenset[str],
+                         renamed: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+    """A call's options (`invoke(..., **options)`, `bind(...)`) with other frameworks' spellings renamed (`renamed`:
+    theirs to ours); an `ArgumentValueError` naming each option not in `known`. A LangChain model ignores an option
+    it does not read, where ChatOpenAI sends it on: `bind(top_p=0.1)` or `max_completion_tokens=1` ran as if not
+    given."""
+    from spanq_integrations.query.errors import ArgumentValueError
+
+    options = dict(options)
+    for other, ours in renamed.items():
+        if other in options:
+            given = options.pop(other)
+            if options.get(ours) not in (None, given):
+                raise ArgumentValueError(f"{owner}({other}={given!r})",
+                                         f"and {ours}={options[ours]!r} say two things: give one ({ours})")  # fmt: skip
+            options[ours] = given
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        named = []
+        for key in unknown:
+            close = difflib.get_close_matches(str(key), sorted(known | set(renamed)), n=1, cutoff=0.6)
+            named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ArgumentValueError(f"{owner}({unknown[0]}=...)", f"not an option of a call: {', '.join(named)}; a call "
+                                 f"takes {', '.join(sorted(k for k in known if not k.startswith('ls_')))}")  # fmt: skip
+    return options

@@ -269,9 +269,10 @@ async def test_the_timeout_bounds_a_whole_call_even_when_the_server_trickles():
 
     async with scripted_server(trickle) as (url, _), OpenAIBackend(url, model="tiny", timeout=1.5) as backend:
         started = asyncio.get_running_loop().time()
-        with pytest.raises(BackendUnavailableError, match=r"within 1\.5 s"):
+        with pytest.raises(BackendUnavailableError, match=r"within 1\.5 s") as raised:
             await asyncio.wait_for(backend.generate(generate(user("hi"), max_tokens=4)), timeout=20)
         assert asyncio.get_running_loop().time() - started < 5
+    assert isinstance(raised.value, TimeoutError)  # (and spanq's: what retry helpers and asyncio callers catch)
 
 
 async def test_a_server_that_ignores_n_is_an_error_not_empty_answers():

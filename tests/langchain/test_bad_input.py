@@ -80,9 +80,12 @@ def test_a_server_that_is_down_can_fall_back_to_the_embedded_engine(chat):
 
 @pytest.mark.vllm
 def test_a_call_past_its_timeout_is_cancelled_and_the_engine_goes_on(chat):
+    """The error is spanq's and a `TimeoutError` (what `with_retry(retry_if_exception_type=(TimeoutError,))` and
+    asyncio's callers catch: it was only spanq's)."""
     slow = chat.model_copy(update={"timeout": 0.05, "max_tokens": 200})
-    with pytest.raises(BackendUnavailableError, match="did not answer within timeout=0.05 s"):
+    with pytest.raises(BackendUnavailableError, match="did not answer within timeout=0.05 s") as raised:
         slow.invoke("Tell me a long story.")
+    assert isinstance(raised.value, TimeoutError)
     assert isinstance(chat.invoke("Hello").content, str)
 
 
@@ -159,6 +162,40 @@ def test_a_model_takes_chatopenais_model_name_and_refuses_a_parameter_it_does_no
         cls(backend=backend, recompute=2)
     with pytest.raises(ValidationError, match="max_retries"):
         cls(backend=backend, max_retries=-1)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("cls_path", ["spanq_integrations.langchain:ChatSpanQuery",
+                                      "spanq_integrations.langchain.llms:SpanQueryLLM"])
+def test_a_call_option_is_read_or_refused_by_name_and_a_stop_string_is_one_sequence(tiny_backend, cls_path):
+    """Per call (`invoke(..., **options)`, `bind`), as ChatOpenAI reads them: a string `stop` is one stop sequence
+    (each of its characters stopped the answer: "fz" cut " afforded" to " a"); `max_completion_tokens` is
+    `max_tokens`; an option the model does not read is refused by name (`top_p` ran as if not given)."""
+    import importlib
+
+    from spanq_integrations.query.errors import ArgumentTypeError, ArgumentValueError
+
+    module, name = cls_path.split(":")
+    llm = getattr(importlib.import_module(module), name)(backend=tiny_backend, max_tokens=8, temperature=0)
+
+    def text(answer):
+        return answer if isinstance(answer, str) else answer.content
+
+    whole = text(llm.invoke("hi"))
+    stop = whole.strip()[0] + "\u00a7\u00a4"  # its first character is in the answer, the sequence is not
+    assert text(llm.invoke("hi", stop=stop)) == whole, "a string stop was read as its characters"
+    assert text(llm.bind(stop=stop).invoke("hi")) == whole
+    assert text(llm.invoke("hi", stop=[whole.strip()[:3]])) != whole  # a stop that occurs still stops it
+    with pytest.raises(ArgumentTypeError, match="stop sequences are a string or a list of strings"):
+        llm.invoke("hi", stop=[1])
+    if name == "ChatSpanQuery":
+        assert llm.bind(max_completion_tokens=1).invoke("hi").usage_metadata["output_tokens"] == 1
+    with pytest.raises(ArgumentValueError, match="max_completion_tokens=1.*and max_tokens=2 say two things"):
+        llm.invoke("hi", max_completion_tokens=1, max_tokens=2)
+    with pytest.raises(ArgumentValueError, match="not an option of a call: 'top_p'"):
+        llm.invoke("hi", top_p=0.1)
+    with pytest.raises(ArgumentValueError, match="'temprature' \\(did you mean 'temperature'\\?\\)"):
+        llm.bind(temprature=0).invoke("hi")
 
 
 @pytest.mark.vllm
