@@ -203,8 +203,8 @@ def cmd_bulk(args: argparse.Namespace) -> int:
         bulk = importlib.import_module(CLUSTER_BULK_MODULE)
     except ModuleNotFoundError as e:
         raise CommandError(f"spanq run --bulk needs Ray Data and the backend: {CLUSTER_EXTRA_HINT} (missing {e.name!r})") from e
-    results = bulk.run_bulk([q for _, q in runnable], actors=actors, model=args.model or "default",
-                            address=args.ray_address)  # fmt: skip
+    results = bulk.run_bulk([q for _, q in runnable], actors=actors,
+                            model=args.model or _bulk_model([q for _, q in runnable]), address=args.ray_address)  # fmt: skip
     failed = 0
     following = 0
 
@@ -236,6 +236,28 @@ def cmd_bulk(args: argparse.Namespace) -> int:
     if failed:
         print(f"spanq: {failed} of {len(items)} queries failed (see their error lines)", file=sys.stderr)
     return EXIT_SOME_FAILED if failed else 0
+
+
+def _bulk_model(queries: list[Any]) -> str:
+    """The model a bulk's engines run where `--model` is not given: the one its calls name, as `spanq run` of one
+    query runs it (they ran on the default model whatever they named); "default" where they name none, or one the
+    embedded engine cannot start (said once: each call would run on the default model). Calls that name several
+    models are refused: every engine of a bulk runs one."""
+    from spanq_integrations.backends.resolve import embedded_model_named
+    from spanq_integrations.runtime.executor import named_models
+
+    names = set().union(*(named_models(q) for q in queries)) if queries else set()
+    if len(names) > 1:
+        raise CommandError(f"the queries name {len(names)} models ({', '.join(sorted(names))}); every engine of a "
+                           "bulk runs one: pass --model")  # fmt: skip
+    if not names:
+        return "default"
+    (name,) = names
+    served = embedded_model_named("embedded", name)
+    if served is None:
+        print(f"spanq: the queries name model {name!r}, which the embedded engine cannot start (spanq's names, tiny, "
+              "tiny-<family> or a model folder): they run on the default model (--model chooses)", file=sys.stderr)  # fmt: skip
+    return served or "default"
 
 
 def cmd_run(args: argparse.Namespace) -> int:

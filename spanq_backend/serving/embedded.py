@@ -16,7 +16,13 @@ from spanq_backend.serving.models import (
     resolve_model,
 )
 from spanq_backend.vllm_integration import openmp
-from spanq_integrations.backends.protocol import Backend, BackendCapabilities, Completion, TokenCallback
+from spanq_integrations.backends.protocol import (
+    Backend,
+    BackendCapabilities,
+    Completion,
+    TokenCallback,
+    server_model_name,
+)
 from spanq_integrations.query.errors import BackendUnavailableError
 from spanq_integrations.query.ir import Generate
 
@@ -53,6 +59,7 @@ class EmbeddedBackend(Backend):
         """Whether `model` names this engine's model (as given, its folder, its served name, or a spanq name such
         as "default" or "tiny" for the folder it stands for)."""
         e = self.engine
+        model = server_model_name(model)  # ("spnl/tiny": a provider of spnl's is no part of the name)
         if model in {"", e.config.model, e.model_name, str(e.model_path), e.model_path.name}:
             return True
         if model in DEFAULT_MODEL_NAMES or model in TINY_MODEL_NAMES or model.startswith(TINY_FAMILY_PREFIX):

@@ -13,7 +13,13 @@ from spanq_backend.serving.generator import ISOLATE_MIN_TOKENS, LEAD_IN_NEUTRAL,
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
 from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE
 from spanq_backend.vllm_integration.support import SpanSupport
-from spanq_integrations.backends.protocol import Backend, BackendCapabilities, Completion, TokenCallback
+from spanq_integrations.backends.protocol import (
+    Backend,
+    BackendCapabilities,
+    Completion,
+    TokenCallback,
+    server_model_name,
+)
 from spanq_integrations.query.errors import BackendUnavailableError, ModelNotFoundError
 from spanq_integrations.query.ir import AnchorPolicy, Chat, Generate, Map, Node, Recompute, walk
 
@@ -84,8 +90,10 @@ class EngineClientBackend(Backend):
         )
 
     def check_model(self, model: str, path: str = "$") -> None:
-        """Raise `ModelNotFoundError` unless `model` is empty (the default) or a name this server serves."""
-        if model and model not in self.served_model_names:
+        """Raise `ModelNotFoundError` unless `model` is empty (the default) or a name this server serves, also after
+        a provider of spnl's ("openai/tiny", "spnl/tiny": its query files name models so; the stock route of the
+        same server reads them through `OpenAIBackend`, which drops the provider)."""
+        if model and model not in self.served_model_names and server_model_name(model) not in self.served_model_names:
             served = ", ".join(self.served_model_names)
             raise ModelNotFoundError(
                 f"{path}: model {model!r} is not served here; this server serves {served} "

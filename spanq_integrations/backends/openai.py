@@ -10,23 +10,18 @@ from __future__ import annotations
 from typing import Any
 
 from spanq_integrations.backends._http import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, HTTPBackend
-from spanq_integrations.backends.protocol import BackendCapabilities, CallMetrics, Completion, TokenCallback
+from spanq_integrations.backends.protocol import (
+    PROVIDER_PREFIXES,
+    BackendCapabilities,
+    CallMetrics,
+    Completion,
+    TokenCallback,
+    server_model_name,
+)
 from spanq_integrations.query.flatten import to_chat_messages
 from spanq_integrations.query.ir import Generate, child_paths
 
 __all__ = ["PROVIDER_PREFIXES", "OpenAIBackend", "server_model_name"]
-
-# spnl writes models as "provider/name"; these providers are not part of the name a server knows.
-PROVIDER_PREFIXES = ("ollama/", "openai/", "vllm/", "spnl/")
-
-
-def server_model_name(model: str) -> str:
-    """The name to send to the server: "vllm/tiny" → "tiny"; "HuggingFaceTB/SmolLM2" stays as it is."""
-    for prefix in PROVIDER_PREFIXES:
-        if model.startswith(prefix):
-            return model[len(prefix) :]
-    return model
-
 
 class OpenAIBackend(HTTPBackend):
     """A client of an OpenAI-compatible chat-completions server.

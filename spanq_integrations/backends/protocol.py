@@ -13,6 +13,7 @@ from spanq_integrations.optimizer.context import BackendCapabilities
 from spanq_integrations.query.ir import Assistant, Generate, Node, Plus, child_paths, walk
 
 __all__ = [
+    "PROVIDER_PREFIXES",
     "Backend",
     "BackendCapabilities",
     "CallMetrics",
@@ -21,7 +22,20 @@ __all__ = [
     "TokenCallback",
     "Usage",
     "answer_of",
+    "server_model_name",
 ]
+
+# spnl writes models as "provider/name"; these providers are not part of the name a server (or the embedded engine)
+# knows. Every backend reads a call's model through `server_model_name`.
+PROVIDER_PREFIXES = ("ollama/", "openai/", "vllm/", "spnl/")
+
+
+def server_model_name(model: str) -> str:
+    """The name a server knows: "vllm/tiny" → "tiny"; "HuggingFaceTB/SmolLM2" stays as it is."""
+    for prefix in PROVIDER_PREFIXES:
+        if model.startswith(prefix):
+            return model[len(prefix) :]
+    return model
 
 TokenCallback = Callable[[str], Awaitable[None] | None]
 

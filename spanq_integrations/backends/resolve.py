@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from spanq_integrations.backends._http import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S
-from spanq_integrations.backends.protocol import Backend
+from spanq_integrations.backends.protocol import Backend, server_model_name
 from spanq_integrations.query.errors import SpanQueryError
 
 __all__ = [
@@ -70,6 +70,7 @@ def embedded_model_named(spec: Backend | str | None, model: str | None) -> str |
     and `judge` pass what their calls name, so that `model="tiny"` runs on tiny as the adapters' `model=` does."""
     if not model or not runs_embedded(spec):
         return None
+    model = server_model_name(model)  # ("spnl/tiny": a provider of spnl's is no part of the name)
     if not (model in embedded("DEFAULT_MODEL_NAMES") or model in embedded("TINY_MODEL_NAMES")
             or model.startswith(embedded("TINY_FAMILY_PREFIX")) or os.path.isdir(os.path.expanduser(model))):
         return None  # (a Hugging Face id is never fetched for a call's name)

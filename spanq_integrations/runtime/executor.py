@@ -56,13 +56,19 @@ from spanq_integrations.query.ir import (
 from spanq_integrations.runtime.reducers import Reducer, reducer_from_combine
 from spanq_integrations.runtime.sync import run_sync
 
-__all__ = ["ExecutionResult", "aexecute", "answer_node", "answer_of", "combine_answers", "execute", "shown_texts"]  # the result model lives with the protocol
+__all__ = ["ExecutionResult", "aexecute", "answer_node", "answer_of", "combine_answers", "execute", "named_models",
+           "shown_texts"]  # the result model lives with the protocol
+
+
+def named_models(query: Node) -> set[str]:
+    """The models the calls of `query` name (a call that names none is not counted)."""
+    return {node.model for _, node in walk(query) if isinstance(node, (Generate, Chat, Map))} - {""}
 
 
 def _one_model(query: Node) -> str | None:
     """The model the calls of `query` name, where those that name one all name the same (a call that names none
     runs on the backend's model: the one they name)."""
-    names = {node.model for _, node in walk(query) if isinstance(node, (Generate, Chat, Map))} - {""}
+    names = named_models(query)
     return next(iter(names)) if len(names) == 1 else None
 
 

@@ -180,6 +180,19 @@ def test_a_client_names_the_model_as_the_server_was_started_as_listed_or_not_at_
     assert chat.json()["model"] == server.served_name  # answers name the model as /v1/models lists it first
 
 
+@pytest.mark.parametrize("provider", ["openai/", "spnl/"])
+def test_a_model_named_as_spnl_names_it_runs_on_the_span_route_as_on_the_stock_one(server: SpanqServe, provider):
+    """spnl's query files name models "provider/name". Read through `OpenAIBackend` (the stock route), the provider
+    is dropped; the span route refused the same query as an unknown model (404)."""
+    from spanq_integrations import execute
+
+    query = generate(user("Hi"), model=f"{provider}tiny", max_tokens=2, temperature=0)
+    executed = httpx.post(f"{server.url}{EXECUTE}", json=to_json(query), timeout=60)
+    assert executed.status_code == 200, executed.text
+    assert execute(query, f"spanq+{server.url}").calls[0].generated_tokens == 2
+    assert execute(query, server.url).calls[0].generated_tokens == 2  # (the stock route, as it always ran)
+
+
 def test_the_servers_kv_event_socket_names_its_process(server: SpanqServe):
     import os
     import tempfile

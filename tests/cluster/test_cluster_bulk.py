@@ -124,16 +124,22 @@ def test_spanq_run_bulk_names_a_malformed_line_and_runs_the_rest(tmp_path: Path)
 def test_spanq_run_bulk_on_a_ray_of_its_own_prints_answers_not_rays_chatter(tmp_path: Path):
     """On a Ray it starts for the batch, the command's stderr is not Ray's: no notice on token authentication (a
     Ray of this process's own, stopped with it), no Ray Data INFO lines on each run, no warning that progress bars
-    are off. (Ray's core still writes one line for its actor pool: C++, beyond Python's logging.)"""
+    are off. (Ray's core still writes one line for its actor pool: C++, beyond Python's logging.) Without --model
+    the engines run the model the queries name, as `spanq run` of one query does, written as spnl writes it
+    ("spnl/tiny"): they ran on the default model, whatever the queries named."""
     import subprocess
     import sys
 
+    from spanq_integrations.cli import with_model
+
     path = tmp_path / "q.jsonl"
-    path.write_text("".join(json.dumps(to_json(q)) + "\n" for q in batch(2)))
-    done = subprocess.run([sys.executable, "-m", "spanq_integrations.cli", "run", "--bulk", str(path), "--model", "tiny",
+    path.write_text("".join(json.dumps(to_json(with_model(q, "spnl/tiny"))) + "\n" for q in batch(2)))
+    done = subprocess.run([sys.executable, "-m", "spanq_integrations.cli", "run", "--bulk", str(path),
                            "--actors", "1"], capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [json.loads(line)["index"] for line in done.stdout.splitlines()] == [0, 1]
+    out = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [o["index"] for o in out] == [0, 1]
+    assert {c["model"] for o in out for c in o["calls"]} == {"tiny-llama-s0"}, out
     for chatter in ("Token authentication", " INFO ", "Progress bars disabled", "Starting execution of Dataset"):
         assert chatter not in done.stderr, done.stderr
 
@@ -163,3 +169,19 @@ def test_bulk_flags_that_cannot_work_are_one_line_errors(tmp_path: Path):
     for (flags, message), (code, stderr) in zip(cases, done, strict=True):
         assert code == 2, (flags, stderr)
         assert stderr.strip().splitlines()[-1].startswith(f"spanq: error: {message}"), (flags, stderr)
+
+
+def test_a_bulk_runs_the_one_model_its_queries_name(capsys):
+    """The model of a bulk's engines without --model (the command above runs it end to end): the one the calls
+    name, a provider of spnl's dropped; "default" where they name none, or one the embedded engine cannot start
+    (said); calls that name two models are refused, since every engine of a bulk runs one."""
+    from spanq_integrations.cli import CommandError, _bulk_model, with_model
+
+    queries = batch(2)
+    assert _bulk_model(queries) == "default"
+    assert _bulk_model([with_model(q, "tiny") for q in queries]) == "tiny"
+    assert _bulk_model([with_model(q, "openai/tiny") for q in queries]) == "tiny"
+    assert _bulk_model([with_model(queries[0], "gpt-4o"), queries[1]]) == "default"
+    assert "the queries name model 'gpt-4o', which the embedded engine cannot start" in capsys.readouterr().err
+    with pytest.raises(CommandError, match=r"the queries name 2 models \(gpt-4o, tiny\).*pass --model"):
+        _bulk_model([with_model(queries[0], "tiny"), with_model(queries[1], "gpt-4o")])
