@@ -90,7 +90,9 @@ def read_corpus(path: Path) -> tuple[list[str], list[str]]:
         if isinstance(item, json.JSONDecodeError):
             problems.append(f"{where}: not JSON ({item.msg})")
         elif (text := text_of(item)) is None:
-            problems.append(f"{where}: not a document (a string, or an object with one of {', '.join(TEXT_KEYS)})")
+            blank = isinstance(item, str) or (isinstance(item, dict) and any(isinstance(item.get(k), str) for k in TEXT_KEYS))
+            problems.append(f"{where}: an empty document (its text is blank)" if blank else
+                            f"{where}: not a document (a string, or an object with one of {', '.join(TEXT_KEYS)})")
         elif (bad := unicode_problem(text)) is not None:  # (no tokenizer reads it)
             problems.append(f"{where}: {bad}")
         else:
@@ -223,6 +225,8 @@ def prepare_main(argv: list[str]) -> int:
             f"({report['tokens']} tokens computed), {report['held']} already in the tier; "
             f"{report.get('blocks_written', 0)} blocks ({report.get('bytes_written', 0) / 1e6:.1f} MB) written to "
             f"{report['tier']} in {report['seconds']} s"
+            + (f"; {report['blocks_evicted']} blocks removed again to keep within --tier-max-gb (see the warning)"
+               if report.get("blocks_evicted") else "")
         )
     return 1 if problems or report.get("too_long") else 0
 

@@ -13,11 +13,45 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["describe", "tier_main"]
+__all__ = ["check", "clear", "describe", "tier_main"]
 
 
 def _namespaces(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if p.is_dir() and (p / "namespace.json").exists()) if root.is_dir() else []
+    """The namespace folders (a folder being cleared, renamed to a dotted name first, is none)."""
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+                  and (p / "namespace.json").exists()) if root.is_dir() else []  # fmt: skip
+
+
+def _blocks(ns: Path) -> tuple[list[tuple[bytes, Path]], list[Path]]:
+    """A namespace's block files (hash, path) and the `.kv` files not named by a block's hash (not an engine's:
+    no engine reads them)."""
+    blocks, stray = [], []
+    for path in sorted(ns.glob("??/*.kv")):
+        try:
+            blocks.append((bytes.fromhex(path.stem), path))
+        except ValueError:
+            stray.append(path)
+    return blocks, stray
+
+
+def _about(ns: Path) -> tuple[dict[str, Any], str | None]:
+    """What a namespace was made of (`namespace.json`), and why it cannot be read where it cannot (an engine on
+    the namespace writes it again when it starts or saves)."""
+    about = ns / "namespace.json"
+    try:
+        parsed = json.loads(about.read_text())
+        if isinstance(parsed, dict):
+            return parsed, None
+        return {}, f"{about} is not an object"
+    except (OSError, ValueError) as e:
+        return {}, f"{about} cannot be read ({type(e).__name__}: {e})"
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # removed since it was listed (an engine's eviction)
+        return 0
 
 
 def describe(root: Path) -> list[dict[str, Any]]:
@@ -25,37 +59,62 @@ def describe(root: Path) -> list[dict[str, Any]]:
     the blocks pinned (`spanq prepare --pin`)."""
     out = []
     for ns in _namespaces(root):
-        blocks = list(ns.glob("??/*.kv"))
-        about = json.loads((ns / "namespace.json").read_text())
+        blocks, stray = _blocks(ns)
+        about, damaged = _about(ns)
         out.append({
             "namespace": ns.name,
-            "model": about.get("model", "")[:12], "model_name": about.get("model_name"),  # (older tiers: no name)
+            "model": str(about.get("model", ""))[:12], "model_name": about.get("model_name"),  # (older tiers: no name)
             "dtype": about.get("dtype"), "block_size": about.get("block_size"),
-            "vllm": about.get("vllm"), "blocks": len(blocks), "bytes": sum(p.stat().st_size for p in blocks),
+            "vllm": about.get("vllm"), "blocks": len(blocks), "bytes": sum(_size(p) for _, p in blocks),
             "set_aside": len(list(ns.glob("??/*.bad"))),
-            "pinned": sum(1 for p in blocks if p.with_suffix(".pin").exists()),
+            "pinned": sum(1 for _, p in blocks if p.with_suffix(".pin").exists()),
+            "not_blocks": [str(p) for p in stray], "damaged": damaged,
         })
     return out
 
 
-def check(root: Path) -> dict[str, int]:
-    """Read every block of every namespace against its checksum; those that fail are set aside (never loaded)."""
+def check(root: Path) -> dict[str, Any]:
+    """Read every block of every namespace against its checksum; those that fail are set aside (never loaded).
+    `.kv` files not named by a block's hash are named and left alone."""
     from spanq_backend.vllm_integration.tier import DiskTier
 
     good = bad = 0
+    stray_files: list[str] = []
     for ns in _namespaces(root):
         tier = DiskTier(root, ns.name)
-        for path in sorted(ns.glob("??/*.kv")):
+        blocks, stray = _blocks(ns)
+        stray_files += [str(p) for p in stray]
+        for key, _ in blocks:
             try:
-                tier.read(bytes.fromhex(path.stem))
+                tier.read(key)
                 good += 1
             except FileNotFoundError:
                 pass  # removed since the folder was listed (an engine's eviction): nothing to check
             except (OSError, ValueError) as e:
-                tier.forget(bytes.fromhex(path.stem), str(e),
+                tier.forget(key, str(e),
                             then="fails its check ({why}): set aside, an engine computes it again when a span needs it")
                 bad += 1
-    return {"good": good, "set_aside": bad}
+    return {"good": good, "set_aside": bad, "not_blocks": stray_files}
+
+
+def clear(root: Path, name: str) -> None:
+    """Remove a namespace: renamed to a dotted name first (at once unlisted, and an engine writing to it makes it
+    again: docs/design.md §10), then removed, again where a writer that had begun put a file in it meanwhile."""
+    import os
+    import time
+
+    gone = root / f".cleared-{name}-{os.getpid()}-{time.monotonic_ns()}"
+    os.rename(root / name, gone)
+    for attempt in range(5):
+        try:
+            shutil.rmtree(gone)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if attempt == 4:
+                raise
+            time.sleep(0.1)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -87,11 +146,18 @@ def tier_main(argv: list[str]) -> int:
             return 2
         removed = [n for n in names if args.clear in ("all", n)]
         for name in removed:
-            shutil.rmtree(root / name)
+            try:
+                clear(root, name)
+            except OSError as e:
+                print(f"spanq tier: error: cannot clear namespace {name} of {root}: {e.strerror or e} "
+                      f"({e.filename or root})", file=sys.stderr)  # fmt: skip
+                return 1
         print(json.dumps({"removed": removed}) if args.json else f"removed {len(removed)} namespace(s) from {root}")
         return 0
     if args.check:
         result = check(root)
+        for path in result["not_blocks"]:
+            print(f"spanq tier: {path}: not named as a block (no engine reads it); left alone", file=sys.stderr)
         print(json.dumps(result) if args.json else f"{result['good']} blocks good, {result['set_aside']} set aside")
         return 1 if result["set_aside"] else 0
     spaces = describe(root)
@@ -100,6 +166,8 @@ def tier_main(argv: list[str]) -> int:
     elif not spaces:
         print(f"{root}: no span tier namespace")
     for s in [] if args.json else spaces:
+        if s["damaged"]:
+            print(f"spanq tier: {s['damaged']}; an engine started on this namespace writes it again", file=sys.stderr)
         model = f"{s['model_name']} ({s['model']}…)" if s["model_name"] else f"{s['model']}…"
         print(f"{s['namespace']}  model {model}  {s['dtype']}  blocks of {s['block_size']}  vLLM {s['vllm']}: "
               f"{s['blocks']} blocks, {s['bytes'] / 1e6:.1f} MB" + (f", {s['pinned']} pinned" if s["pinned"] else "")

@@ -263,9 +263,7 @@ class DiskTier:
         self.dir = self.root / namespace
         check_tier_dir(self.dir)
         if parts is not None:
-            about = self.dir / "namespace.json"
-            if not about.exists():
-                _write_atomically(about, json.dumps(parts, indent=1, sort_keys=True).encode())
+            self._describe(parts)
         self.stats = TierStats()
         self._lock = threading.Lock()
         self._held: set[bytes] = set()
@@ -296,6 +294,13 @@ class DiskTier:
         with self._lock:
             self._held, self._bytes = held, total
         return len(held)
+
+    def _describe(self, parts: dict[str, Any]) -> None:
+        """`namespace.json`, what the namespace is made of (what `spanq tier` lists it by), written where it is
+        missing or unreadable (damaged, or taken by a clear that raced a writer: its blocks would be unlisted)."""
+        about = self.dir / "namespace.json"
+        if not about.exists() or not _readable_json(about):
+            _write_atomically(about, json.dumps(parts, indent=1, sort_keys=True).encode())
 
     def _files(self) -> list[tuple[bytes, os.stat_result, int]]:
         """Every block file the folder holds: (hash, its stat, its size); files removed meanwhile are left out."""
@@ -640,14 +645,21 @@ class DiskTier:
         if not path.parent.is_dir():
             if not self.dir.is_dir():  # cleared under a running engine (`spanq tier --clear`): made again
                 self.dir.mkdir(parents=True, exist_ok=True)
-                if self._parts is not None:
-                    _write_atomically(self.dir / "namespace.json",
-                                      json.dumps(self._parts, indent=1, sort_keys=True).encode())
                 self.rescan()
             path.parent.mkdir(exist_ok=True)
+        if self._parts is not None and not (self.dir / "namespace.json").exists():
+            self._describe(self._parts)  # (a clear that raced this writer took it and left blocks: else unlisted)
         _write_atomically(path, payload)
         self.stats.bytes_written += len(payload)
         return len(payload)
+
+
+def _readable_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_bytes())
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
