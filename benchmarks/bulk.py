@@ -107,7 +107,7 @@ def bulks(w: Workload, size: int, order: str, session: int, canonical: bool = Fa
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = base_parser("bulk", __doc__.splitlines()[0], model="tiny", reps=1)
+    parser = base_parser("bulk", __doc__, model="tiny", reps=1)
     parser.add_argument("--queries", type=positive_int, default=256, help="queries in the workload (default: 256)")
     parser.add_argument("--pool", type=positive_int, default=1000, help="fragments in the pool (default: 1000)")
     parser.add_argument("--k", type=positive_int, default=4, help="fragments per query (default: 4)")

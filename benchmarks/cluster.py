@@ -56,7 +56,7 @@ QUESTIONS = ["Which door?", "Which key?", "Which lamp?", "Which road?", "Which t
 
 
 def parse_args(argv: list[str]) -> Any:
-    parser = base_parser("cluster", __doc__.split("\n\n")[0], reps=None)
+    parser = base_parser("cluster", __doc__, reps=None)
     parser.add_argument("--replicas", type=positive_int, default=2, help="replicas per cluster (default: 2)")
     parser.add_argument("--pool", type=positive_int, default=64, help="documents in the shared pool (default: 64)")
     parser.add_argument("--frag-tokens", type=positive_int, default=256, help="tokens per document (default: 256)")

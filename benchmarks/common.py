@@ -106,6 +106,17 @@ def float_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def temperature_list(text: str) -> list[float]:
+    """`"0,0.5"` → `[0.0, 0.5]`, each a sampling temperature (0 to 2; an argparse type: refused before any engine
+    starts, where a call's own check came after both had)."""
+    from spanq_integrations.query.ir import MAX_TEMPERATURE
+
+    values = float_list(text)
+    if not values or not all(0 <= v <= MAX_TEMPERATURE for v in values):
+        raise argparse.ArgumentTypeError(f"expected temperatures from 0 to {MAX_TEMPERATURE:g}, got {text!r}")
+    return values
+
+
 def default_out(name: str) -> Path:
     """Where benchmark `name` writes without --out: `results/NAME/`, relative to the current working directory."""
     return Path("results") / name
@@ -120,9 +131,10 @@ def base_parser(
     reps: int | None = 3,
 ) -> argparse.ArgumentParser:
     """An argument parser with the options every benchmark takes: --model, --reps, --seed, --out, --tag,
-    --no-progress. `reps=None` leaves out --reps (for a benchmark that counts its repetitions its own way);
-    `model_help` replaces the help of --model."""
-    parser = argparse.ArgumentParser(prog=f"spanq bench {name}", description=description)
+    --no-progress. `description`: the benchmark's docstring, of which `--help` shows the first paragraph (its first
+    line cut sentences off). `reps=None` leaves out --reps (for a benchmark that counts its repetitions its own
+    way); `model_help` replaces the help of --model."""
+    parser = argparse.ArgumentParser(prog=f"spanq bench {name}", description=" ".join(description.split("\n\n")[0].split()))
     parser.add_argument(
         "--model",
         default=model,
@@ -133,8 +145,8 @@ def base_parser(
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated documents and orders")
     parser.add_argument(
         "--out", type=Path, default=default_out(name), metavar="DIR",
-        help=f"folder the JSON and the plot are written to (default: {default_out(name)}, under the current "
-        "directory)",
+        help=f"folder the JSON (and the plot, where the benchmark draws one) is written to (default: "
+        f"{default_out(name)}, under the current directory)",
     )
     parser.add_argument("--tag", default="", help="suffix of the output file names, to keep several runs")
     parser.add_argument("--verbose", action="store_true", help="show vLLM's INFO log lines too")

@@ -26,7 +26,6 @@ from benchmarks.common import (
     base_parser,
     engine_options_of,
     engine_pair,
-    float_list,
     format_table,
     model_label,
     new_figure,
@@ -36,6 +35,7 @@ from benchmarks.common import (
     progress,
     settle,
     summarize,
+    temperature_list,
     ttft_of,
 )
 
@@ -64,10 +64,10 @@ def nested_query(fan_out: int, temperature: float, topic: str, seed: int, inner_
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = base_parser("nested", __doc__.splitlines()[0], model="tiny", reps=5)
+    parser = base_parser("nested", __doc__, model="tiny", reps=5)
     parser.add_argument("--fan-out", type=positive_int_list, default=[1, 2, 4, 8, 16, 24],
                         help="inner generations per judge (default: 1,2,4,8,16,24)")
-    parser.add_argument("--temperatures", type=float_list, default=[0.0, 0.5],
+    parser.add_argument("--temperatures", type=temperature_list, default=[0.0, 0.5],
                         help="inner sampling temperatures (default: 0,0.5)")
     parser.add_argument("--inner-tokens", type=positive_int, default=128, help="tokens per inner generation (default: 128)")
     parser.add_argument("--max-model-len", type=positive_int, default=8192, help="engine context length (default: 8192)")

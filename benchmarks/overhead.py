@@ -26,7 +26,7 @@ __all__ = ["main"]
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = base_parser("overhead", __doc__.splitlines()[0], model="tiny", reps=3)
+    parser = base_parser("overhead", __doc__, model="tiny", reps=3)
     parser.add_argument("--prompt-tokens", type=positive_int, default=1024, help="tokens per prompt (default: 1024)")
     parser.add_argument("--requests", type=positive_int, default=8, help="single requests timed per engine (default: 8)")
     parser.add_argument("--batch", type=positive_int, default=16, help="concurrent requests of the throughput run (16)")

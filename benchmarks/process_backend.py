@@ -36,7 +36,12 @@ def _portable(e: BaseException) -> BaseException:
 
 
 def _child(conn: Any, model: str, spans: bool, plugin: bool, options: dict[str, Any]) -> None:
-    """The engine's process: start the backend, then run every `generate` the pipe brings until told to stop."""
+    """The engine's process: start the backend, then run every `generate` the pipe brings until told to stop.
+    Ctrl-C is the benchmark's to handle (it reaches the whole process group): this process ignores it and ends when
+    the parent says stop or goes (its pipe closes), instead of printing its own tracebacks."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not plugin:
         os.environ["SPANQ_DISABLE_PLUGIN"] = "1"
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -60,7 +65,10 @@ def _child(conn: Any, model: str, spans: bool, plugin: bool, options: dict[str, 
                     msg = conn.recv()
                 except (EOFError, OSError):
                     msg = ("stop",)
-                loop.call_soon_threadsafe(inbox.put_nowait, msg)
+                try:
+                    loop.call_soon_threadsafe(inbox.put_nowait, msg)
+                except RuntimeError:  # the loop has ended (told to stop meanwhile): nothing is left to read for
+                    return
                 if msg[0] == "stop":
                     return
 

@@ -234,7 +234,7 @@ def judge_pick(answer: str) -> int | None:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = base_parser("quality", __doc__.splitlines()[0], model="default", reps=None)
+    parser = base_parser("quality", __doc__, model="default", reps=None)
     parser.add_argument("--items", type=int, default=100, help="items per task (default: 100)")
     parser.add_argument("--tasks", type=_task_list, default=["qa"],
                         help=f"task shapes (default: qa; any of {', '.join(TASKS)}; see make_task_items)")

@@ -54,6 +54,7 @@ from benchmarks.common import (
     summarize,
     ttft_of,
 )
+from spanq_backend.serving.cluster_options import positive_float
 
 __all__ = ["MODES", "main"]
 
@@ -79,7 +80,7 @@ def rag_query(
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = base_parser("rag", __doc__.splitlines()[0], model="tiny", reps=3)
+    parser = base_parser("rag", __doc__, model="tiny", reps=3)
     parser.add_argument(
         "--docs", type=positive_int_list, default=None,
         help="document counts (default: 1,2,4,8,16,32 on tiny, 1,2,4,8,16 otherwise; counts whose prompt does "
@@ -87,7 +88,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--doc-tokens", type=positive_int, default=512, help="tokens per document (default: 512)")
     parser.add_argument("--max-model-len", type=positive_int, default=8192, help="engine context length (default: 8192)")
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per engine, GiB (default: 1)")
+    parser.add_argument("--kv-cache-gib", type=positive_float, default=1.0, help="KV cache per engine, GiB (default: 1)")
     parser.add_argument("--question-first", action="store_true",
                         help="the question before the documents, and another question on the second pass")
     parser.add_argument("--cold-spans", choices=("isolate", "context", "auto"), default="auto",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,10 +29,10 @@ from benchmarks.common import (
     BenchReport,
     base_parser,
     format_table,
-    int_list,
     new_figure,
     percentile,
     positive_int,
+    positive_int_list,
     progress,
     summarize,
 )
@@ -253,23 +254,48 @@ def measure_decode_step(model: str, batch: int, tokens: int) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = base_parser("rerope", __doc__.splitlines()[0], model="tiny", reps=15)
-    parser.add_argument("--shapes", default="tiny,tiny-4h,smollm2", help="KV shapes: " + ",".join(KV_SHAPES))
-    parser.add_argument("--moved", type=int_list, default=[16, 64, 256, 1024],
-                        help="blocks moved per step (all layers; 1024 moves more bytes than the last-level cache holds)")
-    parser.add_argument("--patterns", default="scattered,runs", help="which blocks move: scattered, runs (of 8)")
-    parser.add_argument("--layout", choices=["discovered", "row", "transposed"], default="discovered")
+    parser = base_parser("rerope", __doc__, model="tiny", reps=15)
+    parser.add_argument("--shapes", type=_choices_list(KV_SHAPES, "--shapes"), default="tiny,tiny-4h,smollm2",
+                        help=f"KV shapes, of {', '.join(KV_SHAPES)} (default: tiny,tiny-4h,smollm2)")
+    parser.add_argument("--moved", type=positive_int_list, default=[16, 64, 256, 1024],
+                        help="blocks moved per step (all layers; 1024 moves more bytes than the last-level cache holds; "
+                        "at most half of --num-blocks; default: 16,64,256,1024)")
+    parser.add_argument("--patterns", type=_choices_list(PATTERNS, "--patterns"), default="scattered,runs",
+                        help="which blocks move: scattered, runs (of 8) (default: scattered,runs)")
+    parser.add_argument("--layout", choices=["discovered", "row", "transposed"], default="discovered",
+                        help="the keys' layout in the cache: the one this vLLM's CPU attention uses (discovered at "
+                        "start-up), or one given (default: discovered)")
     parser.add_argument("--num-blocks", type=positive_int, default=2048, help="blocks per layer cache (default: 2048)")
-    parser.add_argument("--block-size", type=positive_int, default=32)
+    parser.add_argument("--block-size", type=positive_int, default=32, help="tokens per KV block (default: 32)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="KV cache dtype (default: float32, what spanq's CPU engine runs)")
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch threads (default: 1; the 2 shared cores thrash with more)")
-    parser.add_argument("--requests", type=positive_int, default=64, help="planning: requests admitted in one step")
-    parser.add_argument("--spans", type=positive_int, default=32, help="planning: spans per request")
+    parser.add_argument("--requests", type=positive_int, default=64,
+                        help="planning: requests admitted in one step (default: 64)")
+    parser.add_argument("--spans", type=positive_int, default=32, help="planning: spans per request (default: 32)")
     parser.add_argument("--blocks-per-span", type=positive_int, default=4, help="planning: blocks per span (default: 4)")
     parser.add_argument("--no-decode", action="store_true", help="skip measuring a decode step on the engine")
-    return parser.parse_args(list(argv))
+    args = parser.parse_args(list(argv))
+    if args.moved and min(args.moved) > args.num_blocks // 2:
+        parser.error(f"--moved {','.join(map(str, args.moved))}: every count is over half of --num-blocks "
+                     f"{args.num_blocks} (the most one step moves here); nothing would be measured")  # fmt: skip
+    return args
+
+
+PATTERNS = ("scattered", "runs")
+
+
+def _choices_list(choices: Any, flag: str) -> Any:
+    """An argparse type: a comma-separated list, each item one of `choices` (the string kept as given)."""
+    def parse(text: str) -> str:
+        unknown = [item for item in text.split(",") if item and item not in choices]
+        if unknown or not any(text.split(",")):
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown) or 'nothing'}; choose from {', '.join(choices)}")
+        return text
+
+    parse.__name__ = flag  # (what argparse names in "invalid ... value")
+    return parse
 
 
 def main(argv: Sequence[str] = ()) -> int:
@@ -284,6 +310,10 @@ def main(argv: Sequence[str] = ()) -> int:
     layout = k_layout(args.layout, args.block_size, 64, args.dtype)
     error = check_relocation(layout)
     bar = progress(len(settings), "rerope", disable=args.no_progress)
+    skipped = sorted({m for m in args.moved if m > args.num_blocks // 2})
+    if skipped:
+        print(f"spanq bench rerope: --moved {','.join(map(str, skipped))} skipped: over half of --num-blocks "
+              f"{args.num_blocks}", file=sys.stderr)  # fmt: skip
     for shape, moved, pattern in settings:
         if moved > args.num_blocks // 2:
             continue

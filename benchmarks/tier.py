@@ -59,7 +59,7 @@ GOAL_LOAD_SHARE = 0.5  # loading at >= 50% of a plain read of the same bytes
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = base_parser("tier", __doc__.splitlines()[0], model="default", reps=2)
+    parser = base_parser("tier", __doc__, model="default", reps=2)
     parser.add_argument("--docs", type=positive_int, default=8, help="documents per query (default: 8)")
     parser.add_argument("--doc-tokens", type=positive_int, default=512, help="tokens per document (default: 512)")
     parser.add_argument("--max-model-len", type=positive_int, default=8192, help="engine context length (default: 8192)")

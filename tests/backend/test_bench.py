@@ -403,6 +403,14 @@ def test_the_baseline_is_stock_vllm_in_its_own_process(engines):
 
     reset_cache(stock)
     assert execute(plain, stock).calls[0].cached_tokens == 0, "the reset emptied the prefix cache"
+    # Ctrl-C reaches the whole process group: the benchmark handles it (stops, closes its engines); the engine's
+    # process printed its own two tracebacks (KeyboardInterrupt, "Event loop is closed") and died under it
+    import signal
+    import time
+
+    os.kill(stock._proc.pid, signal.SIGINT)
+    time.sleep(1.0)
+    assert stock._proc.is_alive() and execute(plain, stock).answer == result.answer
 
     other = ProcessBackend.__new__(ProcessBackend)  # a closed one, without starting an engine
     other._closed, other._proc, other.capabilities = True, stock._proc, stock.capabilities
@@ -609,6 +617,31 @@ def test_a_documented_command_the_parser_refuses_is_named(tmp_path):
     ]
     with pytest.raises(SystemExit):
         importlib.import_module(BENCHMARKS["rag"][0]).parse_args(commands[1][2])
+
+
+def test_benchmark_flags_a_run_could_not_use_are_usage_errors_before_any_engine_starts(capsys):
+    """Found by a newcomer's review: `rerope --shapes foo` ended in a KeyError, `--patterns foo` measured a made-up
+    pattern, `--moved 0` a table of zeros, `--moved` over half of `--num-blocks` nothing, silently; `nested
+    --temperatures -1` and `rag --kv-cache-gib 0` were refused only after both engines had started. And `--help`
+    cut a benchmark's description off mid-sentence (its docstring's first line)."""
+    def refused(name: str, *argv: str) -> str:
+        with pytest.raises(SystemExit) as e:
+            importlib.import_module(BENCHMARKS[name][0]).parse_args(list(argv))
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
+    assert "--shapes: unknown foo; choose from tiny, tiny-4h, smollm2" in refused("rerope", "--shapes", "foo")
+    assert "--patterns: unknown foo; choose from scattered, runs" in refused("rerope", "--patterns", "foo")
+    assert "expected integers of at least 1" in refused("rerope", "--moved", "0")
+    assert "every count is over half of --num-blocks 64" in refused("rerope", "--moved", "2048", "--num-blocks", "64")
+    assert "expected temperatures from 0 to 2" in refused("nested", "--temperatures", "0,-1")
+    assert "--kv-cache-gib: must be a finite number above 0" in refused("rag", "--kv-cache-gib", "0")
+    rerope = importlib.import_module(BENCHMARKS["rerope"][0]).parse_args(["--shapes", "tiny", "--moved", "16,4096"])
+    assert (rerope.shapes, rerope.moved) == ("tiny", [16, 4096])  # (4096 is skipped, said, when it runs)
+    with pytest.raises(SystemExit):
+        importlib.import_module(BENCHMARKS["quality"][0]).parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "measured on the engines, and what recomputing part of each span (`recompute=`) buys back" in shown
 
 
 def test_bench_cluster_takes_topics_0_as_its_docs_and_help_say():
