@@ -30,12 +30,17 @@ def checked_parameters(cls: Any, values: Any) -> Any:
     known = set(fields) | {f.alias for f in fields.values() if f.alias}
     unknown = [k for k in values if k not in known]
     if unknown:
-        named = []
-        for key in unknown:
-            close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
-            named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ValueError(f"{cls.__name__} has no parameter {', '.join(named)}")
+        raise ValueError(f"{cls.__name__} has no parameter {_named(unknown, known)}")
     return values
+
+
+def _named(unknown: list[Any], known: set[str]) -> str:
+    """Each unknown keyword, quoted, with the known one it most resembles."""
+    named = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+        named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ", ".join(named)
 
 
 def checked_call_options(owner: str, options: dict[str, Any], known: frozenset[str],
@@ -56,10 +61,7 @@ def checked_call_options(owner: str, options: dict[str, Any], known: frozenset[s
             options[ours] = given
     unknown = [k for k in options if k not in known]
     if unknown:
-        named = []
-        for key in unknown:
-            close = difflib.get_close_matches(str(key), sorted(known | set(renamed)), n=1, cutoff=0.6)
-            named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ArgumentValueError(f"{owner}({unknown[0]}=...)", f"not an option of a call: {', '.join(named)}; a call "
-                                 f"takes {', '.join(sorted(k for k in known if not k.startswith('ls_')))}")  # fmt: skip
+        raise ArgumentValueError(f"{owner}({unknown[0]}=...)", f"not an option of a call: "
+                                 f"{_named(unknown, set(known) | set(renamed))}; a call takes "
+                                 f"{', '.join(sorted(k for k in known if not k.startswith('ls_')))}")  # fmt: skip
     return options
