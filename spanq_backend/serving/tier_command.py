@@ -104,7 +104,10 @@ def clear(root: Path, name: str) -> None:
     import time
 
     gone = root / f".cleared-{name}-{os.getpid()}-{time.monotonic_ns()}"
-    os.rename(root / name, gone)
+    try:
+        os.rename(root / name, gone)
+    except FileNotFoundError:  # cleared by another clear meanwhile
+        return
     for attempt in range(5):
         try:
             shutil.rmtree(gone)
