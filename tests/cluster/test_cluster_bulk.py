@@ -181,6 +181,7 @@ def test_a_bulk_runs_the_one_model_its_queries_name(capsys):
     assert _bulk_model(queries) == "default"
     assert _bulk_model([with_model(q, "tiny") for q in queries]) == "tiny"
     assert _bulk_model([with_model(q, "openai/tiny") for q in queries]) == "tiny"
+    assert _bulk_model([with_model(queries[0], "spnl/tiny"), with_model(queries[1], "tiny")]) == "tiny"  # one model
     assert _bulk_model([with_model(queries[0], "gpt-4o"), queries[1]]) == "default"
     assert "the queries name model 'gpt-4o', which the embedded engine cannot start" in capsys.readouterr().err
     with pytest.raises(CommandError, match=r"the queries name 2 models \(gpt-4o, tiny\).*pass --model"):
