@@ -106,6 +106,19 @@ def float_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def names_from(choices: Sequence[str], what: str) -> Any:
+    """An argparse type: a comma-separated list of `choices` (each once, in the order given)."""
+
+    def parse(text: str) -> list[str]:
+        names = [t.strip() for t in text.split(",") if t.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {unknown}; choose from {', '.join(choices)}")
+        return list(dict.fromkeys(names))
+
+    return parse
+
+
 def temperature_list(text: str) -> list[float]:
     """`"0,0.5"` → `[0.0, 0.5]`, each a sampling temperature (0 to 2; an argparse type: refused before any engine
     starts, where a call's own check came after both had)."""

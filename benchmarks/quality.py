@@ -47,6 +47,7 @@ from benchmarks.common import (
     engine_pair,
     format_table,
     model_label,
+    names_from,
     new_figure,
     positive_int,
     progress,
@@ -260,23 +261,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def _names_from(choices: Sequence[str], what: str) -> Any:
-    """An argparse type: a comma-separated list of `choices` (each once, in the order given)."""
-
-    def parse(text: str) -> list[str]:
-        names = [t.strip() for t in text.split(",") if t.strip()]
-        unknown = [n for n in names if n not in choices]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(f"unknown {what} {unknown}; choose from {', '.join(choices)}")
-        return list(dict.fromkeys(names))
-
-    return parse
-
-
 LEAD_INS = ("neutral", "auto", "none")  # SpanGenerator.lead_in_for's settings
-_anchor_list = _names_from(ANCHORS, "anchor policies")
-_task_list = _names_from(TASKS, "tasks")
-_lead_in_list = _names_from(LEAD_INS, "lead-ins")
+_anchor_list = names_from(ANCHORS, "anchor policies")
+_task_list = names_from(TASKS, "tasks")
+_lead_in_list = names_from(LEAD_INS, "lead-ins")
 
 
 def anchor_label(anchor: str, lead_in: str) -> str:

@@ -29,6 +29,7 @@ from benchmarks.common import (
     BenchReport,
     base_parser,
     format_table,
+    names_from,
     new_figure,
     percentile,
     positive_int,
@@ -255,12 +256,12 @@ def measure_decode_step(model: str, batch: int, tokens: int) -> dict[str, Any]:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = base_parser("rerope", __doc__, model="tiny", reps=15)
-    parser.add_argument("--shapes", type=_choices_list(KV_SHAPES, "--shapes"), default="tiny,tiny-4h,smollm2",
+    parser.add_argument("--shapes", type=names_from(tuple(KV_SHAPES), "shapes"), default=["tiny", "tiny-4h", "smollm2"],
                         help=f"KV shapes, of {', '.join(KV_SHAPES)} (default: tiny,tiny-4h,smollm2)")
     parser.add_argument("--moved", type=positive_int_list, default=[16, 64, 256, 1024],
                         help="blocks moved per step (all layers; 1024 moves more bytes than the last-level cache holds; "
                         "at most half of --num-blocks; default: 16,64,256,1024)")
-    parser.add_argument("--patterns", type=_choices_list(PATTERNS, "--patterns"), default="scattered,runs",
+    parser.add_argument("--patterns", type=names_from(PATTERNS, "patterns"), default=["scattered", "runs"],
                         help="which blocks move: scattered, runs (of 8) (default: scattered,runs)")
     parser.add_argument("--layout", choices=["discovered", "row", "transposed"], default="discovered",
                         help="the keys' layout in the cache: the one this vLLM's CPU attention uses (discovered at "
@@ -286,37 +287,23 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 PATTERNS = ("scattered", "runs")
 
 
-def _choices_list(choices: Any, flag: str) -> Any:
-    """An argparse type: a comma-separated list, each item one of `choices` (the string kept as given)."""
-    def parse(text: str) -> str:
-        unknown = [item for item in text.split(",") if item and item not in choices]
-        if unknown or not any(text.split(",")):
-            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown) or 'nothing'}; choose from {', '.join(choices)}")
-        return text
-
-    parse.__name__ = flag  # (what argparse names in "invalid ... value")
-    return parse
-
-
 def main(argv: Sequence[str] = ()) -> int:
     import torch
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     report = BenchReport("rerope", args)
-    shapes = [KV_SHAPES[s] for s in args.shapes.split(",") if s]
-    patterns = [p for p in args.patterns.split(",") if p]
-    settings = [(s, m, p) for s in shapes for m in args.moved for p in patterns]
+    shapes = [KV_SHAPES[s] for s in args.shapes]
+    half = args.num_blocks // 2  # the most blocks one step moves here
+    settings = [(s, m, p) for s in shapes for m in args.moved if m <= half for p in args.patterns]
     layout = k_layout(args.layout, args.block_size, 64, args.dtype)
     error = check_relocation(layout)
     bar = progress(len(settings), "rerope", disable=args.no_progress)
-    skipped = sorted({m for m in args.moved if m > args.num_blocks // 2})
+    skipped = sorted({m for m in args.moved if m > half})
     if skipped:
         print(f"spanq bench rerope: --moved {','.join(map(str, skipped))} skipped: over half of --num-blocks "
               f"{args.num_blocks}", file=sys.stderr)  # fmt: skip
     for shape, moved, pattern in settings:
-        if moved > args.num_blocks // 2:
-            continue
         lay = layout if shape.head_dim == 64 else k_layout(args.layout, args.block_size, shape.head_dim, args.dtype)
         report.rows.append(time_relocation(shape, lay, num_blocks=args.num_blocks, moved=moved, pattern=pattern,
                                            reps=args.reps, seed=args.seed, dtype=args.dtype))

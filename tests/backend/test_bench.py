@@ -630,14 +630,14 @@ def test_benchmark_flags_a_run_could_not_use_are_usage_errors_before_any_engine_
         assert e.value.code == 2
         return capsys.readouterr().err
 
-    assert "--shapes: unknown foo; choose from tiny, tiny-4h, smollm2" in refused("rerope", "--shapes", "foo")
-    assert "--patterns: unknown foo; choose from scattered, runs" in refused("rerope", "--patterns", "foo")
+    assert "--shapes: unknown shapes ['foo']; choose from tiny, tiny-4h, smollm2" in refused("rerope", "--shapes", "foo")
+    assert "--patterns: unknown patterns ['foo']; choose from scattered, runs" in refused("rerope", "--patterns", "foo")
     assert "expected integers of at least 1" in refused("rerope", "--moved", "0")
     assert "every count is over half of --num-blocks 64" in refused("rerope", "--moved", "2048", "--num-blocks", "64")
     assert "expected temperatures from 0 to 2" in refused("nested", "--temperatures", "0,-1")
     assert "--kv-cache-gib: must be a finite number above 0" in refused("rag", "--kv-cache-gib", "0")
     rerope = importlib.import_module(BENCHMARKS["rerope"][0]).parse_args(["--shapes", "tiny", "--moved", "16,4096"])
-    assert (rerope.shapes, rerope.moved) == ("tiny", [16, 4096])  # (4096 is skipped, said, when it runs)
+    assert (rerope.shapes, rerope.moved) == (["tiny"], [16, 4096])  # (4096 is skipped, said, when it runs)
     with pytest.raises(SystemExit):
         importlib.import_module(BENCHMARKS["quality"][0]).parse_args(["--help"])
     shown = " ".join(capsys.readouterr().out.split())
