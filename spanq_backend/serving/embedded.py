@@ -59,7 +59,8 @@ class EmbeddedBackend(Backend):
         """Whether `model` names this engine's model (as given, its folder, its served name, or a spanq name such
         as "default" or "tiny" for the folder it stands for)."""
         e = self.engine
-        model = server_model_name(model)  # ("spnl/tiny": a provider of spnl's is no part of the name)
+        if (bare := server_model_name(model)) != model and self.serves(bare):  # ("spnl/tiny": spnl's provider)
+            return True  # (the name as given is tried too: "openai/gpt-oss-20b" is a Hugging Face id)
         if model in {"", e.config.model, e.model_name, str(e.model_path), e.model_path.name}:
             return True
         if model in DEFAULT_MODEL_NAMES or model in TINY_MODEL_NAMES or model.startswith(TINY_FAMILY_PREFIX):

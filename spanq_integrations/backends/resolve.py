@@ -70,15 +70,17 @@ def embedded_model_named(spec: Backend | str | None, model: str | None) -> str |
     and `judge` pass what their calls name, so that `model="tiny"` runs on tiny as the adapters' `model=` does."""
     if not model or not runs_embedded(spec):
         return None
-    model = server_model_name(model)  # ("spnl/tiny": a provider of spnl's is no part of the name)
-    if not (model in embedded("DEFAULT_MODEL_NAMES") or model in embedded("TINY_MODEL_NAMES")
-            or model.startswith(embedded("TINY_FAMILY_PREFIX")) or os.path.isdir(os.path.expanduser(model))):
-        return None  # (a Hugging Face id is never fetched for a call's name)
-    try:
-        embedded("resolve_model")(model)
-    except ValueError:  # not a model after all: the default engine, as before
-        return None
-    return model
+    # as given, then after a provider of spnl's ("spnl/tiny"; a folder "openai/x" is tried as given first)
+    for name in dict.fromkeys((model, server_model_name(model))):
+        if not (name in embedded("DEFAULT_MODEL_NAMES") or name in embedded("TINY_MODEL_NAMES")
+                or name.startswith(embedded("TINY_FAMILY_PREFIX")) or os.path.isdir(os.path.expanduser(name))):
+            continue  # (a Hugging Face id is never fetched for a call's name)
+        try:
+            embedded("resolve_model")(name)
+        except ValueError:  # not a model after all: the default engine, as before
+            continue
+        return name
+    return None
 
 
 def unknown_backend(spec: Any) -> str:

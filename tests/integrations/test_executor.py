@@ -365,3 +365,4 @@ def test_execute_and_judge_with_no_backend_run_on_the_model_their_calls_name(tin
     assert embedded_model_named(None, "gpt-17") is None and embedded_model_named(None, "Qwen/Qwen3-8B") is None
     assert embedded_model_named("http://127.0.0.1:9/v1", "tiny") is None  # a URL backend: its own model names
     assert embedded_model_named(None, "tiny") == "tiny"
+    assert embedded_model_named(None, "spnl/tiny") == "tiny"  # a provider of spnl's is no part of the name
