@@ -243,11 +243,11 @@ def _bulk_model(queries: list[Any]) -> str:
     query runs it (they ran on the default model whatever they named); "default" where they name none, or one the
     embedded engine cannot start (said once: each call would run on the default model). Calls that name several
     models are refused: every engine of a bulk runs one."""
-    from spanq_integrations.backends.protocol import server_model_name
     from spanq_integrations.backends.resolve import embedded_model_named
     from spanq_integrations.runtime.executor import named_models
 
-    names = {server_model_name(n) for q in queries for n in named_models(q)}  # ("spnl/tiny" and "tiny": one)
+    # each name as the engine would start it ("spnl/tiny" and "tiny": one), else as written
+    names = {embedded_model_named("embedded", n) or n for q in queries for n in named_models(q)}
     if len(names) > 1:
         raise CommandError(f"the queries name {len(names)} models ({', '.join(sorted(names))}); every engine of a "
                            "bulk runs one: pass --model")  # fmt: skip
