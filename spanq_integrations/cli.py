@@ -341,7 +341,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         }
         print(json.dumps(report, indent=2, ensure_ascii=False))
         return 0
-    answered, bulk = result.answer_call, result.bulk_calls
+    answered, bulk = result.answer_call, result.bulk_answers
     if line_open[0]:
         print()
     if answered is not None and len(answered.choices) > 1:  # n choices: each, in order (choice 0 streamed)
@@ -349,7 +349,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if k or not streamed:
                 print(f"--- choice {k} ---\n{choice}")
     elif bulk is not None and len(bulk) > 1:  # a map, a repeat, a plus of calls: every answer (none streamed)
-        for k, answer in enumerate(result.answers):
+        for k, (answer, _) in enumerate(bulk):
             print(f"--- answer {k} ---\n{answer}")
     elif not streamed:
         print(result.answer)

@@ -19,7 +19,7 @@ from typing import Any
 
 from spanq_integrations.backends.protocol import ExecutionResult
 from spanq_integrations.query.errors import QueryValidationError
-from spanq_integrations.query.ir import Assistant, Map, Node, Plus
+from spanq_integrations.query.ir import Map, Node
 
 __all__ = ["WIRE_FORMATS", "choices_of", "spnl_chunk", "spnl_response", "wire_format"]
 
@@ -52,11 +52,9 @@ def choices_of(result: ExecutionResult) -> list[tuple[str, str | None]]:
     call = result.answer_call
     if call is not None and call.choices:
         return [(text, _finish(reason)) for text, reason in zip(call.choices, call.finish_reasons)]
-    tree = result.tree
-    if isinstance(tree, Plus) and tree.children and all(isinstance(c, Assistant) for c in tree.children):
-        calls = result.bulk_calls
-        reasons = [_finish(c.finish_reason) for c in calls] if calls is not None else [None] * len(tree.children)
-        return [(c.text, reason) for c, reason in zip(tree.children, reasons)]
+    bulk = result.bulk_answers
+    if bulk is not None:
+        return [(text, _finish(reason)) for text, reason in bulk]
     return [(result.answer, None)]
 
 

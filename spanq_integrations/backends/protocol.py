@@ -159,15 +159,27 @@ class ExecutionResult(BaseModel):
 
     @property
     def bulk_calls(self) -> list[CallMetrics] | None:
-        """The calls whose outputs are the answers of a bulk query (a top-level `plus` of generate calls of one
-        choice each: `repeat`, `map`, a `plus` of `g`s), in order; None for any other query."""
+        """The calls whose outputs are the answers of a bulk query (a top-level `plus` of generate calls: `repeat`,
+        `map`, a `plus` of `g`s; a call of `n` choices answers `n` times), in order; None for any other query."""
         plan, tree = self.plan, self.tree
         if not (isinstance(plan, Plus) and isinstance(tree, Plus) and len(plan.children) == len(tree.children)):
             return None
         by_path = {c.path: c for c in self.calls}  # (the last call of a path: a retried one's)
-        calls = [by_path.get(path) for path, child in child_paths(plan, "$")
-                 if isinstance(child, Generate) and child.n == 1]  # fmt: skip
-        return calls if len(calls) == len(tree.children) and None not in calls else None  # type: ignore[return-value]
+        calls = [by_path.get(path) if isinstance(child, Generate) else None for path, child in child_paths(plan, "$")]
+        return None if None in calls else calls  # type: ignore[return-value]
+
+    @property
+    def bulk_answers(self) -> list[tuple[str, str | None]] | None:
+        """A bulk query's answers (`bulk_calls`), each with its finish reason: every choice of every call, in
+        order; None for any other query."""
+        calls = self.bulk_calls
+        if calls is None:
+            return None
+        out: list[tuple[str, str | None]] = []
+        for c in calls:
+            reasons = [*c.finish_reasons, *[None] * len(c.choices)]
+            out += zip(c.choices or [""], reasons)
+        return out
 
     @property
     def answer(self) -> str:
@@ -181,10 +193,10 @@ class ExecutionResult(BaseModel):
 
     @property
     def answers(self) -> list[str]:
-        """Every answer: a bulk query's, one a call in order (`bulk_calls`); a call's `n` choices; else the one."""
-        bulk = self.bulk_calls
+        """Every answer: a bulk query's, each call's choices in order (`bulk_answers`); a call's `n` choices; else the one."""
+        bulk = self.bulk_answers
         if bulk is not None:
-            return [c.choices[0] if c.choices else "" for c in bulk]
+            return [text for text, _ in bulk]
         called = self.answer_call
         if called is not None and len(called.choices) > 1:
             return list(called.choices)

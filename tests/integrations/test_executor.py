@@ -68,7 +68,10 @@ class ScriptedBackend(Backend):
         finally:
             self.in_flight -= 1
         self.events.append(("end", path))
-        return Completion(texts=[f"out({text})"], metrics=CallMetrics(path=path, model="scripted"))
+        texts = [f"out({text})", *[f"out({text})#{k}" for k in range(1, call.n)]]  # a call of n choices: n texts
+        reasons = ["stop"] * (call.n - 1) + ["length"]
+        return Completion(texts=texts, finish_reasons=reasons,
+                          metrics=CallMetrics(path=path, model="scripted", choices=texts, finish_reasons=reasons))
 
 
 def other_tasks() -> list[asyncio.Task]:
@@ -321,6 +324,21 @@ def test_a_repeat_built_in_python_runs_each_copy_and_answers_each():
 
     result = execute(repeat(generate(user("a")), 3), ScriptedBackend())
     assert len(result.calls) == 3 and len(result.answers) == 3 and result.answers[-1] == result.answer
+
+
+def test_a_bulk_query_whose_calls_have_several_choices_answers_every_choice():
+    """`repeat(generate(..., n=2), 3)` ran 6 choices and `answers` listed one: a bulk query counted only calls of
+    one choice (and `spanq serve`'s spnl answer, read the same way, gave one choice)."""
+    from spanq_backend.serving.spnl_wire import choices_of
+    from spanq_integrations import repeat
+
+    result = execute(repeat(generate(user("a"), n=2), 3), ScriptedBackend())
+    assert len(result.calls) == 3
+    assert result.answers == ["out(a)", "out(a)#1"] * 3 and result.answers[-1] == result.answer
+    assert choices_of(result) == [("out(a)", "stop"), ("out(a)#1", "length")] * 3
+    mixed = execute(plus(generate(user("a"), n=2), generate(user("b"))), ScriptedBackend(), optimize=False)
+    assert mixed.answers == ["out(a)", "out(a)#1", "out(b)"]
+    assert execute(repeat(generate(user("a")), 2), ScriptedBackend()).answers == ["out(a)"] * 2  # one choice each
 
 
 @pytest.mark.parametrize("wrong", [0, -1, 2.5, True])
