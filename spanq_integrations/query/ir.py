@@ -402,7 +402,7 @@ NODE_TYPES: tuple[type[_Node], ...] = (
 
 def _as_node(x: Any, where: str) -> Node:
     if isinstance(x, str):
-        return User(text=x)
+        return _built(User, where, text=x)
     if isinstance(x, _Node):
         return x  # type: ignore[return-value]
     hint = ": join several with cross(...) (in order) or plus(...) (order-free)" if isinstance(x, (list, tuple)) else ""
@@ -410,12 +410,18 @@ def _as_node(x: Any, where: str) -> Node:
 
 
 _Model = TypeVar("_Model", bound=BaseModel)
+_NUMBERS: tuple[Any, ...] = (int, float, int | None, float | None)
 
 
 def _built(cls: type[_Model], builder: str, **fields: Any) -> _Model:
     """`cls(**fields)`, a value out of range or of the wrong type a `QueryValidationError` at `builder(field)`
     (what a `SpanQueryError` handler catches; pydantic's own error named the model's class and a web page). A text
     that is not Unicode (a lone surrogate, from a bad decode) is refused here: it built, then failed in `to_json`."""
+    for name, value in fields.items():  # pydantic reads True as 1 and "0.5" as 0.5; spnl JSON refuses both
+        field = cls.model_fields.get(name)
+        if isinstance(value, (bool, str, bytes)) and field is not None and field.annotation in _NUMBERS:
+            kind = "an integer" if field.annotation in (int, int | None) else "a number"
+            raise QueryValidationError(f"{builder}({name})", f"expected {kind}, got {value!r}")
     text = fields.get("text")
     if isinstance(text, str):
         try:
@@ -461,7 +467,16 @@ def fragment(text: str, id: str | None = None, metadata: dict[str, Any] | None =
     """A document of a `plus`. Its metadata: `metadata` (a LangChain document's, say), and/or keywords."""
     if metadata is not None and not isinstance(metadata, dict):
         raise QueryValidationError("fragment(metadata)", f"expected a dict, got {type(metadata).__name__}")
-    return _built(Fragment, "fragment", text=text, id=id, metadata={**(metadata or {}), **more})
+    return _built(Fragment, "fragment", text=text, id=id, metadata=_as_json({**(metadata or {}), **more}))
+
+
+def _as_json(value: dict[str, Any]) -> dict[str, Any]:
+    """`value` as its JSON reads back (a tuple a list), so that the query writes to JSON and reads back equal; as
+    it is where JSON cannot hold it (an object, NaN: running the query needs no JSON, writing it names the path)."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError):
+        return value
 
 
 def plus(*children: Any, anchor: AnchorPolicy | None = None, role: SpanRole | None = None) -> Plus:
@@ -473,7 +488,8 @@ def plus(*children: Any, anchor: AnchorPolicy | None = None, role: SpanRole | No
         raise QueryValidationError("plus(anchor)", f"unknown anchor policy {anchor!r} (one of {', '.join(ANCHOR_POLICIES)})")
     if role is not None and role not in SPAN_ROLES:
         raise QueryValidationError("plus(role)", f"unknown role {role!r} for a plus (one of {', '.join(SPAN_ROLES)})")
-    nodes = [Fragment(text=c) if isinstance(c, str) else _as_node(c, f"plus()[{i}]") for i, c in enumerate(items)]
+    nodes = [_built(Fragment, f"plus()[{i}]", text=c) if isinstance(c, str) else _as_node(c, f"plus()[{i}]")
+             for i, c in enumerate(items)]
     return Plus(children=tuple(nodes), anchor=anchor, role=None if role == "user" else role)
 
 
@@ -557,7 +573,8 @@ def _recompute(value: Any, where: str) -> Any:
 
 def combine(input: Any, reducer: str, **options: Any) -> Combine:
     """Combine the answers of the generates in `input` in code with the reducer named `reducer`."""
-    return _built(Combine, "combine", input=_as_node(input, "combine().input"), reducer=reducer, options=options)
+    return _built(Combine, "combine", input=_as_node(input, "combine().input"), reducer=reducer,
+                  options=_as_json(options))
 
 
 def repeat(query: Any, n: int) -> Repeat:

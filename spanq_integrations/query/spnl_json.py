@@ -100,7 +100,7 @@ def _write_fragment(node: Fragment, path: str) -> dict[str, Any]:
     if node.id is not None:
         body["id"] = node.id
     if node.metadata:
-        body["metadata"] = dict(node.metadata)
+        body["metadata"] = _json_object(node.metadata, f"{path}.fragment.metadata")
     return {"fragment": body}
 
 
@@ -126,8 +126,18 @@ def _write_combine(node: Combine, path: str) -> dict[str, Any]:
     (written,) = _write_children(node, path)
     body: dict[str, Any] = {"reducer": node.reducer, "input": written}
     if node.options:
-        body["options"] = dict(node.options)
+        body["options"] = _json_object(node.options, f"{path}.combine.options")
     return {"combine": body}
+
+
+def _json_object(value: dict[str, Any], path: str) -> dict[str, Any]:
+    """A node's free-form object (metadata, options) as written, or what JSON cannot hold in it named at `path` (an
+    object, NaN: Python's json wrote a bare NaN, which no JSON reader takes)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise QueryValidationError(path, f"cannot be written as JSON: {e}") from None
+    return dict(value)
 
 
 def _write_repeat(node: Repeat, path: str) -> dict[str, Any]:

@@ -192,6 +192,17 @@ BAD_BUILDS = [  # (what a user wrote, the path the error names, what it says)
     (lambda: ir.repeat("hi", 2), "repeat(query)", "as repeat(generate(...), n), got str"),
     (lambda: ir.repeat(generate("hi"), 0), "repeat(n)", "greater than or equal to 1, got 0"),
     (lambda: judge_query(["a", "b"], None), "judge(instruction)", "got NoneType"),
+    # a plain string built its message or fragment without the check (it failed deep in the engine instead)
+    (lambda: generate("a\ud800"), "generate().input(text)", "not valid Unicode"),
+    (lambda: plus("a", "b\ud800"), "plus()[1](text)", "not valid Unicode"),
+    (lambda: cross("q\udc00"), "cross()[0](text)", "not valid Unicode"),
+    # pydantic read True as 1 and "0.5" as 0.5, where spnl JSON refuses both
+    (lambda: generate("q", temperature=True), "generate(temperature)", "expected a number, got True"),
+    (lambda: generate("q", temperature="0.5"), "generate(temperature)", "expected a number, got '0.5'"),
+    (lambda: generate("q", n=True), "generate(n)", "expected an integer, got True"),
+    (lambda: generate("q", max_tokens=True), "generate(max_tokens)", "expected an integer, got True"),
+    (lambda: generate("q", seed=False), "generate(seed)", "expected an integer, got False"),
+    (lambda: ir.repeat(generate("hi"), "3"), "repeat(n)", "expected an integer, got '3'"),
 ]
 
 
@@ -202,6 +213,24 @@ def test_a_bad_setting_in_a_builder_is_a_spanq_error_naming_the_builder_and_the_
     with pytest.raises(QueryValidationError) as raised:
         build()
     assert raised.value.path == path and says in raised.value.message, str(raised.value)
+
+
+def test_metadata_json_cannot_hold_is_named_when_written_and_a_tuple_reads_back_equal():
+    """`dumps` of a fragment whose metadata held an object failed in json's encoder, naming no node, and one with NaN
+    wrote a bare NaN (no JSON reader takes it); a tuple in metadata read back as a list, so the query was not
+    equal to itself written and read. Running such a query needs no JSON: it still builds."""
+    from spanq_integrations.query.spnl_json import dumps, loads
+
+    for query, path in [
+        (generate(plus(ir.fragment("x", metadata={"a": object()}))), "$.g.input.plus[0].fragment.metadata"),
+        (generate(plus(ir.fragment("x", score=float("nan")))), "$.g.input.plus[0].fragment.metadata"),
+        (ir.combine(plus(generate("a"), generate("b")), "extract", x=object()), "$.combine.options"),
+    ]:
+        with pytest.raises(QueryValidationError, match="cannot be written as JSON") as raised:
+            dumps(query)
+        assert raised.value.path == path
+    query = generate(plus(ir.fragment("a", metadata={"pages": (1, 2)})))
+    assert query.input.children[0].metadata == {"pages": [1, 2]} and loads(dumps(query)) == query
 
 
 def test_a_stop_string_is_one_stop_and_fragment_metadata_is_the_documents():
