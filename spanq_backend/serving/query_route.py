@@ -190,10 +190,10 @@ class QueryRun:
         self.wire = wire  # "spanq": chat.completion.chunk events; "spnl": text_completion chunks (spnl_wire)
         self.id = f"{'cmpl' if wire == 'spnl' else 'chatcmpl'}-spanq-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.pieces: asyncio.Queue[Any] = asyncio.Queue()
-        self.streamed = False
-        self.task = asyncio.ensure_future(
-            aexecute(query, backend, optimize=True, on_token=self.pieces.put_nowait)
+        self.pieces: asyncio.Queue[Any] = asyncio.Queue()  # (index of the answer, a piece of its text), then _END
+        self.streamed: set[int] = set()  # the answers some text of which was sent
+        self.task = asyncio.ensure_future(  # every answer of a bulk query streams by its index, as its call runs
+            aexecute(query, backend, optimize=True, on_answer_token=lambda k, piece: self.pieces.put_nowait((k, piece)))
         )
         self.task.add_done_callback(lambda _: self.pieces.put_nowait(_END))
         self.first: Any = None
@@ -218,37 +218,31 @@ class QueryRun:
         }
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
-    def _delta(self, piece: str) -> str:
-        self.streamed = True
+    def _delta(self, index: int, piece: str) -> str:
+        self.streamed.add(index)
         if self.wire == "spnl":
-            return spnl_chunk(self.id, self.created, self.model, [(0, piece, None)])
-        return self._chunk([{"index": 0, "delta": {"content": piece}, "finish_reason": None}])
+            return spnl_chunk(self.id, self.created, self.model, [(index, piece, None)])
+        return self._chunk([{"index": index, "delta": {"content": piece}, "finish_reason": None}])
 
     def _final(self, result: ExecutionResult) -> str:
-        call = result.answer_call
-        if self.wire == "spnl":  # every choice whole, except the text of choice 0 already streamed
-            choices = choices_of(result)
-            rest = [(k, "" if k == 0 and self.streamed else text, reason) for k, (text, reason) in enumerate(choices)]
+        """Every choice's finish reason, and its text where none of it streamed: a call's other choices (n > 1),
+        a bulk answer's (`repeat`, `map`, a `plus` of calls) other than each call's first, a combined answer."""
+        choices = choices_of(result)
+        if self.wire == "spnl":
+            rest = [(k, "" if k in self.streamed else text, reason) for k, (text, reason) in enumerate(choices)]
             return spnl_chunk(self.id, self.created, self.model, rest, usage=usage_of(result))
-        if call is None:  # the answer is not one call's output: sent whole, each answer of a bulk query (a
-            # top-level `repeat`, `map` or `plus` of calls) as a choice of its own, with its call's finish reason
-            choices = [
-                {"index": k, "delta": {"content": text} if text and not (k == 0 and self.streamed) else {},
-                 "finish_reason": reason or "stop"}
-                for k, (text, reason) in enumerate(choices_of(result))
-            ]  # fmt: skip
-        else:  # choice 0 streamed already; the other choices (n > 1) come whole
-            choices = [
-                {"index": k, "delta": {"content": text} if k and text else {}, "finish_reason": reason}
-                for k, (text, reason) in enumerate(zip(call.choices, call.finish_reasons))
-            ]
-        return self._chunk(choices, usage=usage_of(result))
+        stop = "stop" if result.answer_call is None else None  # (a bulk answer stopped, where no reason is known)
+        return self._chunk([
+            {"index": k, "delta": {"content": text} if text and k not in self.streamed else {},
+             "finish_reason": reason or stop}
+            for k, (text, reason) in enumerate(choices)
+        ], usage=usage_of(result))  # fmt: skip
 
     async def events(self) -> AsyncIterator[str]:
         try:
             item = self.first
             while item is not _END:
-                yield self._delta(item)
+                yield self._delta(*item)
                 item = await self.pieces.get()
             try:
                 result = self.task.result()

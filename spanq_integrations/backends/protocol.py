@@ -14,6 +14,7 @@ from spanq_integrations.query.ir import Assistant, Generate, Node, Plus, child_p
 
 __all__ = [
     "PROVIDER_PREFIXES",
+    "AnswerTokenCallback",
     "Backend",
     "BackendCapabilities",
     "CallMetrics",
@@ -38,6 +39,7 @@ def server_model_name(model: str) -> str:
     return model
 
 TokenCallback = Callable[[str], Awaitable[None] | None]
+AnswerTokenCallback = Callable[[int, str], Awaitable[None] | None]  # (the index of an answer, a piece of its text)
 
 
 class CallMetrics(BaseModel):

@@ -10,12 +10,14 @@ If any call fails, its running siblings are cancelled and awaited, and the error
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from spanq_integrations.backends.protocol import (
+    AnswerTokenCallback,
     Backend,
     CallMetrics,
     ExecutionResult,
@@ -88,6 +90,20 @@ def _answer_path(tree: Node) -> str | None:
     return None if found is None else found[0]
 
 
+def _answer_streams(plan: Node) -> dict[str, int]:
+    """The calls whose first choice streams, by path, each with the index of that choice among the query's answers
+    (`ExecutionResult.answers`): every call of a bulk query (a top-level `plus` of generates: `repeat`, `map`),
+    else the one that answers."""
+    if isinstance(plan, Plus) and plan.children and all(isinstance(c, Generate) for c in plan.children):
+        streams, k = {}, 0
+        for path, child in child_paths(plan, "$"):
+            streams[path] = k
+            k += child.n  # type: ignore[union-attr]
+        return streams
+    path = _answer_path(plan)
+    return {} if path is None else {path: 0}
+
+
 def answer_node(tree: Node) -> Node | None:
     """The `Generate` (or `Combine`) whose output is the query's answer; None if no one call answers."""
     found = _answer(tree)
@@ -157,12 +173,16 @@ class _Run:
         on_token: TokenCallback | None,
         stream_path: str | None,
         reducers: Mapping[str, Reducer],
+        on_answer_token: AnswerTokenCallback | None = None,
+        answer_streams: Mapping[str, int] | None = None,
     ):
         self.backend = backend
         self.reducers = reducers
         self.semaphore = asyncio.Semaphore(limit)
         self.on_token = on_token
         self.stream_path = stream_path
+        self.on_answer_token = on_answer_token
+        self.answer_streams = answer_streams or {}
         self.calls: list[CallMetrics] = []
         self.unread: list[UnreadAnswer] = []
 
@@ -216,8 +236,9 @@ class _Run:
         closed = await self.eval(inp, input_path)  # read by code, not by a generate
         combined = combine_answers(reducer, _answers(closed, input_path), self.unread)
         text = reducer.render(combined)
-        if path == self.stream_path and self.on_token is not None and text:
-            maybe = self.on_token(text)
+        streaming = self.streaming(path)
+        if streaming is not None and text:
+            maybe = streaming(text)
             if inspect.isawaitable(maybe):
                 await maybe
         return Assistant(text=text, source=with_children(node, [closed]))  # type: ignore[arg-type]
@@ -225,10 +246,30 @@ class _Run:
     async def _sugar(self, node: Chat | Retrieve, path: str, in_input: bool) -> Node:
         raise QueryValidationError(path, f"{node.kind!r} is sugar: run the optimizer first (optimize=True)")
 
+    def streaming(self, path: str) -> TokenCallback | None:
+        """What the text of the call at `path` streams to (`on_token`: the answer's; `on_answer_token`: each of a
+        bulk query's answers, by index), or None."""
+        targets: list[Callable[[str], Any]] = []
+        if path == self.stream_path and self.on_token is not None:
+            targets.append(self.on_token)
+        index = self.answer_streams.get(path)
+        if index is not None and self.on_answer_token is not None:
+            targets.append(functools.partial(self.on_answer_token, index))
+        if len(targets) < 2:
+            return targets[0] if targets else None  # (as the caller gave it: a backend awaits what it returns)
+
+        async def stream(piece: str) -> None:
+            for target in targets:
+                maybe = target(piece)
+                if inspect.isawaitable(maybe):
+                    await maybe
+
+        return stream
+
     async def call(self, g: Generate, path: str, span_output: bool = False) -> Node:
         ((input_path, inp),) = child_paths(g, path)
         closed = with_children(g, [await self.eval(inp, input_path, in_input=True)])
-        on_token = self.on_token if path == self.stream_path else None
+        on_token = self.streaming(path)
         extra = {"span_output": True} if span_output and self.backend.capabilities.span_outputs else {}
         async with self.semaphore:
             try:
@@ -297,12 +338,14 @@ async def aexecute(
     max_concurrency: int | None = None,
     on_token: TokenCallback | None = None,
     reducers: Mapping[str, Reducer] | None = None,
+    on_answer_token: AnswerTokenCallback | None = None,
 ) -> ExecutionResult:
     """Run `query` on `backend` (a `Backend`, a URL, or None for the embedded default).
 
     `optimize` applies the optimizer for this backend's capabilities first; `tree_reduction` (a
     `TreeReduction`, or a fan-in k for a tree of model calls) turns wide judges into trees; `on_token` receives
-    the answer's text as it streams; `reducers` are the reducer instances `Combine` nodes may name (by default
+    the answer's text as it streams; `on_answer_token(index, text)` each answer's, with its index in `answers`
+    (a bulk query's answers at once: of each call, its first choice; else the answer, index 0); `reducers` are the reducer instances `Combine` nodes may name (by default
     the built-in ones, built from the node's options). `max_concurrency`: calls in flight at once (None: the
     backend's own limit).
     """
@@ -326,7 +369,8 @@ async def aexecute(
                 tree_reduction=tree_reduction,
             )
         limit = max_concurrency or be.capabilities.max_concurrency
-        run = _Run(be, max(1, limit), on_token, _answer_path(plan), dict(reducers or {}))
+        run = _Run(be, max(1, limit), on_token, _answer_path(plan), dict(reducers or {}), on_answer_token,
+                   _answer_streams(plan))
         t0 = time.perf_counter()
         tree = await run.eval(plan, "$")
         return ExecutionResult(

@@ -649,10 +649,11 @@ def _stream_events(body: bytes) -> list[dict]:
             if line.startswith(b"data: ") and line != b"data: [DONE]"]  # fmt: skip
 
 
-def test_a_streamed_bulk_query_sends_each_answer_with_its_calls_finish_reason(server: SpanqServe):
-    """A top-level `repeat` streamed: every answer, each with the finish reason its call ended with ("length" for
-    calls cut at max_tokens), on both wires. The chat wire sent only the last answer, always ending in "stop";
-    spnl's ended every choice with none."""
+def test_a_streamed_bulk_query_streams_each_answer_and_ends_it_with_its_calls_finish_reason(server: SpanqServe):
+    """A top-level `repeat` streamed: every answer token by token under its own index as its call runs (they came
+    whole at the end, the response's headers too: a client's read timeout fired on a long bulk job), each ended
+    with the finish reason its call ended with ("length" for calls cut at max_tokens), on both wires. The chat
+    wire sent only the last answer, always ending in "stop"; spnl's ended every choice with none."""
     g = {"model": "", "input": {"user": "Count slowly from one to fifty."}, "max_tokens": 3, "temperature": 0.0}
     doc = {"repeat": {"n": 2, "g": g}}
     whole = httpx.post(f"{server.url}{EXECUTE}", params={"format": "spanq"}, json=doc, timeout=120)
@@ -663,16 +664,18 @@ def test_a_streamed_bulk_query_sends_each_answer_with_its_calls_finish_reason(se
 
     chat = httpx.post(f"{server.url}{EXECUTE}", params={"stream": "true"}, json=doc, timeout=120)
     assert chat.status_code == 200, chat.text
-    final = [choice for event in _stream_events(chat.content) for choice in event.get("choices", [])
-             if choice.get("finish_reason")]  # fmt: skip
-    assert [(c["index"], c["delta"].get("content"), c["finish_reason"]) for c in final] == [
-        (0, answers[0], "length"), (1, answers[1], "length")
-    ]
+    choices = [choice for event in _stream_events(chat.content) for choice in event.get("choices", [])]
+    pieces = {k: [c["delta"]["content"] for c in choices if c["index"] == k and c["delta"].get("content")] for k in (0, 1)}
+    assert ["".join(pieces[0]), "".join(pieces[1])] == answers
+    assert all(len(p) > 1 for p in pieces.values()), f"each answer streams as it is generated, not whole: {pieces}"
+    assert [(c["index"], c["finish_reason"]) for c in choices if c.get("finish_reason")] == [(0, "length"), (1, "length")]
 
     spnl = httpx.post(f"{server.url}{EXECUTE}", params={"stream": "true", "format": "spnl"}, json=doc, timeout=120)
     assert spnl.status_code == 200, spnl.text
     assert read_completion_stream(spnl.content, 2) == answers
-    ended = {c["index"]: c["finish_reason"] for e in _stream_events(spnl.content) for c in e["choices"]}
+    spnl_choices = [c for e in _stream_events(spnl.content) for c in e["choices"]]
+    assert all(sum(1 for c in spnl_choices if c["index"] == k and c.get("text")) > 1 for k in (0, 1)), spnl_choices
+    ended = {c["index"]: c["finish_reason"] for c in spnl_choices}
     assert ended == {0: "length", 1: "length"}
 
 

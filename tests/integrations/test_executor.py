@@ -7,6 +7,7 @@ Everything about the model runs on the stock vLLM server. The executor's schedul
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import pytest
 
@@ -61,7 +62,9 @@ class ScriptedBackend(Backend):
             await asyncio.sleep(30 if text.startswith("slow") else 0.02)
             if on_token is not None:
                 self.streamed_paths.append(path)
-                on_token(f"out({text})")
+                maybe = on_token(f"out({text})")
+                if inspect.isawaitable(maybe):  # (a callback may be a coroutine function: `TokenCallback`)
+                    await maybe
         except asyncio.CancelledError:
             self.cancelled.append(path)
             raise
@@ -339,6 +342,18 @@ def test_a_bulk_query_whose_calls_have_several_choices_answers_every_choice():
     mixed = execute(plus(generate(user("a"), n=2), generate(user("b"))), ScriptedBackend(), optimize=False)
     assert mixed.answers == ["out(a)", "out(a)#1", "out(b)"]
     assert execute(repeat(generate(user("a")), 2), ScriptedBackend()).answers == ["out(a)"] * 2  # one choice each
+
+
+def test_on_answer_token_streams_every_answer_of_a_bulk_query_by_its_index():
+    """Each call of a bulk query streams its first choice under that choice's index in `answers` (what `spanq
+    serve` streams a `repeat` or a `map` by); a query of one answer streams it as index 0."""
+    streamed: list[tuple[int, str]] = []
+    result = execute(plus(generate(user("a"), n=2), generate(user("b"))), ScriptedBackend(), optimize=False,
+                     on_answer_token=lambda k, piece: streamed.append((k, piece)))
+    assert sorted(streamed) == [(0, "out(a)"), (2, "out(b)")] and result.answers[2] == "out(b)"
+    streamed.clear()
+    execute(cross(system("s"), generate(user("c"))), ScriptedBackend(), on_answer_token=lambda *kp: streamed.append(kp))
+    assert streamed == [(0, "out(c)")]
 
 
 @pytest.mark.parametrize("wrong", [0, -1, 2.5, True])
