@@ -7,6 +7,7 @@ run retrieved (or `span_documents=`) are found in it and sent as spans, as `Chat
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -19,6 +20,8 @@ from spanq_integrations.langchain.client import CallOutcome, SpanQueryClient
 from spanq_integrations.langchain.messages import prompt_from_text
 
 __all__ = ["SpanQueryLLM"]
+
+_BATCH_RUNS: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("spanq_batch_runs", default=None)
 
 
 def _generation_info(outcome: CallOutcome) -> dict[str, Any]:
@@ -59,6 +62,32 @@ class SpanQueryLLM(SpanQueryClient, BaseLLM):
     def _begin(self, prompt: str, stop: list[str] | None, run_manager: Any, kwargs: dict[str, Any]):
         return self._prepare(prompt_from_text(prompt), run_manager, kwargs), self._settings(stop, kwargs)
 
+    # LangChain hands `_generate` the run of a batch's first prompt only (`BaseLLM._generate_helper`: "TODO: support
+    # multiple run managers"), and each prompt's documents are found by its own run: every prompt of `batch` after
+    # the first was matched against the first one's documents. The helper is given every prompt's run; it is kept
+    # here for `_generate` (where LangChain has no such helper, each prompt falls back to the run it is given).
+    def _generate_helper(self, prompts: list[str], stop: Any, run_managers: list[Any], **kwargs: Any) -> LLMResult:
+        held = _BATCH_RUNS.set(list(run_managers))
+        try:
+            return super()._generate_helper(prompts, stop, run_managers, **kwargs)  # type: ignore[misc]
+        finally:
+            _BATCH_RUNS.reset(held)
+
+    async def _agenerate_helper(self, prompts: list[str], stop: Any, run_managers: list[Any], **kwargs: Any) -> LLMResult:
+        held = _BATCH_RUNS.set(list(run_managers))
+        try:
+            return await super()._agenerate_helper(prompts, stop, run_managers, **kwargs)  # type: ignore[misc]
+        finally:
+            _BATCH_RUNS.reset(held)
+
+    @staticmethod
+    def _runs(prompts: list[str], run_manager: Any) -> list[Any]:
+        """Each prompt's run: the batch's, where LangChain gave them to the helper for these prompts."""
+        runs = _BATCH_RUNS.get()
+        if runs is not None and len(runs) == len(prompts) and (run_manager is None or runs[0] is run_manager):
+            return runs
+        return [run_manager] * len(prompts)
+
     def _generate(
         self,
         prompts: list[str],
@@ -66,10 +95,11 @@ class SpanQueryLLM(SpanQueryClient, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
+        runs = self._runs(prompts, run_manager)
         if self.streaming:
-            outcomes = [self._collect_stream(p, stop, run_manager, kwargs) for p in prompts]
+            outcomes = [self._collect_stream(p, stop, run, kwargs) for p, run in zip(prompts, runs)]
         else:
-            calls = [self._begin(p, stop, run_manager, kwargs) for p in prompts]
+            calls = [self._begin(p, stop, run, kwargs) for p, run in zip(prompts, runs)]
             outcomes = self._run_many(calls)
         return LLMResult(
             generations=[[Generation(text=o.text, generation_info=_generation_info(o))] for o in outcomes],
@@ -83,10 +113,11 @@ class SpanQueryLLM(SpanQueryClient, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
+        runs = self._runs(prompts, run_manager)
         if self.streaming:  # as the sync path: each piece to `on_llm_new_token`, prompts one after another
-            outcomes = [await self._acollect_stream(p, stop, run_manager, kwargs) for p in prompts]
+            outcomes = [await self._acollect_stream(p, stop, run, kwargs) for p, run in zip(prompts, runs)]
         else:
-            calls = [self._begin(p, stop, run_manager, kwargs) for p in prompts]
+            calls = [self._begin(p, stop, run, kwargs) for p, run in zip(prompts, runs)]
             outcomes = list(await asyncio.gather(*(self._arun(*c) for c in calls)))
         return LLMResult(
             generations=[[Generation(text=o.text, generation_info=_generation_info(o))] for o in outcomes],

@@ -256,6 +256,41 @@ def test_span_query_llm_with_a_string_prompt(tiny_backend):
     assert isinstance(chain.invoke({"input": QUESTION})["answer"], str)
 
 
+@pytest.mark.parametrize("call", ["batch", "abatch"])
+def test_the_text_llm_finds_each_batched_prompts_own_documents(tiny_backend, call):
+    """`chain.batch([q1, q2])` through the text LLM: LangChain hands `_generate` the first prompt's run only, so
+    the second prompt was matched against the first one's documents (0 spans, and advice to change its
+    formatting, though `invoke` found all four)."""
+    from langchain_core.retrievers import BaseRetriever
+
+    by_question = {"first": town_documents("batch-a"), "second": town_documents("batch-b")}
+
+    class ByQuestion(BaseRetriever):
+        def _get_relevant_documents(self, query, *, run_manager=None):
+            return by_question[query]
+
+    asked: dict = {}
+    seen: dict[str, dict] = {}
+
+    class Ends(BaseCallbackHandler):
+        run_inline = True  # (under abatch, in order: not each event in a thread of its own)
+
+        def on_llm_start(self, serialized, prompts, *, run_id, **kwargs) -> None:
+            asked[run_id] = prompts[0].rsplit("Question: ", 1)[1].split("\n")[0]
+
+        def on_llm_end(self, response, *, run_id, **kwargs) -> None:
+            seen[asked[run_id]] = response.generations[0][0].generation_info["spanq"]
+
+    llm = SpanQueryLLM(backend=tiny_backend, max_tokens=2, temperature=0)
+    prompt = PromptTemplate.from_template("Context:\n{context}\n\nQuestion: {question}\nAnswer:")
+    app = {"context": ByQuestion() | format_docs, "question": RunnablePassthrough()} | prompt | llm
+    questions = ["first", "second"]
+    config = {"callbacks": [Ends()]}
+    answers = app.batch(questions, config=config) if call == "batch" else asyncio.run(app.abatch(questions, config=config))
+    assert len(answers) == 2
+    assert [(seen[q]["spans"], seen[q]["fallback"]) for q in questions] == [(4, None), (4, None)], seen
+
+
 def test_a_langgraph_rag_app_works_unchanged(tiny_backend, chat):
     """LangGraph's RAG tutorial: a `retrieve` node returns {"context": docs}, `generate` formats and calls the LLM."""
     docs = town_documents("graph")
