@@ -51,6 +51,11 @@ class EmbeddedBackend(Backend):
     def model_name(self) -> str:
         return self.engine.model_name
 
+    @property
+    def identity(self) -> str:
+        """Its engine's settings, every one that may change an answer among them (the model, recompute, anchors)."""
+        return f"{type(self).__name__}({self.engine.config!r})"
+
     async def token_ids(self, text: str, model: str = "") -> list[int] | None:
         """`text` as this engine's tokenizer splits it (no special tokens)."""
         return list(self.engine.tokenizer.encode(text, add_special_tokens=False))

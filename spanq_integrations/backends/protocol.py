@@ -4,6 +4,7 @@ what a run returns (`ExecutionResult`, with its `Usage`)."""
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Self
 
@@ -244,6 +245,18 @@ class Backend(abc.ABC):
         self, call: Generate, *, path: str = "$", on_token: TokenCallback | None = None
     ) -> Completion:
         """Run one model call; stream text pieces of the first choice to `on_token` as they arrive."""
+
+    @property
+    def identity(self) -> str:
+        """What this backend answers with, as a string that is the same in every process (LangChain's cache key
+        holds it: two backends whose answers may differ must differ here): its class and what it serves — its
+        model, its server — where it says."""
+        served = []
+        for name in ("model_name", "base_url", "model"):
+            with contextlib.suppress(Exception):  # (a property of a closed backend may fail: it is left out)
+                if value := getattr(self, name, None):
+                    served.append(f"{name}={value}")
+        return f"{type(self).__name__}({', '.join(served)})"
 
     async def token_ids(self, text: str, model: str = "") -> list[int] | None:
         """`text` as the model's tokenizer splits it (no special tokens), or None where this backend cannot say

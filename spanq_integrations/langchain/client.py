@@ -254,6 +254,15 @@ class SpanQueryClient(BaseModel):
             return "embedded"
         return self.backend if isinstance(self.backend, str) else type(self.backend).__name__
 
+    @property
+    def backend_key(self) -> str:
+        """The backend in LangChain's cache key: a URL (or the embedded default) as given; a `Backend` object by
+        what it answers with (`Backend.identity`), not by its class alone (two embedded engines on two models shared
+        cached answers)."""
+        if self.backend is None or isinstance(self.backend, str):
+            return self.backend_label
+        return self.backend.identity
+
     def _make_backend(self) -> tuple[Backend, bool]:
         from spanq_integrations.backends import resolve_backend
 
@@ -423,7 +432,7 @@ class SpanQueryClient(BaseModel):
     @property
     def _spanq_identifying_params(self) -> dict[str, Any]:
         return {
-            "backend": self.backend_label,
+            "backend": self.backend_key,
             "model": self.model,
             "temperature": self.temperature,
             "max_tokens": self.max_tokens,

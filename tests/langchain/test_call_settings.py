@@ -38,6 +38,23 @@ def test_models_that_differ_only_in_how_spans_are_computed_do_not_share_cached_a
 
 
 @pytest.mark.vllm
+def test_models_on_backend_objects_that_answer_differently_do_not_share_cached_answers(tiny_backend, compact_tiny):
+    """A `Backend` object was keyed by its class alone: two embedded engines (on two models, or one with compact
+    JSON) and two servers' models shared LangChain's cached answers."""
+    from spanq_integrations.backends.openai import OpenAIBackend
+
+    def key(backend) -> str:
+        return ChatSpanQuery(backend=backend, max_tokens=3, temperature=0)._get_llm_string()
+
+    assert key(tiny_backend) != key(compact_tiny)
+    assert "compact_json=True" in compact_tiny.identity and "model=" in tiny_backend.identity
+    on_a, on_b = (OpenAIBackend("http://127.0.0.1:9/v1", model=m) for m in ("model-a", "model-b"))
+    assert key(on_a) != key(on_b) and key(on_a) == key(OpenAIBackend("http://127.0.0.1:9/v1", model="model-a"))
+    assert key(tiny_backend) == key(tiny_backend)  # (the same in every process: no object ids)
+    assert " at 0x" not in key(tiny_backend) + key(on_a)
+
+
+@pytest.mark.vllm
 def test_the_finish_reason_is_the_engines(tiny_backend):
     # max_tokens unset: the engine's own default (256) ends the random model's answer. A reason guessed from
     # max_tokens said "stop" here.
