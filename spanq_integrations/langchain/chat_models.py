@@ -23,7 +23,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel
 
-from spanq_integrations.langchain.client import CallOutcome, SpanQueryClient
+from spanq_integrations.langchain.client import CallOutcome, SpanQueryClient, combined_llm_output
 from spanq_integrations.langchain.messages import prompt_from_messages, with_instruction
 from spanq_integrations.runtime.tools import ToolSpec, read_reply, tools_instruction
 
@@ -169,6 +169,10 @@ class ChatSpanQuery(SpanQueryClient, BaseChatModel):
                 invalid_tool_call(name=None, args=outcome.text, id=_call_id(), error=reply.error)]}
         calls = [tool_call(name=c.name, args=c.arguments, id=_call_id()) for c in reply.calls]
         return {"content": reply.text, "tool_calls": calls}
+
+    def _combine_llm_outputs(self, llm_outputs: list[dict[str, Any] | None]) -> dict[str, Any]:
+        """`generate(...).llm_output`: the prompts' token usage summed (BaseChatModel's own returns {})."""
+        return combined_llm_output(llm_outputs)
 
     @classmethod
     def _result(cls, outcome: CallOutcome) -> ChatResult:

@@ -43,7 +43,7 @@ from spanq_integrations.runtime.executor import aexecute
 from spanq_integrations.runtime.parameters import checked_call_options
 from spanq_integrations.runtime.tools import ToolSpec, check_choice, reply_schema
 
-__all__ = ["CallOutcome", "CallSettings", "PreparedPrompt", "SpanQueryClient"]
+__all__ = ["CallOutcome", "CallSettings", "PreparedPrompt", "SpanQueryClient", "combined_llm_output"]
 
 
 @dataclass
@@ -146,6 +146,17 @@ class CallOutcome:
             "finish_reason": self.finish_reason,
             "spanq": self.span_stats(),
         }
+
+
+def combined_llm_output(outputs: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """LangChain's `llm_output` of a call over several prompts: their token usage summed, the first model's name."""
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cached_tokens": 0}
+    name = ""
+    for out in outputs:
+        for key, count in ((out or {}).get("token_usage") or {}).items():
+            usage[key] = usage.get(key, 0) + count
+        name = name or (out or {}).get("model_name") or ""
+    return {"token_usage": usage, "model_name": name}
 
 
 def _candidates_from(docs: Any) -> list[SpanCandidate]:

@@ -16,7 +16,7 @@ from langchain_core.language_models import BaseLLM
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
-from spanq_integrations.langchain.client import CallOutcome, SpanQueryClient
+from spanq_integrations.langchain.client import CallOutcome, SpanQueryClient, combined_llm_output
 from spanq_integrations.langchain.messages import prompt_from_text
 
 __all__ = ["SpanQueryLLM"]
@@ -34,11 +34,7 @@ def _generation_info(outcome: CallOutcome) -> dict[str, Any]:
 
 
 def _llm_output(outcomes: list[CallOutcome]) -> dict[str, Any]:
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "cached_tokens": 0}
-    for o in outcomes:
-        for k, v in o.token_usage().items():
-            usage[k] += v
-    return {"token_usage": usage, "model_name": outcomes[0].model_name if outcomes else ""}
+    return combined_llm_output([{"token_usage": o.token_usage(), "model_name": o.model_name} for o in outcomes])
 
 
 class SpanQueryLLM(SpanQueryClient, BaseLLM):

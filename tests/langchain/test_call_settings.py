@@ -79,3 +79,17 @@ def test_an_answer_that_ends_itself_finishes_with_stop(compact_tiny):
     assert raw["parsed"] is not None
     assert raw["raw"].response_metadata["finish_reason"] == "stop"
     assert raw["raw"].usage_metadata["output_tokens"] < 64
+
+
+@pytest.mark.vllm
+def test_generate_over_several_prompts_sums_their_token_usage_in_llm_output(tiny_backend):
+    """As ChatOpenAI does: `generate(...).llm_output["token_usage"]` sums the prompts' (it was {} for the chat
+    model: BaseChatModel's own combine returns nothing)."""
+    llm = ChatSpanQuery(backend=tiny_backend, max_tokens=3, temperature=0)
+    result = llm.generate([[HumanMessage("Name a town.")], [HumanMessage("Name a colour, please.")]])
+    usages = [g[0].message.usage_metadata for g in result.generations]
+    usage = result.llm_output["token_usage"]
+    assert usage["prompt_tokens"] == sum(u["input_tokens"] for u in usages) > 0
+    assert usage["completion_tokens"] == sum(u["output_tokens"] for u in usages) > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert result.llm_output["model_name"] == result.generations[0][0].message.response_metadata["model_name"]
