@@ -12,6 +12,7 @@ import contextlib
 import inspect
 import json
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,11 +58,12 @@ CONTEXT_LENGTH_MARKERS = (
 
 def normalize_base_url(url: str) -> str:
     """The server's root URL: no trailing slash and no trailing `/v1` (both spellings are accepted)."""
-    url = url.strip().rstrip("/")
-    url = url.removesuffix("/v1")
+    url = url.strip()
     if not url.startswith(("http://", "https://")):
         raise BackendError(f"backend URL {url!r} must start with http:// or https://")
-    return url
+    if not urllib.parse.urlsplit(url).hostname:  # ("http://": it said the URL did not start with http://)
+        raise BackendError(f"backend URL {url!r} names no host: give one, as in http://localhost:8000")
+    return url.rstrip("/").removesuffix("/v1")
 
 
 # --------------------------------------------------------------------------------------------- SSE

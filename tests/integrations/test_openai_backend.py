@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -192,6 +193,12 @@ def test_http_errors_map_to_typed_errors(status, body, expected):
 
 def test_base_url_and_model_names_are_normalised():
     assert normalize_base_url("http://h:1/v1/") == normalize_base_url("http://h:1") == "http://h:1"
+    # a URL with no host was cut to "http:" and refused for not starting with http://
+    for hostless in ("http://", "https:///v1", "http://:8000"):
+        with pytest.raises(BackendError, match=f"backend URL '{re.escape(hostless)}' names no host"):
+            normalize_base_url(hostless)
+    with pytest.raises(BackendError, match="'ftp://h' must start with http:// or https://"):
+        normalize_base_url("ftp://h")
     assert server_model_name("vllm/tiny") == "tiny"
     assert server_model_name("ollama/granite3.2:2b") == "granite3.2:2b"
     assert server_model_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
