@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -208,6 +208,8 @@ def _check_instruction(instruction: str) -> None:
 def _candidates(candidates: Sequence[Candidate]) -> list[Node]:
     if isinstance(candidates, (str, BaseModel)):
         raise QueryValidationError("judge(candidates)", "pass a list of candidates, not a single one")
+    if not isinstance(candidates, Iterable):  # (None: a TypeError from inside the loop below)
+        raise QueryValidationError("judge(candidates)", f"pass a list of candidates, got {type(candidates).__name__}")
     nodes = [_as_candidate(c, i) for i, c in enumerate(candidates)]
     if not nodes:
         raise QueryValidationError("judge(candidates)", "there are no candidates to judge: pass at least one")

@@ -192,6 +192,9 @@ BAD_BUILDS = [  # (what a user wrote, the path the error names, what it says)
     (lambda: ir.repeat("hi", 2), "repeat(query)", "as repeat(generate(...), n), got str"),
     (lambda: ir.repeat(generate("hi"), 0), "repeat(n)", "greater than or equal to 1, got 0"),
     (lambda: judge_query(["a", "b"], None), "judge(instruction)", "got NoneType"),
+    (lambda: judge_query(None, "pick"), "judge(candidates)", "pass a list of candidates, got NoneType"),  # (a TypeError)
+    (lambda: judge_query("a", "pick"), "judge(candidates)", "not a single one"),
+    (lambda: judge_query([], "pick"), "judge(candidates)", "there are no candidates to judge"),
     # a plain string built its message or fragment without the check (it failed deep in the engine instead)
     (lambda: generate("a\ud800"), "generate().input(text)", "not valid Unicode"),
     (lambda: plus("a", "b\ud800"), "plus()[1](text)", "not valid Unicode"),
