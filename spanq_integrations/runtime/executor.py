@@ -326,6 +326,26 @@ def _check_runnable(query: Any) -> None:
             "$", "the query makes no model call (no generate, chat or map in it): there is nothing to answer; "
             "wrap its messages in generate(...)"
         )
+    # A call with nothing to send is refused here, at its input, before any call runs: it failed at the backend,
+    # at the path of its call (for a map's input, a node of the optimized plan the query never had), after the
+    # calls and prints before it had run.
+    for path, node in walk(query):
+        if isinstance(node, Map):
+            empty = next((i for i, text in enumerate(node.inputs) if not text), None)
+            if empty is not None:
+                raise QueryValidationError(f"{path}.map.inputs[{empty}]", "an empty input: nothing to send to the model")
+        elif isinstance(node, Generate) and not _says_something(node.input):
+            ((input_path, _),) = child_paths(node, path)
+            raise QueryValidationError(input_path, "the generate's input is empty: nothing to send to the model")
+
+
+def _says_something(node: Node) -> bool:
+    """Whether a call's input has text in it, or a call whose answer it will hold."""
+    return any(
+        isinstance(n, (Generate, Combine, Chat, Map, Repeat, Retrieve))
+        or (isinstance(n, (System, User, Assistant, Fragment)) and n.text)
+        for _, n in walk(node)
+    )
 
 
 async def aexecute(

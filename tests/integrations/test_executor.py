@@ -319,6 +319,28 @@ def test_a_query_with_no_model_call_or_a_plain_string_is_refused_before_a_backen
     assert execute(cross(system("s"), generate(user("hi"))), backend).calls
 
 
+def test_a_call_with_nothing_to_send_is_refused_at_its_input_before_anything_runs(capsys):
+    """It failed at the backend, after the prints and calls before it had run, at the path of its call (`$` for the
+    one call of a query; a plan's `$.plus[0]` for a map's input, a node the query never had)."""
+    from spanq_integrations import QueryValidationError
+    from spanq_integrations.query.ir import Print
+    from spanq_integrations.query.spnl_json import from_json
+
+    backend = ScriptedBackend()
+    for query, path in [
+        (cross(Print(text="printed first"), generate(user("a")), generate(cross(system(""), Print(text="p")))),
+         "$.cross[2].g.input"),
+        (from_json({"map": {"metadata": {"model": "", "max_tokens": 3}, "inputs": ["a", ""]}}), "$.map.inputs[1]"),
+        (from_json({"g": {"model": "", "input": {"user": ""}, "max_tokens": 4}}), "$.g.input"),
+    ]:
+        with pytest.raises(QueryValidationError, match="nothing to send to the model") as raised:
+            execute(query, backend)
+        assert raised.value.path == path
+    assert backend.inputs == [] and "printed first" not in capsys.readouterr().out
+    # an input that holds only another call's answer says something
+    assert execute(generate(plus(generate(user("a")))), backend).answer == "out(out(a))"
+
+
 @pytest.mark.vllm
 def test_a_repeat_built_in_python_runs_each_copy_and_answers_each():
     """`repeat(generate(...), n)`, the builder of spnl's repeat (only the class existed: `Repeat(n=2, query="x")` was
