@@ -481,9 +481,7 @@ def _as_json(value: dict[str, Any]) -> dict[str, Any]:
 
 def plus(*children: Any, anchor: AnchorPolicy | None = None, role: SpanRole | None = None) -> Plus:
     """Order-free join. Strings become `Fragment`s; lists are spliced in. `anchor`, `role`: see `Plus`."""
-    items = _flatten_args(children)
-    if not items:
-        raise QueryValidationError("plus()", "a plus needs at least one child")
+    items = _flatten_args(children)  # (none: an empty group, as of a retriever that found nothing, adds nothing)
     if anchor is not None and anchor not in ANCHOR_POLICIES:
         raise QueryValidationError("plus(anchor)", f"unknown anchor policy {anchor!r} (one of {', '.join(ANCHOR_POLICIES)})")
     if role is not None and role not in SPAN_ROLES:
@@ -496,8 +494,6 @@ def plus(*children: Any, anchor: AnchorPolicy | None = None, role: SpanRole | No
 def cross(*children: Any) -> Cross:
     """Ordered join. Strings become `User` messages; lists are spliced in."""
     items = _flatten_args(children)
-    if not items:
-        raise QueryValidationError("cross()", "a cross needs at least one child")
     return Cross(children=tuple(_as_node(c, f"cross()[{i}]") for i, c in enumerate(items)))
 
 

@@ -105,8 +105,6 @@ def _write_fragment(node: Fragment, path: str) -> dict[str, Any]:
 
 
 def _write_join(node: Plus | Cross, path: str) -> dict[str, Any]:
-    if not node.children:
-        raise QueryValidationError(path, f'an empty "{node.tag}" cannot be written: a join needs at least one child')
     out: dict[str, Any] = {node.tag: _write_children(node, path)}
     if getattr(node, "anchor", None) is not None:
         out["anchor"] = node.anchor  # type: ignore[union-attr]  # spanq's extension: a sibling key of the join
@@ -355,9 +353,10 @@ def _build(cls: type[BaseModel], path: str, under: str = "", settings: tuple[str
         raise QueryParseError(f"{path}{where}", first["msg"]) from None
 
 
-def _children(value: Any, path: str, if_empty: str) -> tuple[Node, ...]:
+def _children(value: Any, path: str, if_empty: str | None) -> tuple[Node, ...]:
+    """The nodes of an array; none is `if_empty`'s error (None: allowed)."""
     items = _array(value, path)
-    if not items:
+    if not items and if_empty is not None:
         raise QueryParseError(path, if_empty)
     return tuple(_read_node(item, f"{path}[{i}]") for i, item in enumerate(items))
 
@@ -427,7 +426,8 @@ def _read_g_node(value: Any, path: str) -> Generate:
 
 def _read_join(cls: type[Plus | Cross], keyword: str) -> _Reader:
     return lambda value, path: _build(
-        cls, path, children=_children(value, path, f'a "{keyword}" needs at least one child'), keyword=keyword
+        # an empty join is read, as spnl reads it (a RAG template whose retriever found nothing): it adds nothing
+        cls, path, children=_children(value, path, None), keyword=keyword
     )
 
 

@@ -40,6 +40,7 @@ from spanq_integrations.query.ir import (
     Generate,
     Map,
     Node,
+    Plus,
     Repeat,
     User,
     cross,
@@ -77,6 +78,13 @@ def test_spnls_parser_accepts_every_query_of_its_nodes_that_spanq_writes(query: 
     doc = to_json(query)
     assert spnl_parse_error(doc) is None, (doc, spnl_parse_error(doc))
     assert from_json(doc) == query
+
+
+def test_spnl_parses_an_empty_join_as_spanq_writes_it() -> None:
+    """A RAG template whose retriever found nothing: spnl reads its empty `plus`, and so does spanq now."""
+    doc = to_json(Generate(input=cross(system("s"), Plus(children=()), user("q")), model="m"))
+    assert doc["g"]["input"]["cross"][1] == {"plus": []}
+    assert spnl_parse_error(doc) is None and from_json(doc) == from_json(json.loads(json.dumps(doc)))
 
 
 def test_the_check_fails_on_forms_spnl_refuses() -> None:
