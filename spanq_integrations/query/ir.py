@@ -64,6 +64,7 @@ __all__ = [
 
 DEFAULT_TEMPERATURE = 0.6  # spnl's default
 MAX_TEMPERATURE = 2.0  # what OpenAI-compatible servers (vLLM included) accept
+MAX_REPEAT = 1_000_000  # copies of one repeat, anywhere
 
 
 class _Node(BaseModel):
@@ -296,7 +297,9 @@ class Repeat(_Node):
 
     CHILD_FIELD = ("query", "")  # spnl writes the generate's body under the repeat: {"repeat": {"n", "g"}}
     kind: Literal["repeat"] = "repeat"
-    n: int = Field(ge=1)
+    # Each copy is a node of the plan: 10^9 of them filled memory for minutes before anything ran (a server's
+    # bound is far lower: `--max-bulk`).
+    n: int = Field(ge=1, le=MAX_REPEAT)
     query: Generate
 
     def expand(self) -> tuple[Generate, ...]:

@@ -398,6 +398,11 @@ def test_generate_without_input() -> None:
     assert str(e) == '$.g: missing "input"'
 
 
+def test_a_repeat_of_more_copies_than_spanq_expands_is_refused_where_it_says_so() -> None:
+    e = _error({"repeat": {"n": 10**9, "g": {"model": "m", "input": {"user": "x"}}}})
+    assert e.path == "$.repeat.n" and "less than or equal to 1000000" in e.message
+
+
 @pytest.mark.parametrize("key", ["plus", "cross", "seq", "par"])
 def test_empty_join(key: str) -> None:
     query = from_json({"g": {"model": "m", "input": {"cross": [{"user": "a"}, {key: []}]}}})
