@@ -50,6 +50,7 @@ __all__ = [
     "cross",
     "fragment",
     "generate",
+    "mixed_group",
     "plus",
     "recompute_in_range",
     "render",
@@ -491,7 +492,30 @@ def plus(*children: Any, anchor: AnchorPolicy | None = None, role: SpanRole | No
         raise QueryValidationError("plus(role)", f"unknown role {role!r} for a plus (one of {', '.join(SPAN_ROLES)})")
     nodes = [_built(Fragment, f"plus()[{i}]", text=c) if isinstance(c, str) else _as_node(c, f"plus()[{i}]")
              for i, c in enumerate(items)]
-    return Plus(children=tuple(nodes), anchor=anchor, role=None if role == "user" else role)
+    group = Plus(children=tuple(nodes), anchor=anchor, role=None if role == "user" else role)
+    mixed = mixed_group(group)
+    if mixed is not None:
+        raise QueryValidationError(f"plus()[{mixed[0]}]", mixed[1])
+    return group
+
+
+def mixed_group(group: Plus) -> tuple[int, str] | None:
+    """The first `plus` directly in `group` whose own role or anchor differs from the group's, and why it is
+    refused: a group's documents are one turn of one role under one anchor, so the inner one's could not be
+    honoured (they were read as the outer group's, silently)."""
+    for i, child in enumerate(group.children):
+        if not isinstance(child, Plus):
+            continue
+        own = []
+        if child.role != group.role:
+            own.append(f"role {child.role or 'user'!r}")
+        if child.anchor not in (None, group.anchor):
+            own.append(f"anchor {child.anchor!r}")
+        if own:
+            return i, (f"a plus inside a plus is read as the outer group's documents, so its own {', '.join(own)} cannot be "
+                       "honoured: give it a place of its own in the cross, as in cross(plus(..., role=\"system\"), "
+                       "plus(...), user(question))")
+    return None
 
 
 def cross(*children: Any) -> Cross:

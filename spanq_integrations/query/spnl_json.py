@@ -43,6 +43,7 @@ from spanq_integrations.query.ir import (
     User,
     child_paths,
     children_of,
+    mixed_group,
 )
 
 __all__ = ["dumps", "from_json", "load_file", "loads", "to_json"]
@@ -447,7 +448,19 @@ def _read_anchored_plus(value: dict[str, Any], path: str) -> Node:
             raise QueryParseError(f"{path}.role", f"unknown role {json.dumps(role)} for a plus (one of: {', '.join(SPAN_ROLES)})")
         update["role"] = None if role == "user" else role
     node = _read_join(Plus, key)(value[key], f"{path}.{key}")
-    return node.model_copy(update=update)
+    return _one_group(node.model_copy(update=update), f"{path}.{key}")
+
+
+def _read_plain_plus(keyword: str) -> _Reader:
+    return lambda value, path: _one_group(_read_join(Plus, keyword)(value, path), path)  # type: ignore[arg-type]
+
+
+def _one_group(group: Plus, path: str) -> Plus:
+    """`group`, unless a `plus` in it names a role or an anchor of its own (`ir.mixed_group`)."""
+    mixed = mixed_group(group)
+    if mixed is not None:
+        raise QueryParseError(f"{path}[{mixed[0]}]", mixed[1])
+    return group
 
 
 def _read_message(cls: type[System | User]) -> _Reader:
@@ -641,8 +654,8 @@ _READERS: dict[str, _Reader] = {
     "g": _read_generate_body,
     "seq": _read_join(Cross, "seq"),
     "cross": _read_join(Cross, "cross"),
-    "par": _read_join(Plus, "par"),
-    "plus": _read_join(Plus, "plus"),
+    "par": _read_plain_plus("par"),
+    "plus": _read_plain_plus("plus"),
     "system": _read_message(System),
     "user": _read_message(User),
     "assistant": _read_assistant,

@@ -206,6 +206,9 @@ BAD_BUILDS = [  # (what a user wrote, the path the error names, what it says)
     (lambda: generate("q", max_tokens=True), "generate(max_tokens)", "expected an integer, got True"),
     (lambda: generate("q", seed=False), "generate(seed)", "expected an integer, got False"),
     (lambda: ir.repeat(generate("hi"), "3"), "repeat(n)", "expected an integer, got '3'"),
+    # a group in a group of another role or anchor: read as the outer group's documents, silently
+    (lambda: plus(plus("a", role="system"), "b"), "plus()[0]", "its own role 'system' cannot be honoured"),
+    (lambda: plus("a", plus("b", anchor="prefix")), "plus()[1]", "its own anchor 'prefix' cannot be honoured"),
     # each copy a node of the plan: 10^9 filled memory for minutes before anything ran, outside a server
     (lambda: ir.repeat(generate("hi"), 10**9), "repeat(n)", "less than or equal to 1000000, got 1000000000"),
 ]

@@ -398,6 +398,18 @@ def test_generate_without_input() -> None:
     assert str(e) == '$.g: missing "input"'
 
 
+def test_a_plus_of_its_own_role_or_anchor_inside_another_is_refused_where_it_is() -> None:
+    """Its role and anchor were read as the outer group's, silently (its documents went into the user turn)."""
+    inner = {"plus": [{"user": "a"}], "role": "system"}
+    e = _error({"g": {"model": "m", "input": {"plus": [{"user": "b"}, inner]}}})
+    assert e.path == "$.g.input.plus[1]" and "its own role 'system' cannot be honoured" in e.message
+    e = _error({"g": {"model": "m", "input": {"plus": [{"plus": [{"user": "a"}], "anchor": "prefix"}], "role": "system"}}})
+    assert e.path == "$.g.input.plus[0]" and "role 'user', anchor 'prefix'" in e.message
+    # the same role and anchor, or none of its own, is one group
+    assert from_json({"g": {"model": "m", "input": {"plus": [inner, {"user": "b"}], "role": "system"}}})
+    assert from_json({"g": {"model": "m", "input": {"plus": [{"plus": [{"user": "a"}]}], "anchor": "prefix"}}})
+
+
 def test_a_repeat_of_more_copies_than_spanq_expands_is_refused_where_it_says_so() -> None:
     e = _error({"repeat": {"n": 10**9, "g": {"model": "m", "input": {"user": "x"}}}})
     assert e.path == "$.repeat.n" and "less than or equal to 1000000" in e.message
