@@ -204,6 +204,7 @@ class SpanQueryLLM(FunctionCallingLLM):
 
     _backend: Backend | None = PrivateAttr(default=None)
     _owns_backend: bool = PrivateAttr(default=False)
+    _served_model: str | None = PrivateAttr(default=None)  # the model a server answered with (`metadata`)
 
     def __init__(self, backend: str | Backend | None = None, **kwargs: Any) -> None:
         check_backend_spec(backend)
@@ -288,6 +289,8 @@ class SpanQueryLLM(FunctionCallingLLM):
         name = getattr(known, "model_name", None) or getattr(known, "model", None)
         if isinstance(name, str) and name:
             return name
+        if self._served_model:  # a server's, once it answered
+            return self._served_model
         return "spanq-embedded-default" if known in (None, "embedded") else "spanq-server-default"
 
     # ----------------------------------------------------------------------------------------- span queries
@@ -334,7 +337,9 @@ class SpanQueryLLM(FunctionCallingLLM):
         return list(query_input(split, span_aware=True, anchor=self.span_anchor).children)
 
     def _note_call(self, result: ExecutionResult) -> None:
-        """The call's usage and span outcome, in the current query's record (for `response.metadata`)."""
+        """The call's usage and span outcome, in the current query's record (for `response.metadata`); the model
+        the backend answered with, for `metadata.model_name`."""
+        self._served_model = next((c.model for c in reversed(result.calls) if c.model), self._served_model)
         record = current_record()
         if record is None:
             return

@@ -271,6 +271,8 @@ def test_any_openai_compatible_server(stock_vllm_server):
         assert chat.additional_kwargs["padded_tokens"] == 0  # no spans on a stock server
         streamed = list(llm.stream_chat(CONVERSATION))
         assert "".join(c.delta for c in streamed) == chat.message.content
+        # the server's model once it answered (it said "spanq-server-default" whatever the server served)
+        assert llm.metadata.model_name == "tiny"
     finally:
         llm.close()
 
