@@ -313,13 +313,25 @@ class Repeat(_Node):
 
 
 class Map(_Node):
-    """Bulk: one generate per input string, with shared settings."""
+    """Bulk: one generate per input string, with shared settings. Built by its class (it has no builder): a bad
+    setting is a `QueryValidationError` naming it, as a builder's is."""
 
     kind: Literal["map"] = "map"
     inputs: tuple[str, ...]
     model: str = ""
     max_tokens: int = Field(default=0, ge=0)
     temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0, le=MAX_TEMPERATURE)
+
+    def __init__(self, **fields: Any) -> None:
+        if isinstance(fields.get("inputs"), str):  # (pydantic's "a valid tuple" said nothing of what to write)
+            raise QueryValidationError("Map(inputs)", f"expected a list of input texts, got one: {fields['inputs']!r}")
+        for i, text in enumerate(fields.get("inputs") or ()):
+            _unicode(text, f"Map(inputs)[{i}]")
+        _check_fields(Map, "Map", fields)
+        try:
+            super().__init__(**fields)
+        except ValidationError as e:
+            raise _refused(e, "Map", fields) from e  # (the JSON reader names the path from pydantic's error)
 
     def expand(self) -> tuple[Generate, ...]:
         """The generate calls it stands for: one per input, each the input as a user message."""
@@ -419,30 +431,42 @@ _NUMBERS: tuple[Any, ...] = (int, float, int | None, float | None)
 
 def _built(cls: type[_Model], builder: str, **fields: Any) -> _Model:
     """`cls(**fields)`, a value out of range or of the wrong type a `QueryValidationError` at `builder(field)`
-    (what a `SpanQueryError` handler catches; pydantic's own error named the model's class and a web page). A text
-    that is not Unicode (a lone surrogate, from a bad decode) is refused here: it built, then failed in `to_json`."""
-    for name, value in fields.items():  # pydantic reads True as 1 and "0.5" as 0.5; spnl JSON refuses both
+    (what a `SpanQueryError` handler catches; pydantic's own error named the model's class and a web page)."""
+    _check_fields(cls, builder, fields)
+    try:
+        return cls(**fields)
+    except ValidationError as e:
+        raise _refused(e, builder, fields) from None
+
+
+def _check_fields(cls: type[BaseModel], builder: str, fields: dict[str, Any]) -> None:
+    """What pydantic lets through: True as 1 and "0.5" as 0.5 (spnl JSON refuses both), and a text that is not
+    Unicode (a lone surrogate, from a bad decode: it built, then failed in `to_json`)."""
+    for name, value in fields.items():
         field = cls.model_fields.get(name)
         if isinstance(value, (bool, str, bytes)) and field is not None and field.annotation in _NUMBERS:
             kind = "an integer" if field.annotation in (int, int | None) else "a number"
             raise QueryValidationError(f"{builder}({name})", f"expected {kind}, got {value!r}")
-    text = fields.get("text")
+    _unicode(fields.get("text"), f"{builder}(text)")
+
+
+def _unicode(text: Any, where: str) -> None:
     if isinstance(text, str):
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise QueryValidationError(f"{builder}(text)", f"the text is not valid Unicode: {e.reason} at index "
-                                       f"{e.start}") from None
-    try:
-        return cls(**fields)
-    except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        field = ".".join(str(p) for p in first["loc"][:1]) or "?"
-        value = fields.get(field, first.get("input"))
-        message = first["msg"].removeprefix("Value error, ")  # (our own validators' messages say what they got)
-        if "got" not in message:
-            message = f"{message[:1].lower()}{message[1:]}, got {value!r}"
-        raise QueryValidationError(f"{builder}({field})", message) from None
+            raise QueryValidationError(where, f"the text is not valid Unicode: {e.reason} at index {e.start}") from None
+
+
+def _refused(error: ValidationError, builder: str, fields: dict[str, Any]) -> QueryValidationError:
+    """pydantic's first complaint as a `QueryValidationError` at `builder(field)`."""
+    first = error.errors(include_url=False)[0]
+    field = ".".join(str(p) for p in first["loc"][:1]) or "?"
+    value = fields.get(field, first.get("input"))
+    message = first["msg"].removeprefix("Value error, ")  # (our own validators' messages say what they got)
+    if "got" not in message:
+        message = f"{message[:1].lower()}{message[1:]}, got {value!r}"
+    return QueryValidationError(f"{builder}({field})", message)
 
 
 def _flatten_args(args: tuple[Any, ...]) -> list[Any]:

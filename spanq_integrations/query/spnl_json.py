@@ -346,7 +346,10 @@ def _build(cls: type[BaseModel], path: str, under: str = "", settings: tuple[str
     `settings`: fields the JSON holds in the object `under` (a map's `metadata`), where the error points."""
     try:
         return cls(**fields)  # type: ignore[return-value]
-    except ValidationError as e:
+    except (ValidationError, QueryValidationError) as refused:
+        e = refused.__cause__ if isinstance(refused, QueryValidationError) else refused  # (Map's: pydantic's inside)
+        if not isinstance(e, ValidationError):
+            raise
         first = e.errors()[0]
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
         if first["loc"] and first["loc"][0] in settings:

@@ -206,6 +206,11 @@ BAD_BUILDS = [  # (what a user wrote, the path the error names, what it says)
     (lambda: generate("q", max_tokens=True), "generate(max_tokens)", "expected an integer, got True"),
     (lambda: generate("q", seed=False), "generate(seed)", "expected an integer, got False"),
     (lambda: ir.repeat(generate("hi"), "3"), "repeat(n)", "expected an integer, got '3'"),
+    # a map is built by its class: pydantic's ValidationError named the class and a web page
+    (lambda: ir.Map(inputs="abc"), "Map(inputs)", "expected a list of input texts, got one: 'abc'"),
+    (lambda: ir.Map(inputs=("a",), temperature=5), "Map(temperature)", "less than or equal to 2, got 5"),
+    (lambda: ir.Map(inputs=("a",), max_tokens=True), "Map(max_tokens)", "expected an integer, got True"),
+    (lambda: ir.Map(inputs=("a", "b\ud800")), "Map(inputs)[1]", "not valid Unicode"),
     # a group in a group of another role or anchor: read as the outer group's documents, silently
     (lambda: plus(plus("a", role="system"), "b"), "plus()[0]", "its own role 'system' cannot be honoured"),
     (lambda: plus("a", plus("b", anchor="prefix")), "plus()[1]", "its own anchor 'prefix' cannot be honoured"),
