@@ -55,12 +55,14 @@ from spanq_integrations.query.ir import (
     System,
     User,
     child_paths,
+    children_of,
     cross,
     generate,
     plus,
     system,
     transform,
     user,
+    with_children,
 )
 from spanq_integrations.runtime.executor import ExecutionResult, aexecute, runs_anything, shown_texts
 from spanq_integrations.runtime.reducers import Reducer, resolve_reducer
@@ -318,9 +320,18 @@ def judge_plan(
     }
 
     def put_back(node: Node) -> Node:
-        if isinstance(node, Fragment) and node.text in presented:
-            return presented[node.text]
-        return node
+        kids = children_of(node)
+        if not any(isinstance(c, Fragment) and c.text in presented for c in kids):
+            return node
+        # In a group, each candidate in its place. Alone (the optimizer unwraps a group of one where spans do not
+        # keep it), it goes back in a group of its own: put in the judge's `cross` itself, a message candidate was
+        # a turn of its own role (a generated one the judge's own earlier answer) and a select judge found no label.
+        return with_children(node, [
+            c if not (isinstance(c, Fragment) and c.text in presented)
+            else presented[c.text] if isinstance(node, Plus)
+            else Plus(children=(presented[c.text],), anchor=span_anchor)
+            for c in kids
+        ])  # fmt: skip
 
     return transform(tree, put_back)
 

@@ -24,6 +24,7 @@ from spanq_integrations import (
     ReducerParseError,
     aexecute,
     generate,
+    system,
     user,
 )
 from spanq_integrations.backends.openai import OpenAIBackend
@@ -284,6 +285,21 @@ async def test_select_combined_in_code_picks_the_highest_score_from_four_leaves(
     assert result.levels[0].calls[0].parsed == {0: 3.0, 1: 7.0}  # label → score, as each leaf rated
     assert result.answer == "[1]"
     assert all("Rate every candidate" in prompt[-1]["content"] for prompt in backend.prompts)
+
+
+@pytest.mark.parametrize("message", [user, system])
+async def test_a_candidate_alone_in_its_group_is_read_as_a_candidate_not_a_turn_of_its_own(message):
+    """Three message candidates at k=2: the optimizer unwraps the group of one (no spans keep it on this backend),
+    and the third went back into the judge's `cross` itself — a turn of its own role (a system candidate merged
+    into the judge's instructions), shown to its judge without its label: that leaf's ratings were refused, and the
+    best candidate could not win."""
+    backend = ScriptedJudge()
+    notes = [message(f"Note {n}") for n in (3, 5, 9)]
+    result = await ajudge(notes, "Which note has the highest number?", k=2, reducer="select", backend=backend)
+    assert result.verdict == Selection(index=2, text="Note 9")
+    assert all(call.parse_error is None for call in result.levels[0].calls)
+    lone = next(p for p in backend.prompts if "Note 9" in str(p))
+    assert [m["role"] for m in lone] == ["system", "user"] and "[2] Note 9" in lone[1]["content"]
 
 
 async def test_select_in_code_reads_a_leaf_that_writes_its_first_label_whole():
