@@ -36,6 +36,15 @@ def candidates(question: str, n: int, model: str, max_tokens: int) -> list:
     ]
 
 
+def _read(parsed: object) -> str:
+    """What a judge's answer said: the label it picked, or (a leaf of a select combined in code) its scores."""
+    if parsed is None:
+        return " (no label)"
+    if isinstance(parsed, dict):
+        return " (scores " + ", ".join(f"#{label}: {score}" for label, score in parsed.items()) + ")"
+    return f" (picks #{parsed.index})"
+
+
 def show(title: str, result: JudgeResult) -> None:
     print(f"\n== {title}")
     for level in result.levels:
@@ -44,7 +53,7 @@ def show(title: str, result: JudgeResult) -> None:
               + (f", {in_code} combined in code" if in_code else ""))
         for call in level.calls:
             read = ", ".join(f"#{i.index}" if i.kind == "candidate" else "answer of the level below" for i in call.inputs)
-            picked = f" (picks #{call.parsed.index})" if call.parsed is not None else " (no label)"
+            picked = _read(call.parsed)
             how = " [combined in code, no model call]" if call.kind == "code" else ""
             print(f"  {call.path}  reads {read}  ->  {call.output.strip()[:60]!r}{picked}{how}")
     m = result.metrics
