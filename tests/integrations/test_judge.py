@@ -558,3 +558,17 @@ async def test_a_reducer_whose_verdict_reads_no_scores_still_gives_its_verdict()
     backend = ScriptedJudge(answer=lambda path, body, instruction: "they are all lovely")
     result = await ajudge(CANDIDATES, "Which is best?", k=2, reducer=FirstByDefault(), backend=backend)
     assert result.verdict.index == 0 and all(c.parse_error for c in result.levels[0].calls)
+
+
+async def test_the_judge_example_shows_what_a_select_leaf_scored(capsys):
+    """examples/judge/judge_ensemble.py crashed (AttributeError: 'dict' object has no attribute 'index') as soon as
+    its judges answered in the scoring format: a select leaf combined in code parses to {label: score}; on the tiny
+    model no leaf ever parses, so its own run never showed it."""
+    from tests.examples import load_example
+
+    show = load_example("examples/judge/judge_ensemble.py").show
+    result = await ajudge(CANDIDATES[:4], "Which cat has the highest number?", k=2, reducer="select",
+                          backend=ScriptedJudge())  # fmt: skip
+    show("tree", result)
+    shown = capsys.readouterr().out
+    assert "(scores #0: 0.0, #1: 1.0)" in shown and "(picks #3)" in shown and "verdict: candidate #3" in shown
