@@ -121,10 +121,12 @@ class JudgeEnsemble(RunnableSerializable[Any, JudgeVerdict]):
 
     @staticmethod
     def _read_input(value: Any) -> tuple[str, list[Any], list[str] | None]:
-        if isinstance(value, str):
-            return value, [], None
         from spanq_integrations.query.errors import ArgumentTypeError, ArgumentValueError
 
+        if isinstance(value, str):
+            if not value.strip():  # (it ran the generations and the judges on no question at all)
+                raise ArgumentValueError("JudgeEnsemble.invoke(input)", "needs a non-empty question")
+            return value, [], None
         if not isinstance(value, dict):
             raise ArgumentTypeError("JudgeEnsemble.invoke(input)",
                                     f"takes a question (str) or a dict, got {type(value).__name__}")

@@ -131,7 +131,8 @@ def test_judge_ensemble_input_errors_are_spanqs_own():
 
     judge = JudgeEnsemble(llm=ChatSpanQuery(backend="http://127.0.0.1:9"))
     for value, kind in (({"question": "q", "candidates": []}, ValueError), (None, TypeError),
-                        ({"question": "q", "candidates": "one answer"}, TypeError), ({"question": " "}, ValueError)):
+                        ({"question": "q", "candidates": "one answer"}, TypeError), ({"question": " "}, ValueError),
+                        ("", ValueError), ("  ", ValueError)):  # (a plain string ran on no question at all)
         with pytest.raises(kind) as caught:
             judge.invoke(value)
         assert isinstance(caught.value, SpanQueryError), caught.value
