@@ -137,9 +137,13 @@ def _tree_reduction(args: argparse.Namespace) -> TreeReduction | None:
     from spanq_integrations.runtime.reducers import reducer_from_combine
 
     try:
-        reducer_from_combine(args.reducer, {}, "--reducer")
+        reducer = reducer_from_combine(args.reducer, {}, "--reducer")
     except QueryValidationError as e:  # (its path is where a query's combine would say it, not the flag's)
         raise CommandError(f"--reducer: {e.message}") from None
+    if reducer.leaf_instruction("") != reducer.instruction(""):  # (select: every leaf's answer was refused)
+        raise CommandError(f"--reducer {args.reducer}: its leaves must be asked otherwise than the query's judge asks "
+                           f"(select rates every candidate): a query file has no such instruction. Use --tree-k "
+                           f"alone (a tree of model calls), or judge(..., reducer={args.reducer!r}) in Python")
     return TreeReduction(k=args.tree_k, combine="code", reducer=args.reducer)
 
 
@@ -424,8 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree-k", type=int, metavar="K", help="tree reduction: judges read at most K children"
     )
     plan.add_argument("--reducer", metavar="NAME", help="tree reduction: combine the leaf judges' answers in code with this reducer (extract: the "
-        "union of their items; count: the sum; vote: the majority; select: the highest score) instead of "
-        "model calls above the leaves")
+        "union of their items; count: the sum; vote: the majority) instead of model calls above the leaves")
     plan.add_argument("--json", action="store_true", help="print the plan as spnl JSON")
     plan.set_defaults(handler=cmd_plan)
 
@@ -442,8 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "Hugging Face id")
     run.add_argument("--tree-k", type=int, metavar="K", help="tree reduction: judges read at most K children")
     run.add_argument("--reducer", metavar="NAME", help="tree reduction: combine the leaf judges' answers in code with this reducer (extract: the "
-        "union of their items; count: the sum; vote: the majority; select: the highest score) instead of "
-        "model calls above the leaves")
+        "union of their items; count: the sum; vote: the majority) instead of model calls above the leaves")
     run.add_argument("--json", action="store_true", help="print the result, calls and totals as JSON")
     run.add_argument("--verbose", action="store_true", help="embedded: show vLLM's INFO log lines too")
     run.add_argument("--bulk", action="store_true", help="FILE is JSONL, one query per line: run them all over a "

@@ -84,6 +84,8 @@ def test_plan_shows_a_tree_combined_in_code(query_file, capsys):
         (["--tree-k", "2", "--reducer", "merge"], "merge reducer needs a model"),
         (["--tree-k", "2", "--reducer", "poll"], "spanq: error: --reducer: unknown reducer 'poll'"),
         (["--tree-k", "0"], "got 0; leave it out for no tree reduction"),  # (not Python's "pass None")
+        # its leaves must rate every candidate, which a query file does not ask: every leaf's answer was refused
+        (["--tree-k", "2", "--reducer", "select"], "--reducer select: its leaves must be asked otherwise"),
     ],
 )
 def test_plan_refuses_a_combine_it_cannot_plan(query_file, capsys, argv, message):
