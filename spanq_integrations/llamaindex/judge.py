@@ -208,9 +208,12 @@ class SpanQueryPairwiseEvaluator(BaseEvaluator):
         task = f"Question: {query}" + (f"\n\nReference:\n{reference}" if reference else "")
         task += "\n\nWhich candidate answers the question best: correct, relevant and helpful?"
         invalid_reason = None
+        # labelled and grouped in the canonical order, not the caller's: a tie goes to the lowest label, which was
+        # whichever candidate the caller passed first
+        order = canonical_order(candidates)
         try:
             scored = ajudge(
-                list(candidates),
+                [candidates[i] for i in order],
                 task,
                 self._k,
                 SelectReducer(),
@@ -225,12 +228,12 @@ class SpanQueryPairwiseEvaluator(BaseEvaluator):
             judged = await background_loop().arun(scored)
         except ReducerParseError as e:
             judged, invalid_reason = e.result, "no judge gave a score for any candidate"  # type: ignore[attr-defined]
-        choice = judged.verdict.index if judged.verdict is not None else None
+        choice = order[judged.verdict.index] if judged.verdict is not None else None
         run = ExecutionResult(tree=judged.tree, calls=judged.calls, wall_s=judged.metrics.wall_s, plan=judged.plan)
         feedback = "\n".join(f"{c.path}: {c.output}" for c in judged.levels[0].calls) if judged.levels else ""
         return SpanJudgeResult(
             query=query,
-            response=judged.answer,
+            response=judged.answer if choice is None else f"[{choice}]",  # (the label in the caller's order)
             feedback=feedback,
             choice=choice,
             usage=usage_of(run),

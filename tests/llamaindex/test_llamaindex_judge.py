@@ -92,3 +92,28 @@ async def test_best_of_many_combined_in_code_rates_candidates_at_the_leaves(span
         assert result.response == f"[{result.choice}]"
     with pytest.raises(QueryValidationError, match="unknown combine mode"):
         SpanQueryPairwiseEvaluator(llm=span_llm, combine="vote")
+
+
+async def test_best_of_many_combined_in_code_does_not_depend_on_the_order_given():
+    """Every candidate rated alike: a tie goes to the lowest label, and labels were given in the caller's order, so
+    the winner was whichever candidate came first (the class says the verdict never depends on it)."""
+    import re
+
+    from spanq_integrations.backends.protocol import Backend, BackendCapabilities, CallMetrics, Completion
+    from spanq_integrations.query.flatten import to_chat_messages
+
+    class RatesAllAlike(Backend):
+        capabilities = BackendCapabilities(name="alike")
+
+        async def generate(self, call, *, path="$", on_token=None):
+            labels = re.findall(r"^\[(\d+)\] ", to_chat_messages(call.input)[-1]["content"], re.MULTILINE)
+            text = "\n".join(f"[{label}] 7" for label in labels)[1:]  # (the instruction ends on "[")
+            return Completion(texts=[text], metrics=CallMetrics(path=path, model="alike"))
+
+    judge = SpanQueryPairwiseEvaluator(llm=SpanQueryLLM(backend=RatesAllAlike()), combine="code")
+    candidates = [f"Answer {i}: the capital is city {i}." for i in range(5)]
+    forward = await judge.aselect("Capital of France?", candidates)
+    backward = await judge.aselect("Capital of France?", candidates[::-1])
+    assert forward.choice is not None and backward.choice is not None
+    assert candidates[forward.choice] == candidates[::-1][backward.choice]
+    assert forward.response == f"[{forward.choice}]"  # the label of the candidate as the caller passed it
