@@ -38,7 +38,7 @@ def report(verdict: JudgeVerdict) -> None:
         print(f"\nno verdict: {verdict.parse_error}")
     print(
         f"{len(verdict.calls)} calls (tree reduction k={verdict.k}); the judges read "
-        f"{len(verdict.reused_outputs)} generated outputs as spans; the root judge took "
+        f"{len(verdict.reused_outputs)} generated outputs as spans; the judges took "
         f"{verdict.judge_cached_tokens} prompt tokens from the cache"
     )
     print(f"{'call':<58} {'prompt':>6} {'cached':>6} {'spans':>5} {'TTFT s':>7}")

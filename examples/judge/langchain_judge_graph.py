@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     else:  # SmolLM2-135M often cannot follow a judge's format (docs/haystack.md): say what it answered
         print(f"\nno verdict: {verdict.parse_error}")
     print(
-        f"judge calls: {len(verdict.calls)}, cached prompt tokens of the root judge: {verdict.judge_cached_tokens}"
+        f"judge calls: {len(verdict.calls)}, prompt tokens the judges took from the cache: {verdict.judge_cached_tokens}"
     )
     return 0
 

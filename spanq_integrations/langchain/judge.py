@@ -65,7 +65,8 @@ class JudgeVerdict(BaseModel):
     """Generated outputs that a judge read as spans of its `plus`: the generated candidates and the answers of
     intermediate judges. On a span-aware backend each is computed once and read from the span cache."""
     judge_cached_tokens: int = 0
-    """Prompt tokens of the root judge's call that came from the cache."""
+    """Prompt tokens the judges' calls took from the cache, every judge of the tree (it was the root's alone: 0
+    wherever the root is a combine in code, which makes no call)."""
     levels: list[JudgeLevel] = Field(default_factory=list)
     """The judge calls level by level (level 1 reads candidates), with what each read and answered."""
     calls: list[CallMetrics] = Field(default_factory=list)
@@ -216,7 +217,7 @@ class JudgeEnsemble(RunnableSerializable[Any, JudgeVerdict]):
             parse_error=parse_error,
             candidates=result.candidates,
             reused_outputs=reused,
-            judge_cached_tokens=root.metrics.cached_tokens if root is not None and root.metrics else 0,
+            judge_cached_tokens=sum(c.metrics.cached_tokens for c in result.judge_calls if c.metrics is not None),
             levels=result.levels,
             calls=result.calls,
             metrics=result.metrics,

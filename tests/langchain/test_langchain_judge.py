@@ -79,6 +79,19 @@ async def test_judging_given_candidates_again_reads_them_from_the_span_cache(llm
     assert again.levels[-1].calls[0].metrics.prepared_spans == 0
 
 
+async def test_judges_of_a_tree_combined_in_code_count_what_they_read_from_the_cache(llm, tiny_backend):
+    """`judge_cached_tokens` was the root judge's alone: always 0 at the default, where a combine in code (no call)
+    is the root over the leaf judges."""
+    candidates = [f"Record {i}: the ferry to isle {i} leaves from pier {i} of Lindale Harbor." for i in range(4)]
+    judge = JudgeEnsemble(llm=llm, reducer="extract", k=2)
+    await judge.ainvoke({"question": QUESTION, "candidates": candidates})
+    again = await judge.ainvoke({"question": QUESTION, "candidates": candidates})
+    assert again.combine == "code" and len(again.levels[0].calls) == 2
+    tokens = sum(len(tiny_backend.engine.tokenizer.encode(c, add_special_tokens=False)) for c in candidates)
+    assert again.judge_cached_tokens >= tokens
+    assert again.judge_cached_tokens == sum(c.metrics.cached_tokens for c in again.levels[0].calls)
+
+
 def test_the_langgraph_map_reduce_example(llm):
     state = load_example("examples/judge/langchain_judge_graph.py").run(llm, n=3, k=2)
     verdict = state["verdict"]
