@@ -475,10 +475,10 @@ class CountReducer(Reducer):
     system_prompt: str = "You count texts."
 
     def instruction(self, task: str) -> str:
-        return f"{task}\nAnswer with one number, how many of the texts match, and nothing else:\n"
-
-    def intermediate_instruction(self, task: str) -> str:
-        return f"{task}\nSome texts are counts from earlier readers: add them up. Answer with one number only:\n"
+        # One instruction at every level, as extract's and merge's: in a tree of model calls the judges above the
+        # leaves read counts (the root was told to count the texts that match, and the leaves to add counts up).
+        return (f"{task}\nCount the texts that match; a text that is a count from an earlier reader (a number "
+                "alone) adds that number. Answer with one number, the total, and nothing else:\n")
 
     def parse(self, output: str, *, path: str, candidates: Sequence[str] = ()) -> int:
         """The first whole number in the answer (negative counts are errors)."""

@@ -224,8 +224,8 @@ class ScriptedJudge(Backend):
         elif "Rate every candidate" in instruction:  # a scoring leaf: the note's number is its score
             rated = re.findall(r"\[(\d+)\] Note (\d+)", body)
             text = "\n".join(f"[{label}] {number}" for label, number in rated)[1:]  # the prompt ends on "["
-        elif "how many of the texts match" in instruction:
-            text = str(body.count("sleeps"))
+        elif "Count the texts that match" in instruction:  # a count alone (an earlier reader's) adds itself
+            text = str(body.count("sleeps") + sum(int(b) for b in body.split("\n\n") if b.strip().isdigit()))
         elif "in a word or two" in instruction:
             text = "Yes." if "Note 1" in body or "Note 5" in body or "Note 7" in body else "no"
         elif "merged" in instruction:
@@ -348,6 +348,17 @@ async def test_count_and_vote_combine_in_code():
     vote = await ajudge(CANDIDATES, "Is Name7 here?", k=2, reducer="vote", backend=ScriptedJudge())
     # leaves over (0,1) (2,3) (4,5) (6,7): yes, no, yes, yes → yes, 3 to 1
     assert vote.verdict == Vote(answer="yes", counts={"yes": 3, "no": 1})
+
+
+async def test_a_count_over_a_tree_of_model_calls_tells_the_judges_above_the_leaves_to_add_counts():
+    """The root, which reads counts, was told to count how many of the texts match, and the leaves, which read
+    the candidates, to add counts up: one instruction at every level now says both."""
+    backend = ScriptedJudge()
+    count = await ajudge(CANDIDATES, "How many cats sleep?", k=2, reducer="count", backend=backend,
+                         combine="model")  # fmt: skip
+    assert count.verdict == 8 and [len(level.calls) for level in count.levels] == [4, 2, 1]
+    instructions = {prompt[-1]["content"].rsplit("\n\n", 1)[-1] for prompt in backend.prompts}
+    assert len(instructions) == 1 and "a count from an earlier reader" in instructions.pop()
 
 
 async def test_a_code_combine_is_deterministic_and_keeps_the_candidates_order():
