@@ -37,6 +37,7 @@ __all__ = [
     "make_documents",
     "model_label",
     "new_figure",
+    "only_with",
     "percentile",
     "progress",
     "reset_cache",
@@ -165,6 +166,19 @@ def base_parser(
     parser.add_argument("--verbose", action="store_true", help="show vLLM's INFO log lines too")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
+
+
+def only_with(parser: argparse.ArgumentParser, args: argparse.Namespace, needed: str, on: bool,
+              defaults: dict[str, Any]) -> None:
+    """Options that mean something only with the flag `needed` (each declared with default None, its real default
+    in `defaults`): refused by name where `needed` is off (ignored, they let a long default run start), else given
+    their defaults where not given."""
+    given = ["--" + dest.replace("_", "-") for dest in defaults if getattr(args, dest) is not None]
+    if given and not on:
+        parser.error(f"{', '.join(given)} only apply with {needed}: without it they would be ignored")
+    for dest, default in defaults.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
 
 
 def add_recompute_flag(parser: argparse.ArgumentParser) -> None:

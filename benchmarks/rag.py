@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ from benchmarks.common import (
     make_documents,
     model_label,
     new_figure,
+    only_with,
     paired_speedup,
     positive_int,
     positive_int_list,
@@ -98,9 +100,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--grid", action="store_true",
                         help="every document count x every document size of --doc-tokens-list (default 64,128,256,512), "
                         "with a heat map of each speedup")
-    parser.add_argument("--doc-tokens-list", type=positive_int_list, default=[64, 128, 256, 512], metavar="N,N",
+    parser.add_argument("--doc-tokens-list", type=positive_int_list, default=None, metavar="N,N",
                         help="--grid: the document sizes (default 64,128,256,512)")
     args = parser.parse_args(list(argv))
+    only_with(parser, args, "--grid", args.grid, {"doc_tokens_list": [64, 128, 256, 512]})
+    if min(args.docs or [1]) * (min(args.doc_tokens_list) if args.grid else args.doc_tokens) >= args.max_model_len:
+        parser.error(f"no setting fits --max-model-len {args.max_model_len}: the fewest documents' tokens alone fill "
+                     "it (lower --docs or --doc-tokens, or raise --max-model-len)")  # (found after both engines started)
     if args.docs is None:
         args.docs = [1, 2, 4, 8, 16] if args.grid or args.model != "tiny" else [1, 2, 4, 8, 16, 32]
     if not args.grid:
@@ -140,6 +146,9 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
         if skipped:
             print(f"skipped (documents, tokens) {skipped}: they do not fit {args.max_model_len} tokens "
                   "(lower --doc-tokens or raise --max-model-len)")
+        if not cells:  # (an empty table failed to print: "TypeError: 'int' object is not iterable")
+            print(f"spanq bench rag: error: no setting fits --max-model-len {args.max_model_len}", file=sys.stderr)
+            return 2
         bar = progress(len(cells) * args.reps * len(MODES), "rag", disable=args.no_progress)
         next_doc = 0
         for n, tokens in cells:

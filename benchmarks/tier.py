@@ -41,6 +41,7 @@ from benchmarks.common import (
     make_documents,
     model_label,
     new_figure,
+    only_with,
     positive_int,
     summarize,
     ttft_of,
@@ -71,18 +72,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--corpus", action="store_true",
                         help="instead: a corpus larger than the engine's KV cache, Zipf-popular queries (bench bulk's "
                         "workload), one span engine with the corpus compiled into a tier and one without")
-    parser.add_argument("--pool", type=positive_int, default=400, help="--corpus: fragments in the corpus (default: 400)")
-    parser.add_argument("--frag-tokens", type=positive_int, default=128, help="--corpus: tokens per fragment (default: 128)")
-    parser.add_argument("--queries", type=positive_int, default=64, help="--corpus: queries, one at a time (default: 64)")
-    parser.add_argument("--k", type=positive_int, default=4, help="--corpus: fragments per query (default: 4)")
-    parser.add_argument("--zipf", type=float, default=1.1, help="--corpus: Zipf exponent of popularity (default: 1.1)")
-    parser.add_argument("--kv-blocks", type=positive_int, default=160,
+    parser.add_argument("--pool", type=positive_int, default=None, help="--corpus: fragments in the corpus (default: 400)")
+    parser.add_argument("--frag-tokens", type=positive_int, default=None, help="--corpus: tokens per fragment (default: 128)")
+    parser.add_argument("--queries", type=positive_int, default=None, help="--corpus: queries, one at a time (default: 64)")
+    parser.add_argument("--k", type=positive_int, default=None, help="--corpus: fragments per query (default: 4)")
+    parser.add_argument("--zipf", type=float, default=None, help="--corpus: Zipf exponent of popularity (default: 1.1)")
+    parser.add_argument("--kv-blocks", type=positive_int, default=None,
                         help="--corpus: each engine's KV cache, in 32-token blocks (default: 160, a tenth of the "
                         "default corpus)")
-    parser.add_argument("--pin", type=int, default=0, metavar="N",
+    parser.add_argument("--pin", type=int, default=None, metavar="N",
                         help="--corpus: also each engine again with the N most popular fragments pinned in its KV "
                         "cache (SpanEngine.compile(..., pin=True)) before the queries (default: 0, none)")
     args = parser.parse_args(list(argv))
+    only_with(parser, args, "--corpus", args.corpus, {"pool": 400, "frag_tokens": 128, "queries": 64, "k": 4,
+                                                        "zipf": 1.1, "kv_blocks": 160, "pin": 0})
     if args.pin < 0:
         parser.error(f"--pin must be 0 or more, got {args.pin}")
     if args.corpus and args.kv_blocks * CORPUS_BLOCK_SIZE <= CORPUS_MAX_MODEL_LEN:  # (vLLM's start-up error named

@@ -636,6 +636,17 @@ def test_benchmark_flags_a_run_could_not_use_are_usage_errors_before_any_engine_
     assert "every count is over half of --num-blocks 64" in refused("rerope", "--moved", "2048", "--num-blocks", "64")
     assert "expected temperatures from 0 to 2" in refused("nested", "--temperatures", "0,-1")
     assert "--kv-cache-gib: must be a finite number above 0" in refused("rag", "--kv-cache-gib", "0")
+    # flags of another mode, ignored without it, let the default run start (minutes), and a run where no setting
+    # fits the context ended in a TypeError after both engines had started
+    assert "--doc-tokens-list only apply with --grid" in refused("rag", "--doc-tokens-list", "64")
+    assert "--pool, --pin only apply with --corpus" in refused("tier", "--pool", "10", "--pin", "3")
+    assert "no setting fits --max-model-len 256" in refused("rag", "--docs", "2", "--doc-tokens", "512",
+                                                           "--max-model-len", "256")  # fmt: skip
+    rag = importlib.import_module(BENCHMARKS["rag"][0])
+    assert rag.parse_args(["--grid"]).doc_tokens_list == [64, 128, 256, 512]
+    assert rag.parse_args(["--doc-tokens", "128"]).doc_tokens_list == [128]
+    tier = importlib.import_module(BENCHMARKS["tier"][0]).parse_args(["--corpus", "--pin", "2"])
+    assert (tier.pool, tier.pin, tier.kv_blocks) == (400, 2, 160)
     rerope = importlib.import_module(BENCHMARKS["rerope"][0]).parse_args(["--shapes", "tiny", "--moved", "16,4096"])
     assert (rerope.shapes, rerope.moved) == (["tiny"], [16, 4096])  # (4096 is skipped, said, when it runs)
     with pytest.raises(SystemExit):
