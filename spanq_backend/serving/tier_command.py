@@ -66,7 +66,8 @@ def describe(root: Path) -> list[dict[str, Any]]:
             "model": str(about.get("model", ""))[:12], "model_name": about.get("model_name"),  # (older tiers: no name)
             "dtype": about.get("dtype"), "block_size": about.get("block_size"),
             "vllm": about.get("vllm"), "blocks": len(blocks), "bytes": sum(_size(p) for _, p in blocks),
-            "set_aside": len(list(ns.glob("??/*.bad"))),
+            # (one whose block was written again since is no longer set aside: it was still counted)
+            "set_aside": sum(1 for bad in ns.glob("??/*.bad") if not bad.with_suffix(".kv").exists()),
             "pinned": sum(1 for _, p in blocks if p.with_suffix(".pin").exists()),
             "not_blocks": [str(p) for p in stray], "damaged": damaged,
         })

@@ -471,6 +471,12 @@ def test_spanq_tier_lists_checks_and_clears_what_a_tier_holds(tmp_path, capsys, 
     said = [r.getMessage() for r in caplog.records if "span tier: block" in r.getMessage()]
     assert len(said) == 1 and "fails its check" in said[0] and "computed instead" not in said[0], said
     assert not store.path_of(broken).exists() and store.path_of(broken).with_suffix(".bad").exists()
+    assert tier_main([str(tmp_path), "--json"]) == 0 and json.loads(capsys.readouterr().out)[0]["set_aside"] == 1
+    store.rescan()  # (as an engine reads the folder: the block is gone from it)
+    store.write_later(broken, tier.Block(0, [("layer.0", (2,), "torch.float32", b"\0" * 8)]))  # computed again
+    store.flush()
+    assert tier_main([str(tmp_path), "--json"]) == 0  # (it was still listed as set aside beside its new file)
+    assert json.loads(capsys.readouterr().out)[0]["set_aside"] == 0
     assert tier_main([str(tmp_path), "--clear", "other"]) == 2, "a namespace that is not there is named"
     assert "no namespace 'other'" in capsys.readouterr().err
     assert tier_main([str(tmp_path), "--clear", "--json"]) == 0
