@@ -63,7 +63,10 @@ def read_corpus(path: Path) -> tuple[list[str], list[str]]:
             raise ValueError(f"{path} is a folder: reading a persisted LlamaIndex index needs the llamaindex "
                              "extra (pip install 'spanq[llamaindex]')") from None
         return corpus_texts(path), []
-    raw = path.read_text(encoding="utf-8-sig")  # (a byte-order mark is not part of the first document)
+    try:
+        raw = path.read_text(encoding="utf-8-sig")  # (a byte-order mark is not part of the first document)
+    except UnicodeDecodeError as e:  # (its message named no file)
+        raise ValueError(f"cannot read {path}: it is not UTF-8 text ({e})") from None
     if (dumped := _vector_store_dump(raw)) is not None:
         return dumped, []
     entries: list[tuple[str, Any]] = []  # (where, the item or the error that stands for it)

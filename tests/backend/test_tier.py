@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -417,6 +418,10 @@ def test_a_corpus_line_that_is_not_a_document_is_named(tmp_path):
     array = tmp_path / "a.json"
     array.write_text(json.dumps([{"text": "x"}, 3]))
     assert read_corpus(array) == (["x"], [f"{array}: item 1: not a document (a string, or an object with one of text, page_content, content)"])
+    binary = tmp_path / "b.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(ValueError, match=f"cannot read {re.escape(str(binary))}: it is not UTF-8 text"):
+        read_corpus(binary)  # (the decoder's message named no file)
 
 
 def test_spanq_serve_takes_a_tier_folder_as_its_kv_connector_and_refuses_what_cannot_work(tmp_path):
