@@ -24,6 +24,7 @@ __all__ = [
     "TokenCallback",
     "Usage",
     "answer_of",
+    "bulk_generates",
     "server_model_name",
 ]
 
@@ -164,11 +165,11 @@ class ExecutionResult(BaseModel):
     def bulk_calls(self) -> list[CallMetrics] | None:
         """The calls whose outputs are the answers of a bulk query (a top-level `plus` of generate calls: `repeat`,
         `map`, a `plus` of `g`s; a call of `n` choices answers `n` times), in order; None for any other query."""
-        plan, tree = self.plan, self.tree
-        if not (isinstance(plan, Plus) and isinstance(tree, Plus) and len(plan.children) == len(tree.children)):
+        generates = bulk_generates(self.plan)
+        if generates is None or not (isinstance(self.tree, Plus) and len(self.tree.children) == len(generates)):
             return None
         by_path = {c.path: c for c in self.calls}  # (the last call of a path: a retried one's)
-        calls = [by_path.get(path) if isinstance(child, Generate) else None for path, child in child_paths(plan, "$")]
+        calls = [by_path.get(path) for path, _ in generates]
         return None if None in calls else calls  # type: ignore[return-value]
 
     @property
@@ -221,6 +222,14 @@ class ExecutionResult(BaseModel):
             "padded_tokens": u.padded_tokens,
             "wall_s": self.wall_s,
         }
+
+
+def bulk_generates(plan: Node) -> list[tuple[str, Generate]] | None:
+    """The calls of a bulk query's plan (a top-level `plus` of generates: `repeat`, `map`, a `plus` of `g`s), with
+    their paths, in order; None for any other plan."""
+    if not (isinstance(plan, Plus) and all(isinstance(c, Generate) for c in plan.children)):
+        return None
+    return list(child_paths(plan, "$"))  # type: ignore[arg-type]
 
 
 def answer_of(tree: Node) -> str:

@@ -24,6 +24,7 @@ from spanq_integrations.backends.protocol import (
     TokenCallback,
     UnreadAnswer,
     answer_of,
+    bulk_generates,
 )
 from spanq_integrations.backends.resolve import embedded_model_named, resolve_backend, runs_embedded
 from spanq_integrations.optimizer.context import TreeReduction
@@ -94,11 +95,12 @@ def _answer_streams(plan: Node) -> dict[str, int]:
     """The calls whose first choice streams, by path, each with the index of that choice among the query's answers
     (`ExecutionResult.answers`): every call of a bulk query (a top-level `plus` of generates: `repeat`, `map`),
     else the one that answers."""
-    if isinstance(plan, Plus) and plan.children and all(isinstance(c, Generate) for c in plan.children):
+    generates = bulk_generates(plan)
+    if generates:
         streams, k = {}, 0
-        for path, child in child_paths(plan, "$"):
+        for path, child in generates:
             streams[path] = k
-            k += child.n  # type: ignore[union-attr]
+            k += child.n
         return streams
     path = _answer_path(plan)
     return {} if path is None else {path: 0}
