@@ -323,10 +323,13 @@ class Map(_Node):
     temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0, le=MAX_TEMPERATURE)
 
     def __init__(self, **fields: Any) -> None:
-        if isinstance(fields.get("inputs"), str):  # (pydantic's "a valid tuple" said nothing of what to write)
-            raise QueryValidationError("Map(inputs)", f"expected a list of input texts, got one: {fields['inputs']!r}")
-        for i, text in enumerate(fields.get("inputs") or ()):
-            _unicode(text, f"Map(inputs)[{i}]")
+        inputs = fields.get("inputs")
+        if isinstance(inputs, str):  # (pydantic's "a valid tuple" said nothing of what to write)
+            raise QueryValidationError("Map(inputs)", f"expected a list of input texts, got one: {inputs!r}")
+        if isinstance(inputs, Iterable):
+            fields["inputs"] = inputs = tuple(inputs)  # (read once: a generator's items are checked, then kept)
+            for i, text in enumerate(inputs):
+                _unicode(text, f"Map(inputs)[{i}]")
         _check_fields(Map, "Map", fields)
         try:
             super().__init__(**fields)

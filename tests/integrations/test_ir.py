@@ -228,6 +228,11 @@ def test_a_bad_setting_in_a_builder_is_a_spanq_error_naming_the_builder_and_the_
     assert raised.value.path == path and says in raised.value.message, str(raised.value)
 
 
+def test_a_map_takes_its_inputs_from_any_iterable_once():
+    """(A generator's items were read by the check of each input, and the map was built with none.)"""
+    assert ir.Map(inputs=(text for text in ("a", "b"))).inputs == ("a", "b")
+
+
 def test_metadata_json_cannot_hold_is_named_when_written_and_a_tuple_reads_back_equal():
     """`dumps` of a fragment whose metadata held an object failed in json's encoder, naming no node, and one with NaN
     wrote a bare NaN (no JSON reader takes it); a tuple in metadata read back as a list, so the query was not
