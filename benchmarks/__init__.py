@@ -37,7 +37,7 @@ def bench_main(argv: Sequence[str]) -> int:
     """`spanq bench NAME ...`: run benchmark NAME with the remaining arguments."""
     args = list(argv)
     if not args or args[0] in ("-h", "--help"):
-        print(_usage())
+        print(_usage(), file=sys.stdout if args else sys.stderr)  # (a usage error's text goes where errors go)
         return 0 if args else 2
     name, rest = args[0], args[1:]
     if name not in BENCHMARKS:

@@ -71,6 +71,8 @@ def test_bench_lists_every_benchmark_and_refuses_unknown_ones(capsys):
     for name in ("rag", "nested", "bulk", "quality", "rerope", "haystack"):
         assert name in BENCHMARKS and name in listed
     assert bench_main([]) == 2
+    missing = capsys.readouterr()
+    assert missing.out == "" and "usage: spanq bench NAME" in missing.err  # (a usage error, on stderr as the others)
     assert bench_main(["no-such-bench"]) == 2
     assert "unknown benchmark" in capsys.readouterr().err
 
