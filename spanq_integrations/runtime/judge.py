@@ -319,19 +319,19 @@ def judge_plan(
         p.text: r.present(i, optimize(c, capabilities)) for i, (p, c) in enumerate(zip(placeholders, nodes))
     }
 
-    def put_back(node: Node) -> Node:
-        kids = children_of(node)
-        if not any(isinstance(c, Fragment) and c.text in presented for c in kids):
-            return node
-        # In a group, each candidate in its place. Alone (the optimizer unwraps a group of one where spans do not
-        # keep it), it goes back in a group of its own: put in the judge's `cross` itself, a message candidate was
-        # a turn of its own role (a generated one the judge's own earlier answer) and a select judge found no label.
-        return with_children(node, [
-            c if not (isinstance(c, Fragment) and c.text in presented)
-            else presented[c.text] if isinstance(node, Plus)
-            else Plus(children=(presented[c.text],), anchor=span_anchor)
-            for c in kids
-        ])  # fmt: skip
+    def back(child: Node, in_group: bool) -> Node:
+        candidate = presented.get(child.text) if isinstance(child, Fragment) else None
+        if candidate is None:
+            return child
+        if in_group:
+            return candidate
+        # Alone (the optimizer unwraps a group of one where spans do not keep it), a candidate goes back in a group
+        # of its own: put in the judge's `cross` itself, a message candidate was a turn of its own role (a generated
+        # one the judge's own earlier answer) and a select judge found no label.
+        return Plus(children=(candidate,), anchor=span_anchor)
+
+    def put_back(node: Node) -> Node:  # (`with_children` keeps the node itself where no child changed)
+        return with_children(node, [back(c, isinstance(node, Plus)) for c in children_of(node)])
 
     return transform(tree, put_back)
 
