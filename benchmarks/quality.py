@@ -249,7 +249,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="lead-ins of the template and system anchors to measure (default: neutral, spanq's: its "
                         "neutral passages; auto: the start of the first document the engine reads; none)")
     parser.add_argument("--recompute", type=_recompute_list, default=_recompute_list(DEFAULT_RECOMPUTE),
-                        help=f"recompute settings to measure (default: {DEFAULT_RECOMPUTE}; 0, first, last, question, attention or a share)")
+                        help=f"recompute settings to measure (default: {DEFAULT_RECOMPUTE}; 0, first, last, question, first+question, attention or a share)")
     parser.add_argument("--hf-check", type=int, default=5, metavar="N",
                         help="items whose attention-only KL is also computed exactly with HF transformers (default 5)")
     parser.add_argument("--speed-docs", type=int, default=8, help="documents of the speed side (default: 8; 0: none)")

@@ -18,7 +18,9 @@ Which blocks (`choose_blocks`): `"first"` (each span's first block: the tokens t
 least), `"last"` (each span's last block: what the text after the spans reads first), `"question"` (as many blocks
 as spans, those that share the most with the question by the score below, wherever they sit; none that shares
 nothing — where the text after every document shares nothing with any span block, as when the question is asked
-before the documents, the text before the first span is read as the question), `"attention"` (as many blocks as spans, those the question attends to most in the middle of the model,
+before the documents, the text before the first span is read as the question), `"first+question"` (both: each
+span's first block, and as many blocks again, those of the others the question shares most with — a count per span,
+where a share's count grows with the document), `"attention"` (as many blocks as spans, those the question attends to most in the middle of the model,
 read by a pass of the prompt before the recompute round: `vllm_integration/attention_probe.py`; the blocks'
 attention mass comes in as `block_mass`), or a share in (0, 1] of all
 span blocks, picked by a cheap criterion that needs no model pass: first the spans' first blocks, then the other
@@ -56,8 +58,8 @@ DEFAULT_RECOMPUTE: Recompute = "question"
 
 
 def recompute_setting(value: Recompute | str | float | None) -> Recompute:
-    """A recompute setting read from a flag or a config: "first", "last", "question", "attention", or a share in [0, 1] ("none"
-    is 0)."""
+    """A recompute setting read from a flag or a config: "first", "last", "question", "first+question", "attention",
+    or a share in [0, 1] ("none" is 0)."""
     if value is None or value == "none":
         return 0.0
     if value in RECOMPUTE_POLICIES:
@@ -116,6 +118,10 @@ def choose_blocks(
         return [(i, 0) for i in spans]
     if setting == "last":
         return [(i, sizes[i] - 1) for i in spans]
+    if setting == "first+question":  # "first"'s blocks, and as many again: those "question" ranks first among the rest
+        scored = _question_scores(lowered, spans, pad_token_id)
+        rest = sorted((-score, start, pair) for pair, start, score in scored if pair[1] != 0 and score > 0)
+        return sorted([(i, 0) for i in spans] + [pair for *_, pair in rest[: len(spans)]])
     if setting in ("question", "attention"):  # as many blocks as "first", the best scored, wherever they sit
         if not spans:
             return []

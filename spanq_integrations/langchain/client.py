@@ -213,11 +213,11 @@ class SpanQueryClient(BaseModel):
     """What each document's KV is computed after (see `spanq_integrations.plus`): None is the backend's default
     ("template": reused after any question or conversation); "prefix" is exact but reused only after the same
     prompt prefix."""
-    recompute: float | Literal["first", "last", "question", "attention"] | None = None
+    recompute: float | Literal["first", "last", "question", "first+question", "attention"] | None = None
     """How much of each document a span backend computes again in context, for quality: 0 none, "first" / "last"
     each document's first / last KV block, "question" as many blocks, those the question shares most with,
-    "attention" as many, those it attends to most (a pass of its own first), a share in (0, 1] of the document
-    blocks; None is the backend's default. Other backends ignore it."""
+    "first+question" each document's first block and as many more, those the question shares most with, "attention"
+    as many, those it attends to most (a pass of its own first), a share in (0, 1] of the document blocks; None is the backend's default. Other backends ignore it."""
 
     _backend_instance: Backend | None = PrivateAttr(default=None)
     _owns_backend: bool = PrivateAttr(default=False)

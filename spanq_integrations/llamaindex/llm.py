@@ -178,12 +178,13 @@ class SpanQueryLLM(FunctionCallingLLM):
     timeout: float = Field(default=DEFAULT_TIMEOUT_S, gt=0, description="Seconds an HTTP backend waits for an answer.")
     max_retries: int = Field(default=DEFAULT_MAX_RETRIES, ge=0, description="Retries of an HTTP connection that failed.")
     seed: int | None = Field(default=None, description="Sampling seed, for temperature > 0.")
-    recompute: float | Literal["first", "last", "question", "attention"] | None = Field(
+    recompute: float | Literal["first", "last", "question", "first+question", "attention"] | None = Field(
         default=None,
         description="How much of each node a span backend computes again in context, for quality: 0 none, 'first' "
         "/ 'last' each node's first / last KV block, 'question' as many blocks, those the question shares most with, "
-        "'attention' as many, those it attends to most (a pass of its own first), a share in (0, 1] of the node "
-        "blocks; None: the backend's default.",
+        "'first+question' each node's first block and as many more, those the question shares most with, 'attention' "
+        "as many, those it attends to most (a pass of its own first), a share in (0, 1] of the node blocks; None: the "
+        "backend's default.",
     )
     span_anchor: AnchorPolicy | None = Field(
         default=None,

@@ -138,14 +138,15 @@ class Fragment(_Node):
         return f"fragment{ident}: {_clip(self.text)!r}"
 
 
-RECOMPUTE_POLICIES: tuple[str, ...] = ("first", "last", "question", "attention")
+RECOMPUTE_POLICIES: tuple[str, ...] = ("first", "last", "question", "first+question", "attention")
 COLD_SPAN_POLICIES: tuple[str, ...] = ("auto", "context", "isolate")
 ColdSpans = Literal["auto", "context", "isolate"]
 """How a span engine computes a call's documents it has not cached (docs/design.md, "Cold spans")."""
-Recompute = float | Literal["first", "last", "question", "attention"]
-"""A recompute setting: a share of span blocks in [0, 1], a block of each span by name ("first", "last"), or as
+Recompute = float | Literal["first", "last", "question", "first+question", "attention"]
+"""A recompute setting: a share of span blocks in [0, 1], a block of each span by name ("first", "last"), as
 many blocks as spans, those the question shares most with ("question") or attends to most in the middle of the
-model, read by a pass before the recompute round ("attention")."""
+model, read by a pass before the recompute round ("attention"), or both "first" and "question"'s blocks
+("first+question": each span's first block and as many more, those the question shares most with)."""
 
 
 class Generate(_Node):
@@ -166,7 +167,8 @@ class Generate(_Node):
     recompute: Recompute | None = None
     """How much of each span a span engine computes again in context, for quality (docs/design.md, "Recompute"):
     0 (or "none") none, "first" / "last" each span's first / last KV block, "question" as many blocks as spans, those the text
-    after the spans shares most with, "attention" as many, those it attends to most (a pass of its own first), a share in (0, 1] of the span blocks (first blocks first, then those the text
+    after the spans shares most with, "first+question" each span's first block and as many more, those the question
+    shares most with, "attention" as many, those it attends to most (a pass of its own first), a share in (0, 1] of the span blocks (first blocks first, then those the text
     after the spans mentions most); None: the backend's default. Servers without spans ignore it."""
     cold_spans: ColdSpans | None = None
     """How a span engine computes the spans it has not cached (docs/design.md, "Cold spans"): "isolate" (each

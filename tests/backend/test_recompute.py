@@ -124,6 +124,24 @@ def test_question_recomputes_as_many_blocks_as_first_those_the_question_shares_m
     assert recompute_setting("question") == "question"
 
 
+def test_first_and_question_recomputes_each_first_block_and_as_many_the_question_shares_most_with():
+    """"first+question": every span's first block, and one block more per span on average, those of the others the
+    question shares the most with (none that shares nothing) — a count per span, whatever the spans' sizes."""
+    low = _lowered([(8, 24), (24, 32), (32, 48)], n=60)  # blocks of 4: 4, 2 and 4 blocks
+    assert choose_blocks(low, "first+question") == [(0, 0), (1, 0), (2, 0)]  # nothing shared: the first blocks
+    low.token_ids[52:56] = low.token_ids[40:44]  # the question repeats span 2's third block,
+    low.token_ids[56:58] = low.token_ids[12:14]  # half of span 0's second
+    assert choose_blocks(low, "first+question") == [(0, 0), (0, 1), (1, 0), (2, 0), (2, 2)]
+    low.token_ids[58:60] = low.token_ids[8:10]  # a share of span 0's first block changes nothing: it is in anyway
+    assert choose_blocks(low, "first+question") == [(0, 0), (0, 1), (1, 0), (2, 0), (2, 2)]
+    low.token_ids[48:52] = low.token_ids[16:18] + low.token_ids[20:22]  # and half of span 0's third and fourth
+    # four blocks besides the first ones shared, three spans: three more, the most shared first, ties to the earlier
+    assert choose_blocks(low, "first+question") == [(0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 2)]
+    assert recompute_setting("first+question") == "first+question"
+    g = query(docs("j"), "AB", "?", recompute="first+question")
+    assert from_json(to_json(g)) == g
+
+
 def test_the_last_spans_tail_left_as_context_is_not_read_as_the_question():
     low = _lowered([(8, 20), (20, 28)], n=40)
     pad = 999
@@ -163,7 +181,7 @@ def _run(engine, first, second):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("setting", ["first", "last", "question", 0.25])
+@pytest.mark.parametrize("setting", ["first", "last", "question", "first+question", 0.25])
 def test_recomputed_blocks_match_the_reference_built_the_same_way(engine, hf_model, setting):
     tag = f"r{setting}"
     d = docs(tag)
