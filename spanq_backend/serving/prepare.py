@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TEXT_KEYS", "prepare_main", "read_corpus", "text_of"]
+__all__ = ["TEXT_KEYS", "located_corpus", "prepare_main", "read_corpus", "text_of"]
 
 TEXT_KEYS = ("text", "page_content", "content")
 
@@ -52,23 +52,46 @@ def _vector_store_dump(raw: str) -> list[str] | None:
 
 
 def read_corpus(path: Path) -> tuple[list[str], list[str]]:
-    """The documents of a corpus, and what was wrong with the lines that are not documents. A corpus is a file of
-    JSON lines or one JSON array; a LangChain `InMemoryVectorStore` dump (`store.dump(PATH)`: each document's
-    `page_content`, as `format_docs_as_spans` sends it); or the folder a LlamaIndex index was persisted to (its
-    nodes' text as `SpanQuerySynthesizer` sends it, `spanq_integrations.llamaindex.corpus_texts`)."""
+    """The documents of a corpus, and what was wrong with the lines that are not documents (`located_corpus`'s,
+    without where each document was read)."""
+    located, problems = located_corpus(path)
+    return [text for _, text in located], problems
+
+
+class _NotUtf8(str):
+    """A JSON line whose bytes are not UTF-8 text: what the decoder said."""
+
+
+def located_corpus(path: Path) -> tuple[list[tuple[str, str]], list[str]]:
+    """The documents of a corpus, each with where it was read (`PATH:LINE`, `PATH: item I`), and what was wrong
+    with the lines that are not documents. A corpus is a file of JSON lines or one JSON array; a LangChain
+    `InMemoryVectorStore` dump (`store.dump(PATH)`: each document's `page_content`, as `format_docs_as_spans`
+    sends it); or the folder a LlamaIndex index was persisted to (its nodes' text as `SpanQuerySynthesizer` sends
+    it, `spanq_integrations.llamaindex.corpus_texts`). A JSON line that is not UTF-8 text is named and the rest
+    read, as any other line that is not a document."""
     if path.is_dir():
         try:
             from spanq_integrations.llamaindex.corpus import corpus_texts
         except ImportError:
             raise ValueError(f"{path} is a folder: reading a persisted LlamaIndex index needs the llamaindex "
                              "extra (pip install 'spanq[llamaindex]')") from None
-        return corpus_texts(path), []
+        return [(f"{path}: node {i}", text) for i, text in enumerate(corpus_texts(path))], []
+    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # (a byte-order mark is not part of the first document)
     try:
-        raw = path.read_text(encoding="utf-8-sig")  # (a byte-order mark is not part of the first document)
-    except UnicodeDecodeError as e:  # (its message named no file)
-        raise ValueError(f"cannot read {path}: it is not UTF-8 text ({e})") from None
-    if (dumped := _vector_store_dump(raw)) is not None:
-        return dumped, []
+        raw = data.decode("utf-8")
+        lines: list[str] = raw.split("\n")
+    except UnicodeDecodeError as e:  # (its message named no file, nor a line)
+        line = data.count(b"\n", 0, e.start) + 1
+        if data.lstrip()[:1] == b"[":
+            raise ValueError(f"cannot read {path}: line {line} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raw, lines = "", []
+        for chunk in data.split(b"\n"):
+            try:
+                lines.append(chunk.decode("utf-8"))
+            except UnicodeDecodeError as bad:
+                lines.append(_NotUtf8(f"not UTF-8 text ({bad.reason} at column {bad.start + 1})"))
+    if raw and (dumped := _vector_store_dump(raw)) is not None:
+        return [(f"{path}: document {i}", text) for i, text in enumerate(dumped)], []
     entries: list[tuple[str, Any]] = []  # (where, the item or the error that stands for it)
     if raw.lstrip().startswith("["):
         try:
@@ -79,18 +102,22 @@ def read_corpus(path: Path) -> tuple[list[str], list[str]]:
     else:
         # JSON Lines end lines at "\n" only: a document may hold U+2028, U+0085 or a form feed unescaped, which
         # `str.splitlines` would cut it at.
-        for n, line in enumerate(raw.split("\n"), start=1):
-            if line.strip():
+        for n, line in enumerate(lines, start=1):
+            if isinstance(line, _NotUtf8):
+                entries.append((f"{path}:{n}", line))
+            elif line.strip():
                 try:
                     entries.append((f"{path}:{n}", json.loads(line)))
                 except json.JSONDecodeError as e:
                     entries.append((f"{path}:{n}", e))
     from spanq_backend.serving.corpus import unicode_problem
 
-    texts: list[str] = []
+    located: list[tuple[str, str]] = []
     problems: list[str] = []
     for where, item in entries:
-        if isinstance(item, json.JSONDecodeError):
+        if isinstance(item, _NotUtf8):
+            problems.append(f"{where}: {item}")
+        elif isinstance(item, json.JSONDecodeError):
             problems.append(f"{where}: not JSON ({item.msg})")
         elif (text := text_of(item)) is None:
             blank = isinstance(item, str) or (isinstance(item, dict) and any(isinstance(item.get(k), str) for k in TEXT_KEYS))
@@ -99,9 +126,8 @@ def read_corpus(path: Path) -> tuple[list[str], list[str]]:
         elif (bad := unicode_problem(text)) is not None:  # (no tokenizer reads it)
             problems.append(f"{where}: {bad}")
         else:
-            texts.append(text)
-    return texts, problems
-
+            located.append((where, text))
+    return located, problems
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -186,17 +212,19 @@ def prepare_main(argv: list[str]) -> int:
         return e.code if isinstance(e.code, int) else 2
     corpus = Path(args.corpus)
     try:
-        texts, problems = read_corpus(corpus)
+        located, problems = located_corpus(corpus)
     except (OSError, ValueError) as e:
         print(f"spanq prepare: error: {e}", file=sys.stderr)
         return 2
     for problem in problems:
         print(f"spanq prepare: skipped {problem}", file=sys.stderr)
+    texts = [text for _, text in located]
+    wheres = [where for where, _ in located]
     if not texts:
         print(f"spanq prepare: error: {corpus} holds no document", file=sys.stderr)
         return 2
     if args.server is not None:
-        return _report_server(args, texts, problems)
+        return _report_server(args, texts, wheres, problems)
     from spanq_backend.serving.engine import EngineConfig, SpanEngine
     from spanq_integrations.query.errors import SpanQueryError
 
@@ -212,12 +240,9 @@ def prepare_main(argv: list[str]) -> int:
     except (SpanQueryError, ValueError) as e:
         print(f"spanq prepare: error: {e}", file=sys.stderr)
         return 2
-    for index in report.get("too_long_documents", []):
-        print(f"spanq prepare: skipped document {index + 1}: too long for the model's context window", file=sys.stderr)
-    if report.get("blocks_evicted"):
-        print(f"spanq prepare: warning: {report['blocks_evicted']} blocks were removed to keep the tier within "
-              f"--tier-max-gb {args.tier_max_gb:g} (the least recently used: this corpus's first documents too, unless "
-              "pinned with --pin); a larger capacity keeps the whole corpus", file=sys.stderr)
+    _name_too_long(report, wheres)
+    if (said := eviction_message(report.get("blocks_evicted", 0), args.tier_max_gb, args.pin)) is not None:
+        print(said, file=sys.stderr)
     report["skipped_lines"] = len(problems)
     report["seconds"] = round(time.perf_counter() - started, 2)
     if args.json:
@@ -234,15 +259,35 @@ def prepare_main(argv: list[str]) -> int:
     return 1 if problems or report.get("too_long") else 0
 
 
-def _report_server(args: argparse.Namespace, texts: list[str], problems: list[str]) -> int:
+def eviction_message(evicted: int, max_gb: float | None, pin: bool) -> str | None:
+    """What `spanq prepare` says of the blocks removed to keep a tier within its capacity: with --pin they were
+    others than the corpus's (pinned blocks stay), without it the corpus's first documents may be among them."""
+    if not evicted:
+        return None
+    if pin:
+        return (f"spanq prepare: {evicted} unpinned blocks were removed to keep the tier within --tier-max-gb "
+                f"{max_gb:g} (the least recently used; this corpus's blocks are pinned and stay)")
+    return (f"spanq prepare: warning: {evicted} blocks were removed to keep the tier within --tier-max-gb {max_gb:g} "
+            "(the least recently used: this corpus's first documents too, unless pinned with --pin); a larger capacity "
+            "keeps the whole corpus")
+
+
+def _name_too_long(report: dict[str, Any], wheres: list[str]) -> None:
+    """Each document too long for the model's window named where it was read (the report's indices count the
+    documents read, not the file's lines: once a line was skipped they named no line of the file)."""
+    report["too_long_where"] = [wheres[i] for i in report.get("too_long_documents", [])]
+    for where in report["too_long_where"]:
+        print(f"spanq prepare: skipped {where}: too long for the model's context window", file=sys.stderr)
+
+
+def _report_server(args: argparse.Namespace, texts: list[str], wheres: list[str], problems: list[str]) -> int:
     started = time.perf_counter()
     try:
         report = prepare_on_server(args.server, texts, args.pin)
     except RuntimeError as e:
         print(f"spanq prepare: error: {e}", file=sys.stderr)
         return 2
-    for index in report.get("too_long_documents", []):
-        print(f"spanq prepare: skipped document {index + 1}: too long for the model's context window", file=sys.stderr)
+    _name_too_long(report, wheres)
     report["skipped_lines"] = len(problems)
     report["seconds"] = round(time.perf_counter() - started, 2)
     if args.json:

@@ -83,7 +83,8 @@ def test_spanq_prepare_compiles_a_corpus_names_bad_lines_and_skips_what_the_tier
     first, again = result["prepare"], result["prepare_again"]
     assert result["prepare_exit"] == 1, "lines that are not documents make the exit status 1"
     assert "corpus.jsonl:3: not JSON" in stderr and "corpus.jsonl:5: not a document" in stderr
-    assert "skipped document 5: too long for the model's context window" in stderr, "named, and the rest compiled"
+    # named by its line (7), not by its rank among the documents read (5, once two lines were skipped)
+    assert "corpus.jsonl:7: too long for the model's context window" in stderr, "named, and the rest compiled"
     assert first["documents"] == 5 and first["too_long"] == 1
     assert first["spans"] == 4 and first["prepared"] == 4 and first["held"] == 0
     assert first["blocks_written"] > 4 and first["bytes_written"] > 0 and first["blocks_evicted"] == 0
@@ -418,10 +419,27 @@ def test_a_corpus_line_that_is_not_a_document_is_named(tmp_path):
     array = tmp_path / "a.json"
     array.write_text(json.dumps([{"text": "x"}, 3]))
     assert read_corpus(array) == (["x"], [f"{array}: item 1: not a document (a string, or an object with one of text, page_content, content)"])
+    # A JSON line that is not UTF-8 is named by its line, and the rest read (one such line refused the whole
+    # corpus, by a byte offset)
     binary = tmp_path / "b.jsonl"
-    binary.write_bytes(b"\xff\xfe\x00bad")
-    with pytest.raises(ValueError, match=f"cannot read {re.escape(str(binary))}: it is not UTF-8 text"):
+    binary.write_bytes(b'"one"\n"caf\xe9 au lait"\n\xff\xfe\x00bad\n{"text": "two"}\n')
+    assert read_corpus(binary) == (["one", "two"], [f"{binary}:2: not UTF-8 text (invalid continuation byte at column 5)",
+                                                   f"{binary}:3: not UTF-8 text (invalid start byte at column 1)"])
+    binary.write_bytes(b'[\n"one",\n"caf\xe9"\n]\n')  # one JSON array: read whole or not at all
+    with pytest.raises(ValueError, match=f"cannot read {re.escape(str(binary))}: line 3 is not UTF-8 text"):
         read_corpus(binary)  # (the decoder's message named no file)
+
+
+def test_the_eviction_warning_says_a_pinned_corpus_stays():
+    """Blocks removed to keep a tier within --tier-max-gb: without --pin the corpus's own may be among them (a
+    warning); with --pin they were others (its blocks are pinned), which the warning said were the corpus's."""
+    from spanq_backend.serving.prepare import eviction_message
+
+    assert eviction_message(0, 1.0, False) is None
+    assert "this corpus's first documents too" in eviction_message(3, 0.5, False)
+    pinned = eviction_message(3, 0.5, True)
+    assert "first documents" not in pinned and "warning" not in pinned
+    assert "3 unpinned blocks were removed" in pinned and "pinned and stay" in pinned
 
 
 def test_spanq_serve_takes_a_tier_folder_as_its_kv_connector_and_refuses_what_cannot_work(tmp_path):
