@@ -17,9 +17,40 @@ __all__ = ["check", "clear", "describe", "tier_main"]
 
 
 def _namespaces(root: Path) -> list[Path]:
-    """The namespace folders (a folder being cleared, renamed to a dotted name first, is none)."""
+    """The namespace folders (a folder being cleared, renamed to a dotted name first, is none: `_leftovers`)."""
     return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
                   and (p / "namespace.json").exists()) if root.is_dir() else []  # fmt: skip
+
+
+LEFT_PREFIX = ".cleared-"  # a namespace being cleared (`clear`): renamed so, then removed
+
+
+def _leftovers(root: Path, name: str | None = None) -> list[Path]:
+    """What clears that failed half-way left (renamed away, not removed: a file that could not be removed), of one
+    namespace or of all: no engine reads them, `--clear` removes them."""
+    prefix = LEFT_PREFIX + (f"{name}-" if name else "")
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(prefix)) if root.is_dir() else []
+
+
+def _tree_bytes(folder: Path) -> tuple[int, int]:
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    return len(files), sum(_size(p) for p in files)
+
+
+def _remove(folder: Path) -> None:
+    """Remove a folder, again where a writer that had begun put a file in it meanwhile."""
+    import time
+
+    for attempt in range(5):
+        try:
+            shutil.rmtree(folder)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if attempt == 4:
+                raise
+            time.sleep(0.1)
 
 
 def _blocks(ns: Path) -> tuple[list[tuple[bytes, Path]], list[Path]]:
@@ -100,25 +131,20 @@ def check(root: Path) -> dict[str, Any]:
 
 def clear(root: Path, name: str) -> None:
     """Remove a namespace: renamed to a dotted name first (at once unlisted, and an engine writing to it makes it
-    again: docs/design.md §10), then removed, again where a writer that had begun put a file in it meanwhile."""
+    again: docs/design.md §10), then removed, again where a writer that had begun put a file in it meanwhile. Where a
+    file cannot be removed, the renamed folder is left (listed by `spanq tier`, removed by the next `--clear`)."""
     import os
     import time
 
-    gone = root / f".cleared-{name}-{os.getpid()}-{time.monotonic_ns()}"
+    gone = root / f"{LEFT_PREFIX}{name}-{os.getpid()}-{time.monotonic_ns()}"
     try:
         os.rename(root / name, gone)
     except FileNotFoundError:  # cleared by another clear meanwhile
         return
-    for attempt in range(5):
-        try:
-            shutil.rmtree(gone)
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            if attempt == 4:
-                raise
-            time.sleep(0.1)
+    try:
+        _remove(gone)
+    except OSError as e:  # (rmtree names the file by its bare name): the folder it is left in, for the next clear
+        raise OSError(e.errno, e.strerror, f"{gone}/…/{Path(str(e.filename)).name}" if e.filename else str(gone)) from e
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -144,7 +170,7 @@ def tier_main(argv: list[str]) -> int:
         return 2
     if args.clear:
         names = [p.name for p in _namespaces(root)]
-        if args.clear != "all" and args.clear not in names:
+        if args.clear != "all" and args.clear not in names and not _leftovers(root, args.clear):
             print(f"spanq tier: error: {root} has no namespace {args.clear!r} (it has: {', '.join(names) or 'none'})",
                   file=sys.stderr)
             return 2
@@ -154,9 +180,20 @@ def tier_main(argv: list[str]) -> int:
                 clear(root, name)
             except OSError as e:
                 print(f"spanq tier: error: cannot clear namespace {name} of {root}: {e.strerror or e} "
-                      f"({e.filename or root})", file=sys.stderr)  # fmt: skip
+                      f"({e.filename or root}); what is left no engine reads, and `spanq tier {root} --clear` "
+                      "removes it once it can", file=sys.stderr)  # fmt: skip
                 return 1
-        print(json.dumps({"removed": removed}) if args.json else f"removed {len(removed)} namespace(s) from {root}")
+        left = _leftovers(root, None if args.clear == "all" else args.clear)
+        for folder in left:  # (a clear that failed half-way: listed since, removed now)
+            try:
+                _remove(folder)
+            except OSError as e:
+                print(f"spanq tier: error: cannot remove {folder}, left by a clear that failed: {e.strerror or e} "
+                      f"({e.filename or folder})", file=sys.stderr)  # fmt: skip
+                return 1
+        print(json.dumps({"removed": removed, "left_by_failed_clears": [p.name for p in left]}) if args.json
+              else f"removed {len(removed)} namespace(s) from {root}"
+              + (f", and {len(left)} folder(s) left by a clear that failed" if left else ""))
         return 0
     if args.check:
         result = check(root)
@@ -165,6 +202,10 @@ def tier_main(argv: list[str]) -> int:
         print(json.dumps(result) if args.json else f"{result['good']} blocks good, {result['set_aside']} set aside")
         return 1 if result["set_aside"] else 0
     spaces = describe(root)
+    for folder in _leftovers(root):
+        files, size = _tree_bytes(folder)
+        print(f"spanq tier: {folder}: left by a clear that failed ({files} files, {size / 1e6:.1f} MB; no engine reads "
+              f"them): `spanq tier {root} --clear` removes it", file=sys.stderr)
     if args.json:
         print(json.dumps(spaces))
     elif not spaces:

@@ -503,7 +503,7 @@ def test_spanq_tier_lists_checks_and_clears_what_a_tier_holds(tmp_path, capsys, 
     assert tier_main([str(tmp_path), "--clear", "other"]) == 2, "a namespace that is not there is named"
     assert "no namespace 'other'" in capsys.readouterr().err
     assert tier_main([str(tmp_path), "--clear", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"removed": ["ns1"]} and not (tmp_path / "ns1").exists()
+    assert json.loads(capsys.readouterr().out) == {"removed": ["ns1"], "left_by_failed_clears": []} and not (tmp_path / "ns1").exists()
     assert tier_main([str(tmp_path / "missing")]) == 2
 
 
@@ -619,6 +619,25 @@ def test_blocks_left_by_a_clear_that_raced_a_writer_stay_listed_and_clearable(tm
     store.flush()  # the engine writes on: the namespace is made again, listed
     assert store.stats.failed_saves == 0 and tier_main([str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["blocks"] == 1
+
+
+def test_what_a_clear_that_failed_left_is_listed_and_removed_by_the_next_clear(tmp_path, capsys):
+    """A clear renames a namespace away, then removes it; where a file could not be removed (a permission), the
+    renamed folder stayed: `spanq tier` listed nothing, a second `--clear` said "removed 0" and left the blocks on
+    disk (found by a newcomer's review). It is named now, and the next clear removes it."""
+    from spanq_backend.serving.tier_command import tier_main
+
+    store, _ = _stored(tmp_path, parts={"model": "m"})
+    left = tmp_path / f".cleared-{store.dir.name}-1234-5678"
+    store.dir.rename(left)  # what the failed clear left: renamed, its blocks still there
+    assert tier_main([str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert f"{left}: left by a clear that failed (2 files" in captured.err and "--clear` removes it" in captured.err
+    assert tier_main([str(tmp_path), "--clear", store.dir.name, "--json"]) == 0, "its namespace's name finds it"
+    assert json.loads(capsys.readouterr().out) == {"removed": [], "left_by_failed_clears": [left.name]}
+    assert not left.exists() and not list(tmp_path.iterdir())
+    assert tier_main([str(tmp_path), "--clear"]) == 0
+    assert capsys.readouterr().out == f"removed 0 namespace(s) from {tmp_path}\n"
 
 
 def test_spanq_tier_names_a_file_that_is_no_block_and_a_damaged_description(tmp_path, capsys):
