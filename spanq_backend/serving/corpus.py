@@ -7,7 +7,7 @@ asked, pinned in the engine's KV cache. One routine for both kinds of engine: th
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from spanq_backend.serving.generator import SpanGenerator
@@ -70,10 +70,14 @@ async def compile_corpus(
             if pin is not None:
                 await pin_now(p)
 
-    for index, text in enumerate(texts):  # (all checked before any is computed)
-        if (bad := unicode_problem(text)) is not None:
-            from spanq_integrations.query.errors import QueryValidationError
+    from spanq_integrations.query.errors import QueryValidationError
 
+    if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):  # (a string compiled each character)
+        raise QueryValidationError("documents", f"expected a list of document texts, got {type(texts).__name__}")
+    for index, text in enumerate(texts):  # (all checked before any is computed)
+        if not isinstance(text, str):
+            raise QueryValidationError(f"documents[{index}]", f"expected a document's text, got {type(text).__name__}")
+        if (bad := unicode_problem(text)) is not None:
             raise QueryValidationError(f"documents[{index}]", bad)
     for index, text in enumerate(texts):
         call = Generate(input=Cross(children=[Plus(children=[Fragment(text=text)]), User(text="?")]))

@@ -684,6 +684,19 @@ def test_documents_compiled_on_an_engine_without_a_tier_are_read_from_its_cache_
     assert first.cached_tokens >= sum(e - s for s, e in lowered.table.spans)
 
 
+def test_compile_refuses_a_string_where_a_list_of_documents_goes(engine):
+    """`engine.compile("a text")` compiled each character as a document of its own (and wrote them to the tier,
+    for good); a list holding something else than a text failed in the tokenizer. Both are named, nothing computed."""
+    from spanq_integrations.query.errors import QueryValidationError
+
+    before = engine.generator.cached_span_digests()
+    with pytest.raises(QueryValidationError, match=r"documents: expected a list of document texts, got str"):
+        asyncio.run(engine.compile("just a string"))
+    with pytest.raises(QueryValidationError, match=r"documents\[1\]: expected a document's text, got int"):
+        asyncio.run(engine.compile(["a text", 7]))
+    assert engine.generator.cached_span_digests() == before, "nothing was prepared"
+
+
 def test_a_deferred_prepare_cancelled_before_it_starts_leaves_the_engine_serving(engine):
     """A deferred prepare whose future was cancelled while it waited in the engine's queue is skipped: set later,
     that future would raise in the engine's thread and take every request down with it."""
