@@ -221,8 +221,9 @@ def is_model_not_found(status: int | None, message: str, error_type: str = "", c
     return status == 404 and "model" in text and ("does not exist" in text or "not found" in text)
 
 
-def error_from_payload(body: Any, *, status: int | None, where: str) -> SpanQueryError:
-    """The typed error for an error answer (`body`: parsed JSON or text; `status`: None inside a stream)."""
+def error_from_payload(body: Any, *, status: int | None, where: str, key_sent: bool = False) -> SpanQueryError:
+    """The typed error for an error answer (`body`: parsed JSON or text; `status`: None inside a stream;
+    `key_sent`: the call carried an API key, so a 401 refused that key rather than asked for one)."""
     message, error_type, code = _error_fields(body)
     if status is None and isinstance(code, int):
         status = code
@@ -244,10 +245,9 @@ def error_from_payload(body: Any, *, status: int | None, where: str) -> SpanQuer
         return BackendUnavailableError(f"{where} is limiting its rate (HTTP 429), still after the retries "
                                        f"(max_retries): {message}")
     if status in (401, 403):
-        return BackendError(
-            f"{where} refused the call (HTTP {status}: {message}): it wants an API key; pass api_key= or set "
-            "SPANQ_API_KEY"
-        )
+        wants = ("it refused the API key sent (api_key=, or $SPANQ_API_KEY where none was passed)" if key_sent else
+                 "it wants an API key; pass api_key= (execute, judge, the adapters, a backend) or set SPANQ_API_KEY")
+        return BackendError(f"{where} refused the call (HTTP {status}: {message}): {wants}")
     label = f"HTTP {status}" if status is not None else "an error in the stream"
     return BackendError(f"{where} answered {label}: {message}")
 
@@ -348,6 +348,7 @@ class HTTPBackend(Backend):
         headers = dict(headers or {})
         if api_key:
             headers.setdefault("Authorization", f"Bearer {api_key}")
+        self._key_sent = any(name.lower() == "authorization" for name in headers)
         self.base_url = normalize_base_url(base_url)
         self.max_retries = max(0, max_retries)
         self.timeout = timeout  # a whole call's limit (sending, waiting, reading every chunk)
@@ -401,7 +402,8 @@ class HTTPBackend(Backend):
         url = f"{self.base_url}{path}"
         response = await self._with_retries(lambda: self._client.get(path), url)
         if response.status_code >= 400:
-            raise error_from_payload(_parse_body(response.content), status=response.status_code, where=url)
+            raise error_from_payload(_parse_body(response.content), status=response.status_code, where=url,
+                                     key_sent=self._key_sent)
         return _json_body(response, url)
 
     async def _post_json(self, path: str, body: dict[str, Any], *, model: str = "") -> Any:
@@ -456,7 +458,7 @@ class HTTPBackend(Backend):
         return self._served_models
 
     async def _http_error(self, status: int, raw: bytes, url: str, model: str) -> SpanQueryError:
-        error = error_from_payload(_parse_body(raw), status=status, where=url)
+        error = error_from_payload(_parse_body(raw), status=status, where=url, key_sent=self._key_sent)
         if isinstance(error, ModelNotFoundError):
             try:
                 served = ", ".join(await self.served_models()) or "(none)"
@@ -493,7 +495,8 @@ class HTTPBackend(Backend):
                     raw = await _read_body(response, ERROR_BODY_BYTES)
                     payload = _parse_body(raw)
                     if isinstance(payload, dict) and "error" in payload:
-                        raise error_from_payload(payload, status=response.status_code, where=url)
+                        raise error_from_payload(payload, status=response.status_code, where=url,
+                                                 key_sent=self._key_sent)
                     raise BackendError(f"{url} answered HTTP {response.status_code} with {kind or 'no content type'}, "
                                        f"not a stream of events: {raw[:200]!r}")  # fmt: skip
                 # (At [DONE] the rest of the body is left unread, and the connection closed with it: a backend is

@@ -361,6 +361,7 @@ async def aexecute(
     on_token: TokenCallback | None = None,
     reducers: Mapping[str, Reducer] | None = None,
     on_answer_token: AnswerTokenCallback | None = None,
+    api_key: str | None = None,
 ) -> ExecutionResult:
     """Run `query` on `backend` (a `Backend`, a URL, or None for the embedded default).
 
@@ -369,7 +370,7 @@ async def aexecute(
     the answer's text as it streams; `on_answer_token(index, text)` each answer's, with its index in `answers`
     (a bulk query's answers at once: of each call, its first choice; else the answer, index 0); `reducers` are the reducer instances `Combine` nodes may name (by default
     the built-in ones, built from the node's options). `max_concurrency`: calls in flight at once (None: the
-    backend's own limit).
+    backend's own limit). `api_key`: the bearer token a URL backend sends (default: `$SPANQ_API_KEY`, if set).
     """
     _check_runnable(query)
     if max_concurrency is not None and (isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int)
@@ -378,7 +379,7 @@ async def aexecute(
                                    f"the backend's limit), got {max_concurrency!r}")  # (0 and -1 ran as its limit and 1)
     # (the query's calls are read for a model name only where the embedded engine runs it: not on a server's path)
     named = embedded_model_named(backend, _one_model(query)) if runs_embedded(backend) else None
-    be, owned = resolve_backend(backend, named)
+    be, owned = resolve_backend(backend, named, api_key=api_key)
     try:
         plan = query
         if optimize:

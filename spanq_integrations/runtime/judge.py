@@ -480,6 +480,7 @@ async def ajudge(
     combine: CombineMode = "auto",
     span_anchor: AnchorPolicy | None = None,
     recompute: Recompute | None = None,
+    api_key: str | None = None,
 ) -> JudgeResult:
     """Judge `candidates` by `instruction` with a reducer template; `k` (>= 2) makes it a k-ary tree of judges,
     `k=None` one flat judge. `backend` is a `Backend`, a URL, or None for the embedded default. `combine`:
@@ -487,7 +488,7 @@ async def ajudge(
     the reducer's combine is exact in code: extract, select by scores, count, vote) or `model` (model calls at
     every level: the only way for `merge`). `span_anchor`, `recompute`: on a span engine, what each candidate's
     KV is computed after (see `plus`) and how much of it the judges compute again in context (see `generate`);
-    None: the backend's defaults.
+    None: the backend's defaults. `api_key`: the bearer token a URL backend sends (default: `$SPANQ_API_KEY`).
 
     Errors: `QueryValidationError` for k < 2, no candidates or an unknown reducer (before any call);
     `ReducerParseError` when the root's answer cannot be parsed: it names the call's path, shows the output
@@ -499,7 +500,7 @@ async def ajudge(
     mode = combine_mode(r, combine, k)
     _check_instruction(instruction)
     nodes = _candidates(candidates)
-    be, owned = resolve_backend(backend, embedded_model_named(backend, model))
+    be, owned = resolve_backend(backend, embedded_model_named(backend, model), api_key=api_key)
     try:
         if len(nodes) == 1 and not r.reads_a_lone_candidate:
             return await _lone(r, nodes[0], k, be, max_concurrency)

@@ -478,14 +478,25 @@ async def test_provider_prefix_and_default_model(stock_vllm_server):
 @pytest.mark.vllm
 def test_the_api_key_reaches_a_server_that_wants_one(stock_vllm_server, monkeypatch):
     """The stock server wants a key (`STOCK_API_KEY`): `execute` on its URL sends $SPANQ_API_KEY, or `api_key=`
-    of the one resolver; without either the call is refused, saying what is missing."""
-    from spanq_integrations import execute, resolve_backend
+    of the one resolver; without either the call is refused, saying what is missing. `execute(api_key=)` and
+    `judge(api_key=)`, which the refusal names, take it (a TypeError once); a wrong key is said to be refused, not
+    missing."""
+    from spanq_integrations import ReducerParseError, execute, judge, resolve_backend
 
     query = generate(user("Hi"), model="tiny", max_tokens=2, temperature=0)
     assert execute(query, stock_vllm_server).answer  # the key from the environment
+    with pytest.raises(BackendError, match="HTTP 401.*refused the API key sent"):
+        execute(query, stock_vllm_server, api_key="not-the-key")  # (the caller's key wins over the environment's)
     monkeypatch.delenv("SPANQ_API_KEY")
-    with pytest.raises(BackendError, match="HTTP 401.*wants an API key; pass api_key= or set SPANQ_API_KEY"):
+    with pytest.raises(BackendError, match=r"HTTP 401.*wants an API key; pass api_key= \(execute, judge.*or set SPANQ_API_KEY"):
         execute(query, stock_vllm_server)
+    assert execute(query, stock_vllm_server, api_key=STOCK_API_KEY).answer
+    try:
+        calls = judge(["a", "b"], "Pick one.", k=None, reducer="select", backend=stock_vllm_server, model="tiny",
+                      max_tokens=2, api_key=STOCK_API_KEY).calls
+    except ReducerParseError as e:  # (the tiny model's answer need not name a candidate)
+        calls = e.result.calls
+    assert len(calls) == 1, "the judge ran on the server with the key it was given"
     backend, owned = resolve_backend(stock_vllm_server, api_key=STOCK_API_KEY)
     assert owned
     try:
