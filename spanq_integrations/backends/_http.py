@@ -56,13 +56,30 @@ CONTEXT_LENGTH_MARKERS = (
 )
 
 
+ENDPOINT_PATHS = ("/chat/completions", "/completions", "/models", "/query/execute")
+
+
 def normalize_base_url(url: str) -> str:
-    """The server's root URL: no trailing slash and no trailing `/v1` (both spellings are accepted)."""
+    """The server's root URL: no trailing slash and no trailing `/v1` (both spellings are accepted); the scheme in
+    lower case (schemes are case-insensitive). A URL that cannot name a server (no host, a port out of range or
+    not a number, a broken IPv6 address, an endpoint's path) is a `BackendError` naming it."""
     url = url.strip()
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.lower() in ("http", "https"):
+        url = f"{scheme.lower()}://{rest}"
     if not url.startswith(("http://", "https://")):
         raise BackendError(f"backend URL {url!r} must start with http:// or https://")
-    if not urllib.parse.urlsplit(url).hostname:  # ("http://": it said the URL did not start with http://)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # (raises for a port out of range or not a number)  # noqa: B018
+    except ValueError as e:  # (raised from inside the HTTP client, or as an error group from its connect)
+        raise BackendError(f"backend URL {url!r} is not a server's address: {e}") from None
+    if not parts.hostname:  # ("http://": it said the URL did not start with http://)
         raise BackendError(f"backend URL {url!r} names no host: give one, as in http://localhost:8000")
+    path = parts.path.rstrip("/")
+    if path.endswith(ENDPOINT_PATHS):  # (it asked "…/v1/chat/completions/v1/models" and named a 404)
+        root = urllib.parse.urlunsplit((parts.scheme, parts.netloc, "", "", ""))
+        raise BackendError(f"backend URL {url!r} names an endpoint ({path}): give the server's root URL, as in {root}")
     return url.rstrip("/").removesuffix("/v1")
 
 

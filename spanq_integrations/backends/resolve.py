@@ -95,8 +95,8 @@ def check_backend_spec(spec: Any) -> Any:
     accepted otherwise. Checked without opening anything (adapters check at construction)."""
     if spec is None or isinstance(spec, Backend):
         return spec
-    if isinstance(spec, str) and (spec == "embedded" or spec.startswith(BACKEND_URL_SCHEMES)):
-        return spec
+    if isinstance(spec, str) and (spec == "embedded" or spec.lower().startswith(BACKEND_URL_SCHEMES)):
+        return spec  # (schemes are case-insensitive: "HTTP://host" was "an unknown backend")
     raise SpanQueryError(unknown_backend(spec))
 
 
@@ -134,10 +134,10 @@ def resolve_backend(
         "max_retries": DEFAULT_MAX_RETRIES if max_retries is None else max_retries,
         "api_key": api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None),
     }
-    if spec.startswith(SPAN_SCHEMES):
+    if spec.lower().startswith(SPAN_SCHEMES):
         from spanq_integrations.backends.span import SpanBackend
 
-        return SpanBackend(spec.removeprefix("spanq+"), **options), True
+        return SpanBackend(spec[len("spanq+") :], **options), True
     from spanq_integrations.backends.openai import OpenAIBackend
 
     return OpenAIBackend(spec, **options), True

@@ -20,8 +20,10 @@ from spanq_integrations import (
     ModelNotFoundError,
     QueryParseError,
     cross,
+    execute,
     generate,
     plus,
+    resolve_backend,
     system,
     user,
 )
@@ -199,6 +201,22 @@ def test_base_url_and_model_names_are_normalised():
             normalize_base_url(hostless)
     with pytest.raises(BackendError, match="'ftp://h' must start with http:// or https://"):
         normalize_base_url("ftp://h")
+    # A URL no server can have was refused from inside the HTTP client: an error group from its connect ("port
+    # must be 0-65535"), httpx's InvalidURL, urllib's ValueError — none of them spanq's errors, none naming the URL
+    for bad, why in [("http://127.0.0.1:80123", "Port out of range"), ("http://h:notaport", "Port could not be cast"),
+                     ("http://[::1", "Invalid IPv6 URL")]:
+        with pytest.raises(BackendError, match=rf"backend URL '{re.escape(bad)}' is not a server's address: {why}"):
+            normalize_base_url(bad)
+    with pytest.raises(BackendError, match=r"names an endpoint \(/v1/chat/completions\): give the server's root URL, as "
+                       r"in http://h:1"):
+        normalize_base_url("http://h:1/v1/chat/completions")
+    assert normalize_base_url("HTTP://h:1/v1") == "http://h:1", "schemes are case-insensitive"
+    for spec in ("HTTP://h:1", "Spanq+Http://h:1"):
+        backend, owned = resolve_backend(spec)  # (was "an unknown backend")
+        assert owned and backend.base_url == "http://h:1"
+        asyncio.run(backend.aclose())
+    with pytest.raises(BackendError, match="'http://127.0.0.1:80123' is not a server's address"):
+        execute(generate(user("Hi"), max_tokens=1), "spanq+http://127.0.0.1:80123")
     assert server_model_name("vllm/tiny") == "tiny"
     assert server_model_name("ollama/granite3.2:2b") == "granite3.2:2b"
     assert server_model_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
