@@ -344,7 +344,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "unread": [u.model_dump() for u in result.unread],
         }
         print(json.dumps(report, indent=2, ensure_ascii=False))
-        return 0
+        return _no_answer(result)
     answered, bulk = result.answer_call, result.bulk_answers
     if line_open[0]:
         print()
@@ -359,9 +359,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(result.answer)
     for unread in result.unread:
         print(f"spanq run: the combine left out an answer it could not read: {unread.error}", file=sys.stderr)
+    said: set[str] = set()
+    for call in result.calls:  # (only --json showed it: a plain server's calls read as spans, silently)
+        if call.fallback and call.fallback not in said:
+            said.add(call.fallback)
+            others = sum(1 for c in result.calls if c.fallback == call.fallback) - 1
+            print(f"spanq run: {call.path}" + (f" (and {others} more calls)" if others else "") + f": {call.fallback}",
+                  file=sys.stderr)
     print()
     print(metrics_table(result.calls, result.totals()))
-    return 0
+    return _no_answer(result)
+
+
+def _no_answer(result: Any) -> int:
+    """1, said on stderr, where the answer is a combine that could read none of the answers below it (an empty
+    answer and status 0 once, where `judge` says "no verdict"); else 0."""
+    if not result.unread or result.answer or result.answer_call is not None:
+        return 0
+    print(f"spanq run: error: no answer: the combine could read none of the answers below it (the first: "
+          f"{result.unread[0].error})", file=sys.stderr)
+    return 1
 
 
 def _source_checkout() -> Path | None:

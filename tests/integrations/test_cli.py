@@ -213,6 +213,23 @@ def test_run_prints_the_answer_and_a_metrics_table(query_file, stock_vllm_server
 
 
 @pytest.mark.vllm
+def test_run_says_a_fallback_and_a_combine_that_read_nothing(query_file, stock_vllm_server, capsys):
+    """On a plain server the spans go as plain text: said on stderr (only --json showed `fallback`). A tree whose
+    combine in code reads none of its leaves (the tiny model does not count) is no answer: exit 1 with why, as
+    `judge` says "no verdict" (it printed an empty answer and exited 0)."""
+    argv = ["run", str(query_file), "--backend", stock_vllm_server, "--model", "tiny"]
+    assert main(argv) == 0
+    assert "spanq run: $: an OpenAI-compatible server: the spans were sent as plain text" in capsys.readouterr().err
+    argv += ["--tree-k", "2", "--reducer", "count"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "spanq run: error: no answer: the combine could read none of the answers below it (the first: $" in err
+    assert main([*argv, "--json"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["answer"] == "" and "error: no answer" in captured.err
+
+
+@pytest.mark.vllm
 def test_run_json(query_file, stock_vllm_server, capsys):
     assert (
         main(["run", str(query_file), "--backend", f"{stock_vllm_server}/v1", "--json", "--model", "tiny"])
