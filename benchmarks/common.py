@@ -164,8 +164,26 @@ def base_parser(
     )
     parser.add_argument("--tag", default="", help="suffix of the output file names, to keep several runs")
     parser.add_argument("--verbose", action="store_true", help="show vLLM's INFO log lines too")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action=_NoProgress, help="no progress bar (the model loader's neither)")
     return parser
+
+
+class _NoProgress(argparse.Action):
+    """--no-progress: the benchmark's bar off, and the bars of what loads models with it (transformers' "Loading
+    weights", which showed on every engine start of a run that asked for none)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, True)
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # (read by the hub's bars, and by processes started later)
+        try:
+            from transformers.utils import logging as hf_logging
+        except ImportError:
+            return
+        hf_logging.disable_progress_bar()
 
 
 def only_with(parser: argparse.ArgumentParser, args: argparse.Namespace, needed: str, on: bool,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib
 import json
+import os
 import random
 import re
 import subprocess
@@ -665,3 +666,19 @@ def test_bench_cluster_takes_topics_0_as_its_docs_and_help_say():
     assert cluster.parse_args([]).topics == 8
     with pytest.raises(SystemExit):
         cluster.parse_args(["--topics", "-1"])
+
+
+def test_no_progress_turns_the_model_loaders_bar_off_too(monkeypatch):
+    """`--no-progress` turned the benchmark's bar off, and every engine start still drew transformers' "Loading
+    weights" bar into the run's output."""
+    from transformers.utils import logging as hf_logging
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    assert base_parser("x", "A benchmark.").parse_args([]).no_progress is False
+    assert hf_logging.is_progress_bar_enabled(), "without the flag the loader's bar stays as it was"
+    try:
+        assert base_parser("x", "A benchmark.").parse_args(["--no-progress"]).no_progress is True
+        assert not hf_logging.is_progress_bar_enabled()
+        assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1", "processes started later: their loaders' too"
+    finally:
+        hf_logging.enable_progress_bar()
