@@ -674,6 +674,7 @@ def test_no_progress_turns_the_model_loaders_bar_off_too(monkeypatch):
     from transformers.utils import logging as hf_logging
 
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    hf_logging.enable_progress_bar()  # (an earlier benchmark run in this process may have turned it off)
     assert base_parser("x", "A benchmark.").parse_args([]).no_progress is False
     assert hf_logging.is_progress_bar_enabled(), "without the flag the loader's bar stays as it was"
     try:
