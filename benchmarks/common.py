@@ -206,8 +206,9 @@ def add_recompute_flag(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument(
         "--recompute", type=recompute_arg, default=None, metavar="SETTING",
-        help="span blocks recomputed in context (question, 0, first, last, first+question, attention or a share; default: the engine's, "
-        "question; tables measured before 2026-12-04 ran at 0)",
+        help="span blocks recomputed in context (first+question, question, 0, first, last, attention or a share; "
+        "default: the engine's, first+question; tables measured before 2026-12-06 ran at question, before "
+        "2026-12-04 at 0)",
     )  # fmt: skip
 
 

@@ -51,10 +51,11 @@ __all__ = [
     "recompute_setting",
 ]
 
-# What a call that says nothing recomputes: as many blocks as spans, those the question shares most with
-# (docs/design.md, "Recompute", says how it was chosen: docs/benchmarks.md `quality` measures it beside `0`).
-# `0` (nothing: span attention as it is, the fastest) is one argument away.
-DEFAULT_RECOMPUTE: Recompute = "question"
+# What a call that says nothing recomputes: each span's first block and as many more, those the question shares
+# most with — the first setting measured to meet every quality goal at a count per span (docs/design.md, "Why the
+# default is first+question"; docs/benchmarks.md `quality` measures it). "question" (half the recompute) and `0`
+# (nothing: span attention as it is, the fastest) are one argument away.
+DEFAULT_RECOMPUTE: Recompute = "first+question"
 
 
 def recompute_setting(value: Recompute | str | float | None) -> Recompute:

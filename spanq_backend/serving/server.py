@@ -145,10 +145,10 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     spanq.add_argument(
         "--recompute", dest="spanq_recompute", type=recompute_arg, default=DEFAULT_RECOMPUTE, metavar="SETTING",
-        help="span blocks recomputed in context for quality when a query says nothing: question (the default: "
-        "as many blocks as spans, those the question shares most with), none (raw span speed), first, last (each "
-        "span's first / last block), first+question (each span's first block and as many more, those the question "
-        "shares most with), attention (as many blocks, those the question attends to most, read by a pass "
+        help="span blocks recomputed in context for quality when a query says nothing: first+question (the "
+        "default: each span's first block and as many more, those the question shares most with), question (as "
+        "many blocks as spans, those the question shares most with: half the recompute), none (raw span speed), "
+        "first, last (each span's first / last block), attention (as many blocks, those the question attends to most, read by a pass "
         "of its own first), or a share of span blocks such as 0.1",
     )
     spanq.add_argument(

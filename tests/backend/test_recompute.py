@@ -229,14 +229,14 @@ def test_recomputed_kv_never_lands_under_a_span_key(engine, hf_model):
 
 @pytest.mark.vllm
 def test_a_call_that_says_nothing_gets_its_engines_setting(engine):
-    """One default (`recompute.DEFAULT_RECOMPUTE`, "question") on the embedded engine and `spanq serve` alike; an
+    """One default (`recompute.DEFAULT_RECOMPUTE`, "first+question") on the embedded engine and `spanq serve` alike; an
     engine configured otherwise (here `"first"`) applies its setting to every call that says nothing, and a call's
     own setting (`recompute=0`) wins."""
     from spanq_backend.serving.engine import EngineConfig
     from spanq_backend.serving.recompute import DEFAULT_RECOMPUTE
     from spanq_backend.serving.server import parse_serve_args
 
-    assert EngineConfig().recompute == DEFAULT_RECOMPUTE == parse_serve_args(["--model", "tiny"]).spanq_recompute == "question"
+    assert EngineConfig().recompute == DEFAULT_RECOMPUTE == parse_serve_args(["--model", "tiny"]).spanq_recompute == "first+question"
     d = docs("default")
     lowered = engine.lower(query(d, "ABCD", "Which shelf holds 5 jars?"))
     plan = engine.generator.recompute_plan(query(d, "ABCD", "?"), lowered)
