@@ -44,6 +44,10 @@ def tokenizer(tiny_model):
 
 
 def span_generator(engine, tokenizer, **kw):
+    """A generator on the scripted engine. Nothing recomputed unless a test says (these count prepares and cached
+    tokens; recompute's own requests are `tests/backend/test_recompute.py`'s): the default, "first+question",
+    recomputes each span's first block, "question" recomputed nothing in these prompts."""
+    kw.setdefault("default_recompute", 0)
     return SpanGenerator(engine, tokenizer, block_size=32, max_model_len=4096, model_name="tiny", **kw)
 
 
