@@ -25,6 +25,7 @@ from spanq_integrations.query.ir import (
     Retrieve,
     System,
     User,
+    mixed_group,
 )
 
 __all__ = ["json_values", "span_queries", "spnl_core_queries"]
@@ -88,7 +89,7 @@ def span_queries(
             Generate,
             input=children,
             n=st.integers(1, 3),
-            stop=st.lists(text, max_size=2).map(tuple),
+            stop=st.lists(text.filter(bool), max_size=2).map(tuple),  # (an empty stop string is refused)
             seed=st.none() | st.integers(min_value=0, max_value=2**63 - 1),
             **settings,
         )
@@ -99,7 +100,8 @@ def span_queries(
         branches = [
             st.builds(Plus, children=some, keyword=st.sampled_from(["plus", "par"]),
                       anchor=st.none() | st.sampled_from(ANCHOR_POLICIES),
-                      role=st.none() | st.sampled_from(SPAN_ROLES)),
+                      role=st.none() | st.sampled_from(SPAN_ROLES)).filter(lambda p: mixed_group(p) is None),
+            # (a plus directly in a plus with a role or anchor of its own is refused where it is: ir.mixed_group)
             st.builds(Cross, children=some, keyword=st.sampled_from(["cross", "seq"])),
             generates,
             st.builds(Monad, query=children),

@@ -21,6 +21,7 @@ from spanq_integrations.query.errors import QueryValidationError
 __all__ = [
     "ANCHOR_POLICIES",
     "DEFAULT_TEMPERATURE",
+    "EMPTY_STOP",
     "NODE_TYPES",
     "RECOMPUTE_POLICIES",
     "SPAN_ROLES",
@@ -185,6 +186,13 @@ class Generate(_Node):
     @classmethod
     def _a_share_or_a_policy(cls, value: Recompute | None) -> Recompute | None:
         return recompute_in_range(value)
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s for s in value):  # (what `generate` and the spnl reader refuse, a node built directly too)
+            raise ValueError(EMPTY_STOP)
+        return value
 
     @field_validator("json_schema")
     @classmethod
@@ -599,7 +607,13 @@ def _stops(stop: Any, where: str) -> tuple[str, ...]:
         raise QueryValidationError(where, f"expected a string or a list of strings, got {type(stop).__name__}") from None
     if not all(isinstance(x, str) for x in stops):
         raise QueryValidationError(where, f"expected a string or a list of strings, got {stop!r}")
+    for i, x in enumerate(stops):  # (the engine refused it, naming the call, not the stop)
+        if not x:
+            raise QueryValidationError(f"{where}[{i}]", EMPTY_STOP)
     return stops
+
+
+EMPTY_STOP = "an empty stop string (engines refuse it): leave it out"
 
 
 def recompute_in_range(value: Any) -> Any:

@@ -24,6 +24,7 @@ from spanq_integrations.query.ir import (
     ANCHOR_POLICIES,
     COLD_SPAN_POLICIES,
     DEFAULT_TEMPERATURE,
+    EMPTY_STOP,
     RECOMPUTE_POLICIES,
     SPAN_ROLES,
     Assistant,
@@ -381,12 +382,20 @@ def _read_generate_body(value: Any, path: str) -> Generate:
         input=_read_node(body["input"], f"{path}.input"),
         **_settings(body, path),
         n=1 if n is None else _integer(n, f"{path}.n", 1),
-        stop=tuple(_string(s, f"{path}.stop[{i}]") for i, s in enumerate(stop_items)),
+        stop=tuple(_stop(s, f"{path}.stop[{i}]") for i, s in enumerate(stop_items)),
         seed=None if seed is None else _integer(seed, f"{path}.seed", None),
         json_schema=_json_schema(body.get("json_schema"), f"{path}.json_schema"),
         recompute=_recompute(body.get("recompute"), f"{path}.recompute"),
         cold_spans=_cold_spans(body.get("cold_spans"), f"{path}.cold_spans"),
     )
+
+
+def _stop(value: Any, path: str) -> str:
+    """One stop string of a list: a string, not empty (the engine refused it, naming the call)."""
+    text = _string(value, path)
+    if not text:
+        raise QueryParseError(path, EMPTY_STOP)
+    return text
 
 
 def _cold_spans(value: Any, path: str) -> Any:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 
 from spanq_integrations.query import ir, spnl_json
-from spanq_integrations.query.errors import QueryValidationError
+from spanq_integrations.query.errors import QueryParseError, QueryValidationError
 from spanq_integrations.query.ir import (
     NODE_TYPES,
     Cross,
@@ -256,6 +256,12 @@ def test_a_stop_string_is_one_stop_and_fragment_metadata_is_the_documents():
     the dict under a key "metadata"."""
     assert generate("q", stop="END").stop == ("END",) and generate("q", stop=["a", "b"]).stop == ("a", "b")
     assert generate("q", stop="").stop == ()  # (an empty string stops nothing, as before)
+    # …but one in a list went to the engine, which refused the call by its path alone ("$: …"): named here, read
+    # from spnl JSON too
+    with pytest.raises(QueryValidationError, match=r"generate\(stop\)\[1\]: an empty stop string"):
+        generate("q", stop=["END", ""])
+    with pytest.raises(QueryParseError, match=r"\$\.g\.stop\[0\]: an empty stop string"):
+        spnl_json.loads('{"g": {"input": {"user": "q"}, "stop": [""]}}')
     assert ir.fragment("x", metadata={"source": "s"}, page=2).metadata == {"source": "s", "page": 2}
     assert ir.fragment("x", source="s").metadata == {"source": "s"}
     assert generate("q", recompute="none").recompute == 0.0
