@@ -56,7 +56,8 @@ CONTEXT_LENGTH_MARKERS = (
 )
 
 
-ENDPOINT_PATHS = ("/chat/completions", "/completions", "/models", "/query/execute")
+# Paths of an OpenAI-compatible server's (or spanq serve's) endpoints: a backend URL ending so named one, not a root
+ENDPOINT_PATHS = ("/chat/completions", "/completions", "/v1/models", "/v1/query/execute")
 
 
 def normalize_base_url(url: str) -> str:

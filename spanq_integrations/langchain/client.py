@@ -217,7 +217,8 @@ class SpanQueryClient(BaseModel):
     """How much of each document a span backend computes again in context, for quality: 0 none, "first" / "last"
     each document's first / last KV block, "question" as many blocks, those the question shares most with,
     "first+question" each document's first block and as many more, those the question shares most with, "attention"
-    as many, those it attends to most (a pass of its own first), a share in (0, 1] of the document blocks; None is the backend's default. Other backends ignore it."""
+    as many, those it attends to most (a pass of its own first), a share in (0, 1] of the document blocks; None is
+    the backend's default. Other backends ignore it."""
 
     _backend_instance: Backend | None = PrivateAttr(default=None)
     _owns_backend: bool = PrivateAttr(default=False)
