@@ -58,7 +58,7 @@ def tiny_backend(tiny_model):
     are prepared alone first ("isolate"), whatever their size, and a call that says nothing recomputes nothing
     (`recompute=0`): the adapters' tests count what each call prepared and read from the cache. The default policy
     ("auto", small cold prompts computed in context as stock does) is `tests/backend/test_cold_spans.py`'s subject,
-    the default recompute ("question") `tests/backend/test_recompute.py`'s and `test_demo_answers.py`'s."""
+    the default recompute ("first+question") `tests/backend/test_recompute.py`'s and `test_demo_answers.py`'s."""
     from spanq_backend.serving.embedded import EmbeddedBackend
 
     backend = EmbeddedBackend(str(tiny_model), max_model_len=2048, max_num_seqs=8, cold_spans="isolate", recompute=0)
