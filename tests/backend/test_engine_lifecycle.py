@@ -231,7 +231,12 @@ def test_a_script_that_leaves_its_own_engine_running_ends_cleanly(tiny_model, tm
     assert done.returncode == 0, done.stderr[-2000:]
     assert "closed by with: True" in done.stdout and "deferred: 6" in done.stdout, done.stdout
     assert "Traceback" not in done.stderr and "engine failed" not in done.stderr, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr, done.stderr[-2000:]
 
     broken = run("--no-close-at-exit")
     assert "deferred: 6" in broken.stdout, broken.stdout  # its answer came, with prepares still to run at exit
-    assert "engine failed" in broken.stderr and "Traceback" in broken.stderr, broken.stderr[-2000:]
+    # Torn down mid-step, it fails one of two ways by when exit finds the engine's thread: vLLM's traceback
+    # ("the engine failed"), or the C++ runtime's abort of a thread still running ("terminate called …", seen in
+    # a clean-clone CI run)
+    torn = ("engine failed" in broken.stderr and "Traceback" in broken.stderr) or "terminate called" in broken.stderr
+    assert torn, broken.stderr[-2000:]
