@@ -103,7 +103,9 @@ class EngineConfig:
     span_anchor: AnchorPolicy = DEFAULT_ANCHOR  # the anchor policy of a `plus` that names none
     span_lead_in: str = LEAD_IN_NEUTRAL  # what a canonical anchor reads before each span: "neutral", "auto", a text, "none"
     cold_spans: str = "auto"  # spans not cached: "auto", "isolate" or "context" (`SpanGenerator.cold_policy`)
-    isolate_min_tokens: int = ISOLATE_MIN_TOKENS  # "auto": cold span tokens from which they are isolated
+    # "auto": cold span tokens from which they are isolated (a call that recomputes blocks: at least
+    # ISOLATE_MIN_TOKENS_RECOMPUTING, `SpanGenerator.isolate_from`)
+    isolate_min_tokens: int = ISOLATE_MIN_TOKENS
     # A warm call whose documents the cache holds in context (read so before, in some order) is read as stock reads
     # it where that computes at most a block more than the span layout (`SpanGenerator.in_context`); False: spans
     read_in_context: bool = True

@@ -211,7 +211,17 @@ ISOLATE_MIN_TOKENS = 1536
 round of its own) instead of computing them in context: below it, attention over the whole prompt costs less than
 the extra round and the padding (`spanq bench rag --grid --cold-spans isolate|context`, docs/benchmarks.md, "Cold
 spans": on tiny, isolating is 0.56-0.87x stock cold up to 1k cold tokens and 1.05-1.94x from 2k; the documents of
-a 2048-token grid cell hold just under 2048 span tokens, hence 1536)."""
+a 2048-token grid cell hold just under 2048 span tokens, hence 1536). That was measured on calls that recompute
+nothing; a call that recomputes blocks isolates from `ISOLATE_MIN_TOKENS_RECOMPUTING`."""
+
+ISOLATE_MIN_TOKENS_RECOMPUTING = 5120
+"""`cold_spans="auto"`, a call that recomputes span blocks (any recompute setting but 0; the default
+`"first+question"` is one): the cold span tokens from which its cold spans are prepared alone first. Its recompute
+round then computes in context, at the end of a long prompt, some of what isolating saved: at the default, on
+SmolLM2 and tiny, isolating was 0.60-1.00x stock cold from 537 to 4111 prompt tokens, where reading them in context
+was 0.98-1.06x (and full attention's answer); 1.23x at 6142 and 1.37x at 7661 on SmolLM2 (`spanq bench rag`,
+docs/benchmarks.md, "Cold spans at the default recompute"). `isolate_min_tokens` stays the least, where it is set
+higher."""
 
 
 # A prompt with more characters than this is tokenized off the event loop before it is laid out, and refused there if
@@ -1070,13 +1080,25 @@ class SpanGenerator:
         if self.on_quiet is not None:
             self.on_quiet()
 
-    def cold_policy(self, lowered: LoweredPrompt, cold: list[int], setting: str | None = None) -> str:
+    def isolate_from(self, call: Generate) -> int:
+        """The cold span tokens from which `"auto"` prepares a call's cold spans alone first: `isolate_min_tokens`,
+        or `ISOLATE_MIN_TOKENS_RECOMPUTING` where that is more and the call recomputes span blocks (its own
+        setting, else the engine's)."""
+        recomputes = call.recompute if call.recompute is not None else self.default_recompute
+        if recomputes:
+            return max(self.isolate_min_tokens, ISOLATE_MIN_TOKENS_RECOMPUTING)
+        return self.isolate_min_tokens
+
+    def cold_policy(
+        self, lowered: LoweredPrompt, cold: list[int], setting: str | None = None, min_tokens: int | None = None
+    ) -> str:
         """How this call computes its spans that are not cached: "isolate" (a prepare round: each alone after its
         anchor, then the answer reads them from the cache) or "context" (the answer's own request computes them
         in context, after the cached ones, as a stock prompt would; they are prepared alone later, when the
         engine is idle). Isolating pays where attention over the whole prompt costs more than a round trip: many
-        cold tokens (`isolate_min_tokens`, measured in docs/benchmarks.md, `rag --grid`). `setting` is the call's
-        own (`Generate.cold_spans`); None: the engine's."""
+        cold tokens (`min_tokens`, the call's `isolate_from`; None: `isolate_min_tokens`; measured in
+        docs/benchmarks.md, `rag --grid`). `setting` is the call's own (`Generate.cold_spans`); None: the
+        engine's."""
         if self.span_cached is None:
             return "isolate"  # nothing says which spans are cached: prepare each (cheap where it is)
         setting = setting or self.cold_spans
@@ -1086,7 +1108,8 @@ class SpanGenerator:
             return "isolate"  # their prepares load them from the engine's span tier: cheaper than reading them
         table = lowered.table
         cold_tokens = sum(table.spans[i][1] - table.spans[i][0] for i in cold)
-        return "isolate" if cold_tokens >= self.isolate_min_tokens else "context"
+        threshold = self.isolate_min_tokens if min_tokens is None else min_tokens
+        return "isolate" if cold_tokens >= threshold else "context"
 
     def reads_from_tier(self, lowered: LoweredPrompt, cold: list[int]) -> bool:
         """Whether the call's request can load its cold spans from the engine's span tier itself: the tier
@@ -1150,7 +1173,7 @@ class SpanGenerator:
         recomputes = call.recompute if call.recompute is not None else self.default_recompute
         if not recomputes and self.reads_from_tier(lowered, cold):  # the answer's own request loads them
             return CallLayout(lowered, flattened, "tier", spans=spans)
-        mode = self.cold_policy(lowered, cold, call.cold_spans)
+        mode = self.cold_policy(lowered, cold, call.cold_spans, self.isolate_from(call))
         prompts = [lowered.prepare_prompt(i) for i in cold]
         if mode == "isolate":
             return CallLayout(lowered, flattened, mode, isolate=prompts, isolated=cold, spans=spans)
@@ -1241,7 +1264,7 @@ class SpanGenerator:
         if not texts or any(span_digest(text) in self._span_blocks for text in texts):
             return None
         stock, _ = self._lower(call, stock=True)
-        if setting == "auto" and len(stock.token_ids) >= self.isolate_min_tokens:
+        if setting == "auto" and len(stock.token_ids) >= self.isolate_from(call):
             return None  # the cold span tokens may reach the threshold: count them on the span layout
 
         return CallLayout(

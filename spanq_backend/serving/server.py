@@ -28,7 +28,12 @@ from spanq_backend.serving.cluster_options import (
     positive_int,
 )
 from spanq_backend.serving.engine_defaults import ENGINE_DEFAULTS, cpu_env_defaults, on_cpu, platform_defaults
-from spanq_backend.serving.generator import ISOLATE_MIN_TOKENS, LEAD_IN_NEUTRAL, load_chat_tokenizer
+from spanq_backend.serving.generator import (
+    ISOLATE_MIN_TOKENS,
+    ISOLATE_MIN_TOKENS_RECOMPUTING,
+    LEAD_IN_NEUTRAL,
+    load_chat_tokenizer,
+)
 from spanq_backend.serving.lowering import DEFAULT_ANCHOR
 from spanq_backend.serving.processes import ExitGuard
 from spanq_backend.serving.query_route import build_query_router
@@ -121,7 +126,8 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     spanq.add_argument(
         "--cold-spans", dest="spanq_cold_spans", choices=COLD_SPAN_POLICIES, default="auto",
         help="documents not cached yet: as their size says (auto, the default: isolate from --isolate-min-tokens "
-        f"cold tokens, {ISOLATE_MIN_TOKENS} by default, else context); prepared alone first, so the first answer "
+        f"cold tokens, {ISOLATE_MIN_TOKENS} by default, {ISOLATE_MIN_TOKENS_RECOMPUTING} at least for a query that "
+        "recomputes blocks, else context); prepared alone first, so the first answer "
         "is the one every later query gets (isolate: faster than stock on large cold prompts, slower on small "
         "ones); computed in context by the query as stock vLLM would, and prepared alone when the engine is idle "
         "(context: a stock answer first, at stock's speed, span answers after)",
@@ -141,7 +147,8 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     spanq.add_argument(
         "--isolate-min-tokens", dest="spanq_isolate_min_tokens", type=positive_int, default=ISOLATE_MIN_TOKENS,
-        metavar="N", help="--cold-spans auto: cold document tokens from which they are prepared alone first",
+        metavar="N", help="--cold-spans auto: cold document tokens from which they are prepared alone first (a "
+        f"query that recomputes blocks, as the default does: from {ISOLATE_MIN_TOKENS_RECOMPUTING} at least)",
     )
     spanq.add_argument(
         "--recompute", dest="spanq_recompute", type=recompute_arg, default=DEFAULT_RECOMPUTE, metavar="SETTING",

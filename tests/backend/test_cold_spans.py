@@ -286,6 +286,38 @@ def test_the_default_isolates_only_large_cold_prompts(engine):
     assert large.extra["cold_spans"] == "isolate" and large.prepared_spans == 4 and large.deferred_spans == 0
 
 
+def test_a_call_that_recomputes_blocks_isolates_its_cold_spans_only_from_the_larger_threshold(engine, monkeypatch):
+    """A call that recomputes span blocks (the default `first+question`) computes again, in context, some of what
+    isolating its cold spans saved: "auto" isolates it only from `ISOLATE_MIN_TOKENS_RECOMPUTING` cold tokens
+    (docs/benchmarks.md, "Cold spans at the default recompute"). Below that it reads them in context — stock's
+    prompt and answer — where a call that recomputes nothing, over as many cold tokens, is prepared alone first."""
+    from spanq_backend.serving import generator as generator_module
+
+    gen = engine.generator
+    gen.cold_spans = "auto"
+    recomputing = {"recompute": "first+question"}
+
+    async def scenario():
+        gen.isolate_min_tokens = 1  # any cold token reaches the threshold of a call that recomputes nothing
+        plain = await engine.generate(query(docs("rc-0"), "ABCD"))
+        engine.settle()
+        fq = await engine.generate(query(docs("rc-fq"), "ABCD").model_copy(update=recomputing))
+        engine.settle()
+        monkeypatch.setattr(generator_module, "ISOLATE_MIN_TOKENS_RECOMPUTING", 1)
+        large = await engine.generate(query(docs("rc-large"), "ABCD").model_copy(update=recomputing))
+        return plain.metrics, fq.metrics, large.metrics
+
+    try:
+        plain, fq, large = asyncio.run(scenario())
+    finally:
+        gen.cold_spans, gen.isolate_min_tokens = "context", generator_module.ISOLATE_MIN_TOKENS
+        engine.settle()
+    assert plain.extra["cold_spans"] == "isolate" and plain.prepared_spans == 4
+    assert fq.extra["cold_spans"] == "context" and fq.prepared_spans == 0 and fq.deferred_spans == 4
+    assert fq.extra["recomputed_tokens"] == 0  # read in context: nothing of the documents is a span to recompute
+    assert large.extra["cold_spans"] == "isolate" and large.prepared_spans == 4 and large.extra["recomputed_tokens"] > 0
+
+
 def test_a_call_says_how_its_own_cold_spans_are_computed(engine):
     """`generate(..., cold_spans=...)` overrides the engine's policy for that call only (judges ask "isolate"):
     on this "context" engine, the call's cold documents are prepared alone first; the next call is as before."""
