@@ -455,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         metavar="URL|embedded",
         help="an OpenAI-compatible server URL, spanq+http://host:port for `spanq serve`, "
-        "or embedded (default)",
+        "or embedded (default); a URL backend sends $SPANQ_API_KEY as its bearer token, where it is set",
     )
     run.add_argument("--model", metavar="NAME", help="run every call on this model (overrides the file's); on the "
                      "embedded backend, the model its engine runs: default, tiny, tiny-<family>, a model folder or a "
