@@ -201,6 +201,9 @@ def loads(text: str | bytes) -> Node:
         raise QueryParseError("$", f"the text is not UTF-8: {e.reason} at byte {e.start}") from None
     except RecursionError:
         raise QueryParseError("$", "the document is nested too deeply to read") from None
+    if isinstance(doc, str):  # (`from_json` would read the string as JSON text again: a query encoded twice)
+        raise QueryParseError("$", "expected a query node (a JSON object), got a string: write the query's JSON "
+                              "itself, not a string that holds it")
     return from_json(doc)
 
 

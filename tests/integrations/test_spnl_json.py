@@ -393,6 +393,17 @@ def test_malformed_json_names_line_and_column() -> None:
     assert str(e).startswith("$: invalid JSON at line 3 column 28: ")
 
 
+def test_a_query_file_holding_a_json_string_is_refused_as_a_string_not_as_invalid_json() -> None:
+    """A file whose JSON is a string is valid JSON, not a query: a plain string was refused as "invalid JSON", and
+    a query encoded twice (a string holding a query's JSON) was read as the query — the server refuses both."""
+    from spanq_integrations.query.spnl_json import loads
+
+    for text in ('"hello"', json.dumps(json.dumps({"g": {"model": "", "input": {"user": "Hi"}}}))):
+        with pytest.raises(QueryParseError) as e:
+            loads(text)
+        assert str(e.value).startswith("$: expected a query node (a JSON object), got a string"), text
+
+
 def test_generate_without_input() -> None:
     e = _error({"g": {"model": "m"}})
     assert str(e) == '$.g: missing "input"'
