@@ -149,14 +149,20 @@ def clear(root: Path, name: str) -> None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="spanq tier", description=__doc__.splitlines()[0])
-    parser.add_argument("dir", metavar="DIR", help="the span tier's folder")
+    parser.add_argument("dir", metavar="DIR", nargs="?", help="the span tier's folder")
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--check", action="store_true", help="read every block against its checksum; set aside those "
                         "that fail (a set-aside block is computed again when a span needs it)")
     action.add_argument("--clear", nargs="?", const="all", metavar="NAMESPACE",
                         help="remove every namespace (or the one named) and its blocks")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.dir is None:
+        if args.clear in (None, "all"):
+            parser.error("the following arguments are required: DIR")
+        # `spanq tier --clear DIR`: the flag took the folder as the namespace it may name; nothing else is the folder
+        args.dir, args.clear = args.clear, "all"
+    return args
 
 
 def tier_main(argv: list[str]) -> int:

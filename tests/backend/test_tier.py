@@ -507,6 +507,20 @@ def test_spanq_tier_lists_checks_and_clears_what_a_tier_holds(tmp_path, capsys, 
     assert tier_main([str(tmp_path / "missing")]) == 2
 
 
+def test_spanq_tier_clear_before_its_folder_clears_that_folder(tmp_path, capsys):
+    """`spanq tier --clear DIR`, the flag first: `--clear` may name a namespace, so it took the folder as one and
+    the command said DIR was missing. The folder is the folder; `--clear NAMESPACE DIR` still names a namespace."""
+    from spanq_backend.serving.tier_command import tier_main
+
+    for ns in ("ns1", "ns2"):
+        tier.DiskTier(tmp_path, ns, {"model": "abc"}).flush()
+    assert tier_main(["--clear", "ns2", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] == ["ns2"] and (tmp_path / "ns1").exists()
+    assert tier_main(["--clear", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] == ["ns1"] and not (tmp_path / "ns1").exists()
+    assert tier_main(["--clear"]) == 2 and "required: DIR" in capsys.readouterr().err
+
+
 def _stored(tmp_path, parts=None) -> tuple[tier.DiskTier, bytes]:
     store = tier.DiskTier(tmp_path, "ns", parts)
     h = bytes(range(32))
