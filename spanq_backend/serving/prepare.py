@@ -173,9 +173,14 @@ def prepare_on_server(url: str, texts: list[str], pin: bool) -> dict[str, Any]:
     import urllib.error
     import urllib.request
 
+    from spanq_integrations.backends._http import normalize_base_url
     from spanq_integrations.backends.resolve import API_KEY_ENV
+    from spanq_integrations.query.errors import SpanQueryError
 
-    url = url.removeprefix("spanq+").rstrip("/")
+    try:  # (the root, as `spanq run --backend` reads it: an OpenAI base URL's `/v1` asked `/v1/v1/spans`, a 404)
+        url = normalize_base_url(url.strip().removeprefix("spanq+"))
+    except SpanQueryError as e:
+        raise RuntimeError(str(e)) from None
     headers = {"Content-Type": "application/json"}
     if os.environ.get(API_KEY_ENV):
         headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"

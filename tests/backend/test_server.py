@@ -399,6 +399,9 @@ def test_spanq_prepare_sends_a_corpus_to_a_server_which_prepares_and_pins_it(ser
         report = json.loads(out)
         assert report["documents"] == 2 and report["prepared"] + report["held"] == 2 and report["pinned_total"] > 0
         assert report["skipped_lines"] == 1 and ":2: not a document" in err
+        # An OpenAI base URL, as `spanq run --backend` takes it: the same server (it asked /v1/v1/spans, a 404)
+        assert prepare_main([str(corpus), "--server", f"{server.url}/v1/", "--json"]) == 1
+        assert json.loads(capsys.readouterr().out)["documents"] == 2
     finally:
         httpx.delete(f"{server.url}/v1/spans/pin", timeout=30)
     down = f"http://127.0.0.1:{_closed_port()}"
