@@ -239,6 +239,15 @@ def is_model_not_found(status: int | None, message: str, error_type: str = "", c
     return status == 404 and "model" in text and ("does not exist" in text or "not found" in text)
 
 
+def context_length_hint(message: str) -> str:
+    """What to do about a context-length refusal: lower `max_tokens` where the message blames it (a prompt
+    split in parts would not help), else shorten or split the prompt — in Python and on the command line."""
+    if _split_path(message)[0].endswith(".max_tokens") or "is not below the model's context window" in message:
+        return "lower max_tokens"
+    return ("shorten the prompt, lower max_tokens, or split the input (tree reduction: tree_reduction=k in Python, "
+            "spanq run --tree-k K, or a judge's k)")
+
+
 def error_from_payload(body: Any, *, status: int | None, where: str, key_sent: bool = False) -> SpanQueryError:
     """The typed error for an error answer (`body`: parsed JSON or text; `status`: None inside a stream;
     `key_sent`: the call carried an API key, so a 401 refused that key rather than asked for one)."""
@@ -251,10 +260,7 @@ def error_from_payload(body: Any, *, status: int | None, where: str, key_sent: b
     if is_model_not_found(status, message, error_type, code):
         return ModelNotFoundError(f"{where}: {message}")
     if error_type == "ContextLengthError" or any(m in message.lower() for m in CONTEXT_LENGTH_MARKERS):
-        return ContextLengthError(
-            f"{where}: {message} — shorten the prompt, lower max_tokens, or split the input "
-            "(tree reduction: tree_reduction=k, or a judge's k)"
-        )
+        return ContextLengthError(f"{where}: {message} — {context_length_hint(message)}")
     if error_type in _MESSAGE_ERRORS:
         return _MESSAGE_ERRORS[error_type](f"{where}: {message}")
     if status in (502, 503, 504):

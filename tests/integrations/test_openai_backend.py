@@ -193,6 +193,19 @@ def test_http_errors_map_to_typed_errors(status, body, expected):
     assert "http://x/v1/chat/completions" in str(error)
 
 
+def test_a_context_length_refusal_says_what_to_do_about_its_own_cause():
+    """A call refused for its max_tokens (no prompt fits) is told to lower max_tokens — splitting the input, the
+    hint for a prompt too long, would not help it; the prompt's hint names the command line's flag too."""
+    blamed = {"error": {"message": "$.g.max_tokens: max_tokens=5000 is not below the model's context window of 4096 "
+                                   "tokens; this prompt of 9 tokens leaves room for at most 4087",
+                        "type": "ContextLengthError"}}  # fmt: skip
+    error = error_from_payload(blamed, status=400, where="http://x/v1/query/execute")
+    assert str(error).endswith("— lower max_tokens") and "split" not in str(error)
+    long = {"error": {"message": "This model's maximum context length is 4096 tokens.", "code": 400}}
+    error = error_from_payload(long, status=400, where="http://x/v1/chat/completions")
+    assert "split the input" in str(error) and "spanq run --tree-k K" in str(error)
+
+
 def test_base_url_and_model_names_are_normalised():
     assert normalize_base_url("http://h:1/v1/") == normalize_base_url("http://h:1") == "http://h:1"
     # a URL with no host was cut to "http:" and refused for not starting with http://
