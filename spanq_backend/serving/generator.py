@@ -217,11 +217,11 @@ nothing; a call that recomputes blocks isolates from `ISOLATE_MIN_TOKENS_RECOMPU
 ISOLATE_MIN_TOKENS_RECOMPUTING = 5120
 """`cold_spans="auto"`, a call that recomputes span blocks (any recompute setting but 0; the default
 `"first+question"` is one): the cold span tokens from which its cold spans are prepared alone first. Its recompute
-round then computes in context, at the end of a long prompt, some of what isolating saved: at the default, on
-SmolLM2 and tiny, isolating was 0.60-1.00x stock cold from 537 to 4111 prompt tokens, where reading them in context
-was 0.98-1.06x (and full attention's answer); 1.23x at 6142 and 1.37x at 7661 on SmolLM2 (`spanq bench rag`,
-docs/benchmarks.md, "Cold spans at the default recompute"). `isolate_min_tokens` stays the least, where it is set
-higher."""
+round then computes in context, at the end of a long prompt, most of what isolating saved: at the default,
+isolating was 0.60-1.00x stock cold from 537 to 4111 prompt tokens on SmolLM2 (0.39-0.91x on tiny), where reading
+them in context is stock's own computation (0.84-1.18x across four runs: this machine's spread) and full
+attention's answer; 1.23x at 6142 and 1.37x at 7661 on SmolLM2 (`spanq bench rag`, docs/benchmarks.md, "Cold spans
+at the default recompute"). `isolate_min_tokens` stays the least, where it is set higher."""
 
 
 # A prompt with more characters than this is tokenized off the event loop before it is laid out, and refused there if
