@@ -1104,11 +1104,15 @@ class SpanGenerator:
         setting = setting or self.cold_spans
         if setting != "auto":
             return setting
-        if self.span_in_tier is not None and all(self.span_in_tier(lowered.prepare_prompt(i)) for i in cold):
-            return "isolate"  # their prepares load them from the engine's span tier: cheaper than reading them
+        threshold = self.isolate_min_tokens if min_tokens is None else min_tokens
+        if self.span_in_tier is not None:
+            held = [self.span_in_tier(lowered.prepare_prompt(i)) for i in cold]
+            if all(held):
+                return "isolate"  # their prepares load them from the engine's span tier: cheaper than reading them
+            if any(held):  # prepares load these and compute the rest alone: the threshold measured without recompute
+                threshold = self.isolate_min_tokens
         table = lowered.table
         cold_tokens = sum(table.spans[i][1] - table.spans[i][0] for i in cold)
-        threshold = self.isolate_min_tokens if min_tokens is None else min_tokens
         return "isolate" if cold_tokens >= threshold else "context"
 
     def reads_from_tier(self, lowered: LoweredPrompt, cold: list[int]) -> bool:

@@ -318,6 +318,24 @@ def test_a_call_that_recomputes_blocks_isolates_its_cold_spans_only_from_the_lar
     assert large.extra["cold_spans"] == "isolate" and large.prepared_spans == 4 and large.extra["recomputed_tokens"] > 0
 
 
+def test_cold_spans_a_tier_holds_in_part_are_isolated_from_the_threshold_without_recompute(engine):
+    """On an engine with a span tier, a call some of whose cold spans the tier holds keeps the threshold measured
+    without recompute (its prepares load those and compute the rest alone, as before the larger threshold of calls
+    that recompute); one whose cold spans the tier holds none of gets the larger one, and all of them: isolated."""
+    gen = engine.generator
+    lowered = engine.lower(query(docs("tier-part"), "ABCD"))
+    cold = gen.cold_span_indices(lowered)
+    first = lowered.prepare_prompt(cold[0])
+    larger = 10**6  # a recomputing call's threshold, out of reach of these cards
+    with temporarily(gen, isolate_min_tokens=1):
+        with temporarily(gen, span_in_tier=lambda prompt: prompt == first):
+            assert gen.cold_policy(lowered, cold, "auto", larger) == "isolate"
+        with temporarily(gen, span_in_tier=lambda prompt: False):
+            assert gen.cold_policy(lowered, cold, "auto", larger) == "context"
+        with temporarily(gen, span_in_tier=lambda prompt: True):
+            assert gen.cold_policy(lowered, cold, "auto", larger) == "isolate"
+
+
 def test_a_call_says_how_its_own_cold_spans_are_computed(engine):
     """`generate(..., cold_spans=...)` overrides the engine's policy for that call only (judges ask "isolate"):
     on this "context" engine, the call's cold documents are prepared alone first; the next call is as before."""
