@@ -928,10 +928,14 @@ class SpanGenerator:
         run = await self.consume(opened)
         return max(0, length - run.cached_tokens)
 
+    def recompute_of(self, call: Generate) -> Recompute:
+        """The call's recompute setting, else the engine's (`default_recompute`)."""
+        return call.recompute if call.recompute is not None else self.default_recompute
+
     def recompute_plan(self, call: Generate, lowered: LoweredPrompt, block_mass: list[float] | None = None) -> RecomputePlan:
         """Which of the prompt's span blocks the call recomputes in context, and the layout that does it
         (`"attention"` ranks by `block_mass`, what `probe_attention` read; without it, by the question's words)."""
-        setting = call.recompute if call.recompute is not None else self.default_recompute
+        setting = self.recompute_of(call)
         if not lowered.has_spans or not setting:  # 0 (or 0.0): nothing recomputed
             return RecomputePlan(lowered, (), ())
         return plan_recompute(lowered, choose_blocks(lowered, setting, self.pad_token_id, block_mass))
@@ -939,7 +943,7 @@ class SpanGenerator:
     async def plan(self, call: Generate, lowered: LoweredPrompt) -> tuple[RecomputePlan, dict[str, Any]]:
         """`recompute_plan`, with the attention probe's pass first where the call's setting is `"attention"`;
         what the probe did (its tokens and rows, or why it fell back to the question's words)."""
-        setting = call.recompute if call.recompute is not None else self.default_recompute
+        setting = self.recompute_of(call)
         if setting != "attention" or not lowered.has_spans:
             return self.recompute_plan(call, lowered), {}
         mass, probe = await self.probe_attention(lowered)
@@ -1084,8 +1088,7 @@ class SpanGenerator:
         """The cold span tokens from which `"auto"` prepares a call's cold spans alone first: `isolate_min_tokens`,
         or `ISOLATE_MIN_TOKENS_RECOMPUTING` where that is more and the call recomputes span blocks (its own
         setting, else the engine's)."""
-        recomputes = call.recompute if call.recompute is not None else self.default_recompute
-        if recomputes:
+        if self.recompute_of(call):
             return max(self.isolate_min_tokens, ISOLATE_MIN_TOKENS_RECOMPUTING)
         return self.isolate_min_tokens
 
@@ -1174,7 +1177,7 @@ class SpanGenerator:
             cold = self.cold_span_indices(lowered, count=False)
         if not cold:
             return CallLayout(lowered, flattened, "warm", spans=spans)
-        recomputes = call.recompute if call.recompute is not None else self.default_recompute
+        recomputes = self.recompute_of(call)
         if not recomputes and self.reads_from_tier(lowered, cold):  # the answer's own request loads them
             return CallLayout(lowered, flattened, "tier", spans=spans)
         mode = self.cold_policy(lowered, cold, call.cold_spans, self.isolate_from(call))
