@@ -39,6 +39,7 @@ from spanq_backend.serving.lowering import (
     span_digest,
     spans_first,
 )
+from spanq_backend.serving.prefix_tokens import PrefixTokens, documents_end
 from spanq_backend.serving.recompute import (
     DEFAULT_RECOMPUTE,
     RecomputePlan,
@@ -175,6 +176,9 @@ class CallLayout:
     spans: int = 0  # the call's spans, wherever they are read from (cache, prepares, or in context)
     # Where `deferred`/`also` are worked out only after the answer (`SpanGenerator.unseen_in_context`): how.
     later: Callable[[], tuple[list[list[int]], list[list[int]]]] | None = None
+    # A stock prompt read in context whose documents' tokens are kept after the answer (`PrefixTokens.learn`):
+    # its text, where the documents end in it, its ids.
+    learn: tuple[str, int, list[int]] | None = None
 
 
 def read_by_answer(lowered: LoweredPrompt, i: int, computed: int) -> int:
@@ -431,6 +435,8 @@ class SpanGenerator:
         # The order each set of `plus` texts was last read in context: set of texts -> texts in order.
         self.read_in_context = read_in_context
         self._orders: OrderedDict[frozenset[str], tuple[str, ...]] = OrderedDict()
+        # The tokens of documents read in context, by the prompt's text up to their end (`PrefixTokens`)
+        self.prefix_tokens = PrefixTokens(tokenizer)
         self.pad_token_id = tokenizer.encode("\n", add_special_tokens=False)[-1]
         self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
 
@@ -457,6 +463,23 @@ class SpanGenerator:
             self._generated.popitem(last=False)
 
     REMEMBERED_ORDERS = 4096
+
+    def _learn_documents(self, call: Generate, ids: list[int]) -> None:
+        """After a call read its documents in context (the stock prompt `ids`): keep their tokens, so that the next
+        call over them in this order (`seen_in_context`) tokenizes only its question."""
+        texts = [t for group in plus_orders(call.input) for t in group]
+        if not texts or not self.prefix_tokens.enabled:
+            return
+        text = self._stock_text(call.input)
+        end = documents_end(text, texts)
+        if end is not None:
+            self._learn_tokens(text, end, ids)
+
+    def _learn_tokens(self, text: str, end: int, ids: list[int]) -> None:
+        try:
+            self.prefix_tokens.learn(text, end, ids)
+        except Exception as e:  # noqa: BLE001 - the answer is done: only a later call's shortcut is lost
+            log.info("prompt tokens not kept: %s", e)
 
     def _remember_orders(self, node: Any) -> None:
         for order in plus_orders(node):
@@ -1307,13 +1330,19 @@ class SpanGenerator:
         texts = [t for group in orders for t in group]
         node = in_order(call.input, self._orders.get)
         text = self._stock_text(node)
-        # Where the documents end in it: the last end of any of their texts (a later copy, say in the question,
-        # only makes what follows shorter and the test stricter).
-        ends = [text.rfind(t) for t in texts]
-        if min(ends) < 0:
+        # Where the documents end in it (a later copy of one, say in the question, makes the test stricter)
+        end = documents_end(text, texts)
+        if end is None:
             return None, None  # a document the template rewrote: not found as given
-        end = max(at + len(t) for at, t in zip(ends, texts))
-        ids = self._text_ids(text)
+        # The documents' tokens as the last call over them in this order tokenized them, where it kept them: only
+        # the rest (the question) is tokenized now.
+        ids = self._long_prompts.get(text) or self.prefix_tokens.ids(text, end)
+        learn = None
+        if ids is None:
+            ids = self._text_ids(text)
+            learn = (text, end, ids)
+        else:
+            ids = list(ids)
         try:
             check_fits(ids, 0, self.max_model_len, call.max_tokens or 1)
         except ContextLengthError:
@@ -1328,7 +1357,7 @@ class SpanGenerator:
         # The spans the cache lacks are prepared when the engine is idle, as in `layout`'s in-context reading:
         # another set or order of these documents reads them as spans.
         later = lambda: self._prepares_after_answer(call, again=True)
-        return CallLayout(stock, False, "in-context", spans=len(set(texts)), later=later), stock
+        return CallLayout(stock, False, "in-context", spans=len(set(texts)), later=later, learn=learn), stock
 
     async def _generate(
         self, call: Generate, path: str, on_token: TokenCallback | None, span_output: bool, t0: float
@@ -1404,6 +1433,9 @@ class SpanGenerator:
             self.defer(deferred, also)
         if mode == "context" and not lowered.has_spans:
             self._remember_orders(call.input)  # read in context in this order: the cache holds it so
+            self._learn_documents(call, lowered.token_ids)
+        elif layout.learn is not None:
+            self._learn_tokens(*layout.learn)
         sealed, sealed_new, seal_tokens = (0, 0, 0)
         if span_output and self.spans and not lowered.has_spans:
             sealed, sealed_new, seal_tokens = await self.seal(lowered, runs)
