@@ -277,6 +277,17 @@ def reset_cache(backend: Any) -> None:
         raise RuntimeError("the engine could not reset its prefix cache (requests still running)")
 
 
+def ready(backend: Any) -> None:
+    """One plain 1-token request to `backend`, right before a measurement of it: each measurement then starts from
+    the same state of its engine's process, one that has just served a request. Without it a measurement taken right
+    after another of the same process ran 10–15% faster than one taken after the other process's (SmolLM2, warm
+    queries of 100–250 ms here, 2026-12-07): the rag benchmark's fixed order measured stock cold after stock's own
+    last query and spans cold after stock's, and swapping the order of a pair moved its ratio by that much."""
+    from spanq_integrations import execute, generate, user
+
+    execute(generate(user("Ready?"), max_tokens=1, temperature=0.0), backend)
+
+
 def warm_up(backend: Any) -> None:
     """One small span query, so first-call costs (graph capture, allocator) stay out of the measurements."""
     from spanq_integrations import cross, execute, fragment, generate, plus, system, user

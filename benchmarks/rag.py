@@ -21,7 +21,9 @@ before: asked the first question again, stock canonical would be stock same. Wit
 canonical order, so stock canonical asks a third question (the second one's prompt is cached whole by then).
 
 They run one after another, so they see the same machine load; stock runs in its own process with the plugin
-off.
+off. Before each measurement the engine measured serves one plain 1-token request (`ready`): each measurement then
+starts from a process that has just served a request, whichever process ran before it (without it, a pair's
+ratio moved by 10–15% with the order of the pair: `--no-ready`, `--swap-order`).
 
 `--question-first` lays the prompt out as LangChain hub's rag prompt does (one user turn, the question before the
 documents): with another question on the second pass, what stock vLLM's prefix cache cannot reuse at all, and
@@ -52,6 +54,7 @@ from benchmarks.common import (
     positive_int,
     positive_int_list,
     progress,
+    ready,
     settle,
     summarize,
     ttft_of,
@@ -97,6 +100,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="how the span engine computes documents it has not cached (EngineConfig.cold_spans; "
                         "default: auto, the engine's default)")
     add_recompute_flag(parser)
+    parser.add_argument("--swap-order", action="store_true",
+                        help="measure each side-by-side pair in the other order (spans cold before stock cold, stock "
+                        "canonical before spans warm): a check that the order does not move the ratios")
+    parser.add_argument("--no-ready", action="store_true",
+                        help="no plain 1-token request to an engine right before each measurement of it (what "
+                        "makes the order of a pair not matter: docs/benchmarks.md)")
     parser.add_argument("--grid", action="store_true",
                         help="every document count x every document size of --doc-tokens-list (default 64,128,256,512), "
                         "with a heat map of each speedup")
@@ -161,10 +170,14 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
                         ("stock_reordered", stock, again, later), ("spans_warm", spans, again, later),
                         ("stock_canonical", stock, sorted(again), THIRD_QUESTION if n == 1 else later),
                         ("stock_same", stock, first, QUESTION))
+                if args.swap_order:  # the other order of each side-by-side pair
+                    plan = (plan[1], plan[0], plan[2], plan[4], plan[3], plan[5])
                 for mode, backend, order, question in plan:
                     # What the span engine does between queries (background prepares, documents read in context
                     # when idle) is done before every measurement, stock's too: on a shared CPU it would slow them.
                     settle(spans)
+                    if not args.no_ready:
+                        ready(backend)
                     if backend is spans:
                         before = _span_engine_stats(spans)
                     (call,) = execute(rag_query(docs, order, question, args.question_first), backend).calls
@@ -186,7 +199,8 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
 
     report.config.update({"cold_spans": getattr(spans.engine.generator, "cold_spans", None),
                           "recompute": str(getattr(spans.engine.generator, "default_recompute", None)), "cells": cells, "skipped_cells": skipped, "modes": list(MODES), "question": QUESTION,
-                          "question_first": args.question_first})
+                          "question_first": args.question_first,
+                          "ready": not args.no_ready, "swap_order": args.swap_order})
     report.summary = summarize_cells(report.rows, cells)
     print(render_table(report.summary, args))
     print()
