@@ -47,7 +47,7 @@ from spanq_integrations.query.limits import (
     check_json_depth,
     check_limits,
 )
-from spanq_integrations.query.spnl_json import from_json, to_json
+from spanq_integrations.query.spnl_json import from_json, refuse_a_string, to_json
 from spanq_integrations.runtime.executor import ExecutionResult, aexecute
 
 __all__ = [
@@ -124,9 +124,7 @@ def parse_query(body: bytes, limits: QueryLimits = DEFAULT_LIMITS) -> Node:
         raise QueryParseError(
             "$", f"the request body is not JSON ({_not_json(e)}); send a span query in spnl JSON"
         ) from e
-    if isinstance(doc, str):  # (`from_json` would read the string as JSON text again)
-        raise QueryParseError("$", "expected a query node (a JSON object), got a string: send the query's JSON itself, "
-                              "not a string that holds it")
+    refuse_a_string(doc, "send")
     check_json_depth(doc, limits)
     query = from_json(doc)
     # (a retrieve is refused in the limits' walk: the optimizer's own error says how to register one in Python)

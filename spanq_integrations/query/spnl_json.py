@@ -47,7 +47,7 @@ from spanq_integrations.query.ir import (
     mixed_group,
 )
 
-__all__ = ["dumps", "from_json", "load_file", "loads", "to_json"]
+__all__ = ["dumps", "from_json", "load_file", "loads", "refuse_a_string", "to_json"]
 
 # ------------------------------------------------------------------------------------------------- writing
 
@@ -201,10 +201,17 @@ def loads(text: str | bytes) -> Node:
         raise QueryParseError("$", f"the text is not UTF-8: {e.reason} at byte {e.start}") from None
     except RecursionError:
         raise QueryParseError("$", "the document is nested too deeply to read") from None
-    if isinstance(doc, str):  # (`from_json` would read the string as JSON text again: a query encoded twice)
-        raise QueryParseError("$", "expected a query node (a JSON object), got a string: write the query's JSON "
-                              "itself, not a string that holds it")
+    refuse_a_string(doc, "write")
     return from_json(doc)
+
+
+def refuse_a_string(doc: Any, verb: str) -> None:
+    """A JSON document that is a string is no query node: refused by name, before `from_json`, which would read the
+    string as JSON text again (a query encoded twice would pass as the query). `verb`: what the user does with the
+    query's JSON ("write" a file, "send" a body)."""
+    if isinstance(doc, str):
+        raise QueryParseError("$", f"expected a query node (a JSON object), got a string: {verb} the query's JSON "
+                              "itself, not a string that holds it")
 
 
 def load_file(path: str | os.PathLike[str]) -> Node:
