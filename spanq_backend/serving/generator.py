@@ -1336,13 +1336,12 @@ class SpanGenerator:
             return None, None  # a document the template rewrote: not found as given
         # The documents' tokens as the last call over them in this order tokenized them, where it kept them: only
         # the rest (the question) is tokenized now.
-        ids = self._long_prompts.get(text) or self.prefix_tokens.ids(text, end)
+        long = text in self._long_prompts  # (tokenized on a thread already: `_text_ids` takes those)
+        ids = None if long else self.prefix_tokens.ids(text, end)
         learn = None
         if ids is None:
             ids = self._text_ids(text)
-            learn = (text, end, ids)
-        else:
-            ids = list(ids)
+            learn = None if long else (text, end, ids)
         try:
             check_fits(ids, 0, self.max_model_len, call.max_tokens or 1)
         except ContextLengthError:

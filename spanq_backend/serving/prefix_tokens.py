@@ -83,19 +83,20 @@ class PrefixTokens:
     def ids(self, text: str, end: int) -> list[int] | None:
         """`encode(text)` from a prefix learned for `text[:end]` (the documents' end): its ids and the rest's; None
         where none is."""
-        entry = self._by_prefix.get(text[:end])
+        key = text[:end]
+        entry = self._by_prefix.get(key)
         if entry is None:
             return None
-        self._by_prefix.move_to_end(text[:end])
+        self._by_prefix.move_to_end(key)
         cut, head = entry
         self.hits += 1
         return [*head, *self._encode(text[cut:])]
 
     def learn(self, text: str, end: int, ids: list[int]) -> bool:
         """Keep the ids of `text`'s documents (up to `end`), given `ids` = `encode(text)`: whether they are kept."""
-        key = text[:end]
         if not self.enabled:
             return False
+        key = text[:end]
         if key in self._by_prefix:
             return True
         cut = cut_before(text, end)
