@@ -14,7 +14,12 @@ For each document count n and repetition, n fresh documents (never seen before) 
   canonical order (by document id) before the prompt is built, so the same set hits the prefix cache; the other
   question after it is computed;
 - stock same: stock vLLM reads the first prompt again, unchanged, the first question too: its best case,
-  everything cached (the floor; a response cache would serve it).
+  everything cached (the floor; a response cache would serve it);
+- stock subset / spans subset (3 documents or more): another retrieval that finds all but the first of them, in
+  another order (d2, dn, dn-1, .., d3), for a fourth question, as a RAG app's next query over an overlapping result
+  does. Stock's prefix cache holds no prompt that starts with d2: it computes all of it. The span engine never read
+  this set in context: it reads the documents as cached spans at their new positions, or, where that would compute
+  nearly as much as the stock prompt, reads the stock prompt (`SpanGenerator.layout`).
 
 The second pass asks another question, as a RAG app's next query does when its retriever finds documents it found
 before: asked the first question again, stock canonical would be stock same. With one document, reversed is the
@@ -63,11 +68,14 @@ from spanq_backend.serving.cluster_options import positive_float
 
 __all__ = ["MODES", "main"]
 
-MODES = ("stock_cold", "spans_cold", "stock_reordered", "spans_warm", "stock_canonical", "stock_same")
+MODES = ("stock_cold", "spans_cold", "stock_reordered", "spans_warm", "stock_canonical", "stock_same", "stock_subset",
+         "spans_subset")
+SUBSET_MIN_DOCS = 3  # with fewer, every subset in any order starts with a document some earlier prompt started with
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents."
 QUESTION = "Which of the documents mentions a lantern near the harbor? Answer with its number."
 SECOND_QUESTION = "Which of the documents names a bridge over the river? Answer with its number."
 THIRD_QUESTION = "Which of the documents describes a market in the square? Answer with its number."
+FOURTH_QUESTION = "Which of the documents tells of a well behind the mill? Answer with its number."
 GOAL_DOCS, GOAL_SPEEDUP = 8, 10.0  # the issue's target on the tiny model: 8 docs x 512 tokens, warm >= 10x stock
 
 
@@ -158,7 +166,8 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
         if not cells:  # (an empty table failed to print: "TypeError: 'int' object is not iterable")
             print(f"spanq bench rag: error: no setting fits --max-model-len {args.max_model_len}", file=sys.stderr)
             return 2
-        bar = progress(len(cells) * args.reps * len(MODES), "rag", disable=args.no_progress)
+        per_cell = [len(MODES) - (2 if n < SUBSET_MIN_DOCS else 0) for n, _ in cells]
+        bar = progress(sum(per_cell) * args.reps, "rag", disable=args.no_progress)
         next_doc = 0
         for n, tokens in cells:
             for rep in range(args.reps):
@@ -170,8 +179,11 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
                         ("stock_reordered", stock, again, later), ("spans_warm", spans, again, later),
                         ("stock_canonical", stock, sorted(again), THIRD_QUESTION if n == 1 else later),
                         ("stock_same", stock, first, QUESTION))
+                if n >= SUBSET_MIN_DOCS:
+                    subset = [1, *range(n - 1, 1, -1)]
+                    plan += (("stock_subset", stock, subset, FOURTH_QUESTION), ("spans_subset", spans, subset, FOURTH_QUESTION))
                 if args.swap_order:  # the other order of each side-by-side pair
-                    plan = (plan[1], plan[0], plan[2], plan[4], plan[3], plan[5])
+                    plan = (plan[1], plan[0], plan[2], plan[4], plan[3], *plan[5:6], *plan[6:][::-1])
                 for mode, backend, order, question in plan:
                     # What the span engine does between queries (background prepares, documents read in context
                     # when idle) is done before every measurement, stock's too: on a shared CPU it would slow them.
@@ -238,7 +250,7 @@ def profile_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per span mode: the median time of each phase of the call (`CallMetrics.extra["phases_s"]`), and of the
     engine's relocation and span hashing inside it, with the TTFT they add up to."""
     out = {}
-    for mode in ("spans_cold", "spans_warm"):
+    for mode in ("spans_cold", "spans_warm", "spans_subset"):
         at = [r for r in rows if r["mode"] == mode and r.get("phases_s")]
         if not at:
             continue
@@ -263,6 +275,7 @@ def summarize_rows(rows: list[dict[str, Any]], sizes: Sequence[int]) -> dict[str
         entry["speedup_cold_vs_stock_reordered"] = paired_speedup(ttft["stock_reordered"], ttft["spans_cold"])
         entry["speedup_warm_vs_stock_canonical"] = paired_speedup(ttft["stock_canonical"], ttft["spans_warm"])
         entry["speedup_warm_vs_stock_same"] = paired_speedup(ttft["stock_same"], ttft["spans_warm"])
+        entry["speedup_subset_vs_stock_subset"] = paired_speedup(ttft["stock_subset"], ttft["spans_subset"])
         warm = [r for r in at if r["mode"] == "spans_warm"]
         stock = [r for r in at if r["mode"] == "stock_reordered"]
         entry["prompt_tokens_spans"] = warm[0]["prompt_tokens"] if warm else None
@@ -309,12 +322,15 @@ def render_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
             e["stock_canonical"]["median"] * ms, e["stock_same"]["median"] * ms,
             e["speedup_warm_vs_stock_reordered"], e["speedup_cold_vs_stock_cold"],
             e["speedup_warm_vs_stock_canonical"], e["speedup_warm_vs_stock_same"],
+            e["stock_subset"]["median"] * ms, e["spans_subset"]["median"] * ms, e["speedup_subset_vs_stock_subset"],
         ])
     headers = ["docs x tok", "tok stock", "tok spans", "stock cold", "stock reord", "p90", "spans cold", "p90",
-               "spans warm", "p90", "stock canon", "stock same", "warm x", "cold x", "x canon", "x same"]
+               "spans warm", "p90", "stock canon", "stock same", "warm x", "cold x", "x canon", "x same",
+               "stock subset", "spans subset", "subset x"]
     title = (f"rag on {model_label(args.model)}: TTFT in ms (median, p90 over {args.reps} reps), "
              f"documents x tokens; speedups = median of per-rep ratios (warm vs stock reordered, "
-             "cold vs stock cold, warm vs stock canonical order, warm vs stock's best case: the same prompt again)")
+             "cold vs stock cold, warm vs stock canonical order, warm vs stock's best case: the same prompt again; "
+             "an overlapping subset in another order, spans vs stock)")
     return title + "\n" + format_table(headers, rows)
 
 
@@ -322,7 +338,8 @@ def plot_grid(summary: dict[str, Any], args: argparse.Namespace) -> Any:
     """One heat map per speedup: documents (rows) x tokens per document (columns), 1.0 = as fast as stock."""
     ratios = (("speedup_cold_vs_stock_cold", "spans cold vs stock cold"),
               ("speedup_warm_vs_stock_canonical", "spans warm vs stock canonical"),
-              ("speedup_warm_vs_stock_reordered", "spans warm vs stock reordered"))
+              ("speedup_warm_vs_stock_reordered", "spans warm vs stock reordered"),
+              ("speedup_subset_vs_stock_subset", "spans subset vs stock subset"))
     fig, axes = new_figure(len(ratios), width=4.2)
     docs = sorted({e["docs"] for e in summary.values()})
     toks = sorted({e["doc_tokens"] for e in summary.values()})
