@@ -161,10 +161,11 @@ def structured_outputs(call: Generate) -> Any:
 
 @dataclass
 class CallLayout:
-    """A call's prompt as it runs now (`SpanGenerator.layout`): "warm" (every span cached), "tier" (the cold spans
-    in the engine's span tier: the answer's request loads them), "isolate" (the cold spans' `[anchor][span]`
-    prompts computed first), or "context" (the cold spans computed in context by the answer, their prepares
-    `deferred` until the engine is idle)."""
+    """A call's prompt as it runs now (`SpanGenerator.layout`): "warm" (every span cached), "stock" (every span
+    cached, but the stock prompt computes nearly as much: read as stock reads it, `SpanGenerator.as_stock`),
+    "in-context" (the documents cached in context: read so), "tier" (the cold spans in the engine's span tier: the
+    answer's request loads them), "isolate" (the cold spans' `[anchor][span]` prompts computed first), or "context"
+    (the cold spans computed in context by the answer, their prepares `deferred` until the engine is idle)."""
 
     lowered: LoweredPrompt
     flattened: bool
@@ -463,6 +464,10 @@ class SpanGenerator:
             self._generated.popitem(last=False)
 
     REMEMBERED_ORDERS = 4096
+    # `as_stock`: a call whose spans are all cached reads the stock prompt where that computes at most this many
+    # times the tokens the span layout computes (measured: `spanq bench rag --grid`'s subset columns,
+    # docs/benchmarks.md, "Small documents read again: the stock prompt").
+    STOCK_READ_FACTOR = 1.3
 
     def _learn_documents(self, call: Generate, ids: list[int]) -> None:
         """After a call read its documents in context (the stock prompt `ids`): keep their tokens, so that the next
@@ -530,6 +535,44 @@ class SpanGenerator:
             return None
         self._remember_orders(node)  # read in this order again: the most recent
         return stock
+
+    def span_computes(self, call: Generate, lowered: LoweredPrompt) -> int:
+        """The tokens the span layout `lowered` computes with every span cached: all but the span blocks it reads
+        from the cache (those it recomputes in context count; `recompute="attention"` counted as `"question"`
+        chooses, the same number of blocks) and a cached prefix."""
+        table, ids = lowered.table, lowered.token_ids
+        reused = sum(end - start for start, end in table.spans)
+        if self.recompute_of(call):
+            reused -= self.recompute_plan(call, lowered).tokens
+        prefix = ids[: table.spans[0][0]]
+        if prefix and self.span_probe is not None and self.span_probe.cached(prefix):
+            reused += len(prefix)
+        return len(ids) - reused
+
+    def as_stock(self, call: Generate, lowered: LoweredPrompt) -> LoweredPrompt | None:
+        """The stock prompt of a call whose spans are all cached, in the order given, where reading it computes at
+        most `STOCK_READ_FACTOR` times what the span layout `lowered` computes (a block more allowed): small
+        documents, most of whose blocks the default recompute computes in context again (a 76-token document is
+        ~2.4 blocks: two recomputed, a partial one read as context, and padding). There the span layout's moves,
+        recompute requests and padding cost more than the stock prompt's extra tokens, and the stock prompt is
+        full attention's answer. None: the span layout. Not where reading in context is off, nor for a call that
+        asks `cold_spans="isolate"` (answers that do not depend on the order given).
+
+        Counted without tokenizing the stock prompt: it is the span layout's tokens less its padding (the
+        documents tokenized together or apart differ by a token or two), and its prefix cache is taken to hold
+        only what the span layout's prefix finds (an order this generator read in context before is
+        `in_context`'s)."""
+        if not self.read_in_context or not lowered.has_spans or (call.cold_spans or self.cold_spans) == "isolate":
+            return None
+        span = self.span_computes(call, lowered)
+        ids, table = lowered.token_ids, lowered.table
+        prefix = ids[: table.spans[0][0]]
+        held = len(prefix) if prefix and self.span_probe is not None and self.span_probe.cached(prefix) else 0
+        stock = len(ids) - lowered.padded_tokens - held
+        if stock > self.STOCK_READ_FACTOR * span + self.block_size:
+            return None
+        # (The call then remembers this order and keeps the documents' tokens, as a cold read in context does.)
+        return self._stock_layout(call, call.input)
 
     def in_context_later(self, call: Generate, lowered: LoweredPrompt) -> list[int] | None:
         """For a call whose cold documents were prepared alone first: the stock prompt over its documents in the
@@ -1199,6 +1242,9 @@ class SpanGenerator:
             await self._await_pending([lowered.prepare_prompt(i) for i in cold])
             cold = self.cold_span_indices(lowered, count=False)
         if not cold:
+            stock = None if span_output or lowered.generated_spans else self.as_stock(call, lowered)
+            if stock is not None:  # the spans would compute nearly as much as the stock prompt: read that
+                return CallLayout(stock, flattened, "stock", spans=spans)
             return CallLayout(lowered, flattened, "warm", spans=spans)
         recomputes = self.recompute_of(call)
         if not recomputes and self.reads_from_tier(lowered, cold):  # the answer's own request loads them
@@ -1430,7 +1476,7 @@ class SpanGenerator:
                 also = [*also, in_context_later]
         if deferred or also:
             self.defer(deferred, also)
-        if mode == "context" and not lowered.has_spans:
+        if mode in ("context", "stock") and not lowered.has_spans:
             self._remember_orders(call.input)  # read in context in this order: the cache holds it so
             self._learn_documents(call, lowered.token_ids)
         elif layout.learn is not None:
@@ -1469,7 +1515,8 @@ class SpanGenerator:
                 # Cold spans: "isolate" (prepared alone first), "tier" (loaded by the answer from the span tier),
                 # "context" (computed in context by the answer,
                 # prepared alone when the engine is idle: `deferred_spans`), "warm" (all cached), "in-context"
-                # (all cached, and the documents too, in context: read as a stock prompt, `in_context`)
+                # (all cached, and the documents too, in context: read as a stock prompt, `in_context`), "stock"
+                # (all cached, but the span layout would compute nearly as much: read as stock reads it, `as_stock`)
                 "cold_spans": mode,
                 "generated_spans": lowered.generated_spans,
                 "generated_as_text": lowered.generated_as_text,

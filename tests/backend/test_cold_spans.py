@@ -157,6 +157,56 @@ def test_documents_read_in_context_before_are_read_so_again_in_any_order_and_ans
     assert (as_spans - ref).abs().max().item() > 2 * TOL
 
 
+def few_drawers(tag: str, drawers: int) -> dict[str, str]:
+    return {c: f"Card {c}{tag}. " + " ".join(f"Drawer {c}{tag}-{i} keeps {i * 3 % 7} keys." for i in range(drawers))
+            for c in "ABCD"}
+
+
+def test_small_cached_documents_that_the_default_recomputes_almost_whole_are_read_as_the_stock_prompt(engine, hf_model):
+    """Every span cached, at the default recompute: where the span layout would compute nearly as much as the stock
+    prompt (small documents, most of whose blocks are recomputed in context, plus padding and moves), the call reads
+    the stock prompt in the order given: stock's computation and full attention's answer. Larger documents, most of
+    whose blocks are read from the cache, stay spans (docs/design.md, "Small documents read again")."""
+    gen = engine.generator
+    question, other = "Which drawer keeps 3 keys?", "Answer from these cards."  # not in context after the cold read
+
+    async def scenario(d):
+        await engine.generate(query(d, "ABCD"))
+        engine.settle()  # the deferred prepares: every document cached as a span
+        subset = query(d, "DBC", question, instruction=other)
+        layout = await gen.layout(subset)
+        spans_layout = gen._lower(subset)[0]
+        counted = gen.span_computes(subset, spans_layout)
+        result = await engine.generate(subset)
+        logprobs = await run_with_logprobs(engine, layout.lowered, 5, with_table=layout.lowered.has_spans)
+        again = await gen.layout(query(d, "CBD", "Which drawer keeps 1 key?", instruction=other))
+        return subset, layout, counted, result, logprobs, again
+
+    with temporarily(gen, default_recompute="first+question"):
+        subset, layout, counted, result, (_, toks, lps), again = asyncio.run(scenario(few_drawers("small", 3)))
+        m = result.metrics
+        assert layout.mode == "stock" and m.extra["cold_spans"] == "stock" and m.prepared_spans == 0
+        assert layout.lowered.token_ids == flattened_prompt_ids(engine.tokenizer, subset.input)
+        assert m.padded_tokens == 0 and m.extra["recomputed_tokens"] == 0
+        assert m.prompt_tokens - m.cached_tokens <= gen.STOCK_READ_FACTOR * counted + 32  # what the rule allows
+        ref = full_attention_logprobs(hf_model, layout.lowered.token_ids, toks).double()
+        assert (lps - ref).abs().max().item() < TOL and result.texts[0] == engine.tokenizer.decode(toks)
+        # Read so, the set is in context in that order: the next call over it, in any order, reads it so again.
+        assert again.mode == "in-context"
+
+        # Larger documents: two of each one's four blocks recomputed, the rest read from the cache: spans. What the
+        # span layout computes is what the engine computed (recomputed blocks included).
+        subset, layout, counted, result, *_ = asyncio.run(scenario(few_drawers("large", 12)))
+        m = result.metrics
+        assert layout.mode == "warm" and m.extra["recomputed_tokens"] > 0
+        assert m.prompt_tokens - m.cached_tokens == counted
+
+        # The check can fail: with the rule off, the small documents are read as spans, padded, most recomputed.
+        with temporarily(gen, STOCK_READ_FACTOR=0.0):
+            _, layout, counted, result, *_ = asyncio.run(scenario(few_drawers("small-off", 3)))
+        assert layout.mode == "warm" and result.metrics.padded_tokens > 0 and result.metrics.extra["recomputed_tokens"] > 0
+
+
 def test_documents_prepared_alone_first_are_read_in_context_when_idle_and_so_again_in_any_order(engine, hf_model):
     """A cold query whose documents are prepared alone first (`auto`, above `isolate_min_tokens`) answers from the
     spans; when the engine is idle the stock prompt over its documents, in the order the spans read them, is
