@@ -465,9 +465,11 @@ class SpanGenerator:
 
     REMEMBERED_ORDERS = 4096
     # `as_stock`: a call whose spans are all cached reads the stock prompt where that computes at most this many
-    # times the tokens the span layout computes (measured: `spanq bench rag --grid`'s subset columns,
-    # docs/benchmarks.md, "Small documents read again: the stock prompt").
-    STOCK_READ_FACTOR = 1.3
+    # times the tokens the span layout computes. Measured on SmolLM2 (`spanq bench rag --grid`'s subset columns,
+    # docs/benchmarks.md, "Small documents read again: the stock prompt"): at 1.14 times, the spans were 0.90-0.95x
+    # stock's speed; at 1.39, 1.16x; at 1.54, 1.26x (a computed token of the span layout costs more: it attends to
+    # the whole prompt, beside moves and recompute requests).
+    STOCK_READ_FACTOR = 1.25
 
     def _learn_documents(self, call: Generate, ids: list[int]) -> None:
         """After a call read its documents in context (the stock prompt `ids`): keep their tokens, so that the next
@@ -551,7 +553,7 @@ class SpanGenerator:
 
     def as_stock(self, call: Generate, lowered: LoweredPrompt) -> LoweredPrompt | None:
         """The stock prompt of a call whose spans are all cached, in the order given, where reading it computes at
-        most `STOCK_READ_FACTOR` times what the span layout `lowered` computes (a block more allowed): small
+        most `STOCK_READ_FACTOR` times what the span layout `lowered` computes: small
         documents, most of whose blocks the default recompute computes in context again (a 76-token document is
         ~2.4 blocks: two recomputed, a partial one read as context, and padding). There the span layout's moves,
         recompute requests and padding cost more than the stock prompt's extra tokens, and the stock prompt is
@@ -567,9 +569,12 @@ class SpanGenerator:
         span = self.span_computes(call, lowered)
         ids, table = lowered.token_ids, lowered.table
         prefix = ids[: table.spans[0][0]]
-        held = len(prefix) if prefix and self.span_probe is not None and self.span_probe.cached(prefix) else 0
+        # The span layout pads its prefix to a block; the stock prompt's block that holds the prefix's end holds the
+        # first document's start too: not cached.
+        cached = prefix and self.span_probe is not None and self.span_probe.cached(prefix)
+        held = (len(prefix) - 1) // self.block_size * self.block_size if cached else 0
         stock = len(ids) - lowered.padded_tokens - held
-        if stock > self.STOCK_READ_FACTOR * span + self.block_size:
+        if stock > self.STOCK_READ_FACTOR * span:
             return None
         # (The call then remembers this order and keeps the documents' tokens, as a cold read in context does.)
         return self._stock_layout(call, call.input)
