@@ -1,15 +1,17 @@
 """The main job: a RAG query on the embedded default model (SmolLM2-135M-Instruct), showing the span cache.
 
-Two questions over the same eight documents, retrieved in different orders. With spans, each document is a
-commutative span. The first question's documents are new and small (about 600 tokens in all), so by default the
-span engine reads them in context as stock does (the same answer at the same speed) and then computes each
+Three questions: two over the same eight documents, retrieved in different orders, and one over five of them. With
+spans, each document is a commutative span. The first question's documents are new and small (about 600 tokens in
+all), so by default the span engine reads them in context as stock does (the same answer at the same speed) and then computes each
 document's KV once, on its own (after the template's opening and a neutral lead-in), while it is idle. The second
 question finds the documents cached both ways: in context, in Q1's order (a `plus` is order-free), and as spans;
 it reads them in context (no dearer here), so its answer is full attention's, stock's over that order (with
 `read_in_context=False`, as spans moved to the new order). The third reads five of the documents in another order:
-not cached so in context, it reads them as spans, at their new positions. The same queries run on a stock vLLM
-engine (prefix caching on) beside it: there the reordered documents miss the prefix cache. Both engines' answers
-are printed side by side.
+not cached so in context. As spans it would read them at their new positions, but these documents are small (two
+blocks and a bit each), and the default recompute computes most of their blocks in context again: the stock prompt
+computes nearly as much (`SpanGenerator.as_stock`), so it is read so, with stock's answer (with `recompute=0`, as
+spans). The same queries run on a stock vLLM engine (prefix caching on) beside it: there the reordered documents
+miss the prefix cache. Both engines' answers are printed side by side.
 
     make demo            # or: .venv/bin/python examples/rag/demo.py [--model default|tiny|PATH]
 """
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         return {
             "in-context": "found them cached in context in Q1's order and read them so (full attention, nothing moved)",
             "warm": "read them as cached spans, moved to the new order",
+            "stock": "read them as stock does (cached as spans, but small: the default recompute would compute most "
+                     "of their blocks again, so the stock prompt computes nearly as much, with full attention)",
         }.get(call.extra.get("cold_spans"), f"read them {call.extra.get('cold_spans')}")
 
     print(

@@ -1271,6 +1271,9 @@ class SpanGenerator:
             call.model_copy(update={"input": spans_first(call.input, lambda t: t not in texts)}),
             align_output=span_output, as_context=frozenset(texts),
         )
+        stock = None if span_output or lowered.generated_spans else self.as_stock(call, relaid)
+        if stock is not None:  # the cached spans save too little beside the cold ones: the stock prompt, as given
+            return CallLayout(stock, flattened, mode, deferred=prompts, also=extra, spans=spans)
         return CallLayout(relaid, flattened, mode, deferred=prompts, also=extra, spans=spans)
 
     def _too_long_for_spans(self, call: Generate) -> CallLayout | None:

@@ -206,6 +206,21 @@ def test_small_cached_documents_that_the_default_recomputes_almost_whole_are_rea
             _, layout, counted, result, *_ = asyncio.run(scenario(few_drawers("small-off", 3)))
         assert layout.mode == "warm" and result.metrics.padded_tokens > 0 and result.metrics.extra["recomputed_tokens"] > 0
 
+        # Two of them cached and a new one: the new one is computed in context (and prepared when idle), and the
+        # cached ones save too little beside it: the stock prompt, in the order given.
+        d, new = few_drawers("small", 3), few_drawers("small-new", 3)["A"]
+
+        def mixed(tag: str):
+            return generate(cross(system(other), plus(fragment(d["D"]), fragment(new + tag), fragment(d["B"])),
+                                  user(question)), max_tokens=5, temperature=0.0)
+
+        layout = asyncio.run(gen.layout(mixed("")))
+        assert layout.mode == "context" and not layout.lowered.has_spans and len(layout.deferred) == 1
+        assert layout.lowered.token_ids == flattened_prompt_ids(engine.tokenizer, mixed("").input)
+        with temporarily(gen, STOCK_READ_FACTOR=0.0):  # the rule off: the cached two read as spans
+            layout = asyncio.run(gen.layout(mixed(" ")))
+        assert layout.mode == "context" and layout.lowered.has_spans
+
 
 def test_documents_prepared_alone_first_are_read_in_context_when_idle_and_so_again_in_any_order(engine, hf_model):
     """A cold query whose documents are prepared alone first (`auto`, above `isolate_min_tokens`) answers from the
