@@ -1499,7 +1499,9 @@ class SpanGenerator:
             prepared_tokens=prepare_tokens + seal_tokens,
             padding_tokens=lowered.padded_tokens,
             deferred=len(deferred),
-            in_context=mode == "in-context",
+            # Its documents cached (in context, or as spans it did not read: "stock", or a cold read whose cached
+            # spans saved too little) and read as the stock prompt: no span read, none a hit.
+            in_context=mode == "in-context" or (not lowered.has_spans and layout.spans > len(deferred)),
         )
         call_metrics = CallMetrics(
             path=path,

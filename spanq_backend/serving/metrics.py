@@ -10,7 +10,7 @@ and readable in process (`snapshot()`).
 | `spanq_padding_tokens_total`             | padding tokens laid out so spans start on a KV block                  |
 | `spanq_prepare_requests_saved_total`     | prepare requests skipped because the cache probe saw the span cached  |
 | `spanq_deferred_spans_total`             | cold spans a call computed in context, to be prepared alone when idle  |
-| `spanq_in_context_calls_total`           | calls that read their documents in context again (no span read)       |
+| `spanq_in_context_calls_total`           | calls that read cached documents as the stock prompt (no span read)   |
 | `spanq_blocks_relocated_total`           | KV blocks whose keys were moved to a new position (ReRoPE)            |
 | `spanq_span_duplicates_total`            | private block copies made for concurrent readers (CIDRA)              |
 | `spanq_span_worn_blocks_total`           | span blocks let go after 8 in-place moves in a cache below float32    |
@@ -68,8 +68,9 @@ _HELP = {
     "padding_tokens": "Padding tokens laid out so that spans start on a KV block.",
     "prepare_requests_saved": "Prepare requests skipped because the cache probe saw the span cached.",
     "deferred_spans": "Cold spans a call computed in context, prepared alone later when the engine was idle.",
-    "in_context_calls": "Calls that read their documents in context again, as the stock prompt in an order the cache "
-    "holds (no span read, none counted as hit).",
+    "in_context_calls": "Calls that read cached documents as the stock prompt: in context again, in an order the cache "
+    "holds, or small documents cached as spans whose span layout would compute nearly as much (no span read, none "
+    "counted as hit).",
 }
 _WORKER_HELP = {
     "blocks_relocated": ("moved_blocks", "KV blocks whose keys were moved to a new position (ReRoPE)."),
@@ -93,9 +94,10 @@ def count_call(
     in_context: bool = False,
 ) -> None:
     """Count one call: `spans` it read, `prepared` of them it computed alone first and `deferred` cold ones it
-    computed in context (prepared alone later: `count_prepared`); the rest were hits. A call that read its
-    documents `in_context` again read no span (its documents came from the prefix cache as a stock prompt's): it
-    is counted as such, its cold spans as deferred, and no hit."""
+    computed in context (prepared alone later: `count_prepared`); the rest were hits. A call that read cached
+    documents `in_context`, as the stock prompt, read no span (again in an order the prefix cache holds, or small
+    documents whose span layout would compute nearly as much): it is counted as such, its cold spans as deferred,
+    and no hit."""
     with _lock:
         if in_context:
             _counters.in_context_calls += 1

@@ -177,15 +177,19 @@ def test_small_cached_documents_that_the_default_recomputes_almost_whole_are_rea
         layout = await gen.layout(subset)
         spans_layout = gen._lower(subset)[0]
         counted = gen.span_computes(subset, spans_layout)
+        before = metrics.snapshot()
         result = await engine.generate(subset)
+        calls = {k: v - before[k] for k, v in metrics.snapshot().items() if k in before}
         logprobs = await run_with_logprobs(engine, layout.lowered, 5, with_table=layout.lowered.has_spans)
         again = await gen.layout(query(d, "CBD", "Which drawer keeps 1 key?", instruction=other))
-        return subset, layout, counted, result, logprobs, again
+        return subset, layout, counted, result, logprobs, again, calls
 
     with temporarily(gen, default_recompute="first+question"):
-        subset, layout, counted, result, (_, toks, lps), again = asyncio.run(scenario(few_drawers("small", 3)))
+        subset, layout, counted, result, (_, toks, lps), again, calls = asyncio.run(scenario(few_drawers("small", 3)))
         m = result.metrics
         assert layout.mode == "stock" and m.extra["cold_spans"] == "stock" and m.prepared_spans == 0
+        # `/metrics`: a call that read no span, none of its documents counted as a hit
+        assert calls["in_context_calls"] == 1 and calls["span_calls"] == 0 and calls["spans_hit"] == 0, calls
         assert layout.lowered.token_ids == flattened_prompt_ids(engine.tokenizer, subset.input)
         assert m.padded_tokens == 0 and m.extra["recomputed_tokens"] == 0
         assert m.prompt_tokens - m.cached_tokens <= gen.STOCK_READ_FACTOR * counted + 32  # what the rule allows
@@ -196,9 +200,10 @@ def test_small_cached_documents_that_the_default_recomputes_almost_whole_are_rea
 
         # Larger documents: two of each one's four blocks recomputed, the rest read from the cache: spans. What the
         # span layout computes is what the engine computed (recomputed blocks included).
-        subset, layout, counted, result, *_ = asyncio.run(scenario(few_drawers("large", 12)))
+        subset, layout, counted, result, *_, calls = asyncio.run(scenario(few_drawers("large", 12)))
         m = result.metrics
         assert layout.mode == "warm" and m.extra["recomputed_tokens"] > 0
+        assert calls["span_calls"] == 1 and calls["spans_hit"] == 3 and calls["in_context_calls"] == 0, calls
         assert m.prompt_tokens - m.cached_tokens == counted
 
         # The check can fail: with the rule off, the small documents are read as spans, padded, most recomputed.
