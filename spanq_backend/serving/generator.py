@@ -552,10 +552,11 @@ class SpanGenerator:
         return len(ids) - reused
 
     def as_stock(self, call: Generate, lowered: LoweredPrompt) -> LoweredPrompt | None:
-        """The stock prompt of a call whose spans are all cached, in the order given, where reading it computes at
-        most `STOCK_READ_FACTOR` times what the span layout `lowered` computes: small
-        documents, most of whose blocks the default recompute computes in context again (a 76-token document is
-        ~2.4 blocks: two recomputed, a partial one read as context, and padding). There the span layout's moves,
+        """The stock prompt of a call in the order given, where reading it computes at most `STOCK_READ_FACTOR`
+        times what the span layout `lowered` computes with its spans read from the cache (every span, or with its
+        cold ones laid out as context after them): small documents, most of whose blocks the default recompute
+        computes in context again (a 76-token document is ~2.4 blocks of 32 tokens: up to both whole ones
+        recomputed, the partial one computed as context, padding after it). There the span layout's moves,
         recompute requests and padding cost more than the stock prompt's extra tokens, and the stock prompt is
         full attention's answer. None: the span layout. Not where reading in context is off, nor for a call that
         asks `cold_spans="isolate"` (answers that do not depend on the order given).
