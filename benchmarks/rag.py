@@ -169,11 +169,8 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
         per_cell = [len(MODES) - (2 if n < SUBSET_MIN_DOCS else 0) for n, _ in cells]
         bar = progress(sum(per_cell) * args.reps, "rag", disable=args.no_progress)
         next_doc = 0
-        for k, (n, tokens) in enumerate(cells):
-            # The first cell is run once more before its repetitions, unrecorded: the run's first measurements of
-            # each engine (a fresh process's first prompts of that size) were 0.62-0.71x on tiny, whose queries take
-            # 12-35 ms (2026-12-07); `warm_up`'s small query does not take that away.
-            for rep in range(-1 if k == 0 else 0, args.reps):
+        for n, tokens in cells:
+            for rep in range(args.reps):
                 docs = make_documents(tokenizer, n, tokens, seed=args.seed, start=next_doc)
                 next_doc += n
                 first, again = list(range(n)), list(reversed(range(n)))
@@ -196,8 +193,6 @@ def main(argv: Sequence[str] = (), *, backends: tuple[Any, Any] | None = None) -
                     if backend is spans:
                         before = _span_engine_stats(spans)
                     (call,) = execute(rag_query(docs, order, question, args.question_first), backend).calls
-                    if rep < 0:
-                        continue
                     row = {
                         "docs": n, "doc_tokens_target": tokens, "rep": rep, "mode": mode, "ttft_s": ttft_of(call),
                         "prompt_tokens": call.prompt_tokens, "cached_tokens": call.cached_tokens,
