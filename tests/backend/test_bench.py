@@ -434,15 +434,15 @@ def test_rag_bench(engines, tmp_path, capsys):
     report = read_report(tmp_path, "rag-tiny", printed)
     assert {r["mode"] for r in report["rows"]} == set(MODES)
     assert not {r["mode"] for r in report["rows"] if r["docs"] == 1} & {"stock_subset", "spans_subset"}
-    two = report["summary"]["3x48"]
+    three = report["summary"]["3x48"]
     for mode in MODES:
-        assert two[mode]["median"] > 0
-    assert two["speedup_warm_vs_stock_reordered"] > 0
+        assert three[mode]["median"] > 0
+    assert three["speedup_warm_vs_stock_reordered"] > 0
     warm = [r for r in report["rows"] if r["mode"] == "spans_warm" and r["docs"] == 3]
     assert warm[0]["prepared_spans"] == 0, "the warm run found the documents cached"
     cold = [r for r in report["rows"] if r["mode"] == "spans_cold" and r["docs"] == 3]
     assert cold[0]["prepared_spans"] + cold[0]["deferred_spans"] == 3  # prepared alone, or read in context
-    profile = two["profile"]
+    profile = three["profile"]
     assert set(profile) == {"spans_cold", "spans_warm", "spans_subset"} and profile["spans_warm"]["ttft_s"] > 0
     # The baselines a careful stock user has: the same set sorted back into canonical order (another question after
     # it), and the same prompt again (the floor) — both hit the documents in stock's prefix cache, the plain
@@ -452,11 +452,11 @@ def test_rag_bench(engines, tmp_path, capsys):
     question = len(engines[1].engine.tokenizer.encode(SECOND_QUESTION, add_special_tokens=False))
     assert row["stock_canonical"]["prompt_tokens"] - row["stock_canonical"]["cached_tokens"] <= question + 32 + 16
     assert row["stock_reordered"]["cached_tokens"] < row["stock_canonical"]["cached_tokens"]
-    assert two["speedup_warm_vs_stock_canonical"] > 0 and two["speedup_warm_vs_stock_same"] > 0
+    assert three["speedup_warm_vs_stock_canonical"] > 0 and three["speedup_warm_vs_stock_same"] > 0
     # An overlapping subset in a new order: stock's prefix cache holds no prompt starting with its first document
     # (its system prompt only); the span engine read every one of them before, and prepared none.
     assert row["stock_subset"]["cached_tokens"] < 32 <= row["stock_subset"]["prompt_tokens"] - 2 * 32
-    assert row["spans_subset"]["prepared_spans"] == 0 and two["speedup_subset_vs_stock_subset"] > 0
+    assert row["spans_subset"]["prepared_spans"] == 0 and three["speedup_subset_vs_stock_subset"] > 0
     # each measurement right after a plain request to its own engine (the order of a pair then does not matter)
     assert report["config"]["ready"] is True and report["config"]["swap_order"] is False
 
