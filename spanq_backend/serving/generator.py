@@ -180,6 +180,8 @@ class CallLayout:
     # A stock prompt read in context whose documents' tokens are kept after the answer (`PrefixTokens.learn`):
     # its text, where the documents end in it, its ids.
     learn: tuple[str, int, list[int]] | None = None
+    # The recompute plan of `lowered`, where `layout` worked it out already (`as_stock` counted it): not again.
+    plan: RecomputePlan | None = None
 
 
 def read_by_answer(lowered: LoweredPrompt, i: int, computed: int) -> int:
@@ -538,20 +540,22 @@ class SpanGenerator:
         self._remember_orders(node)  # read in this order again: the most recent
         return stock
 
-    def span_computes(self, call: Generate, lowered: LoweredPrompt) -> int:
+    def span_computes(self, call: Generate, lowered: LoweredPrompt, plan: RecomputePlan | None = None) -> int:
         """The tokens the span layout `lowered` computes with every span cached: all but the span blocks it reads
-        from the cache (those it recomputes in context count; `recompute="attention"` counted as `"question"`
-        chooses, the same number of blocks) and a cached prefix."""
+        from the cache (those it recomputes in context count: `plan`, else worked out here; `recompute="attention"`
+        counted as `"question"` chooses, the same number of blocks) and a cached prefix."""
         table, ids = lowered.table, lowered.token_ids
         reused = sum(end - start for start, end in table.spans)
-        if self.recompute_of(call):
+        if plan is not None:
+            reused -= plan.tokens
+        elif self.recompute_of(call):
             reused -= self.recompute_plan(call, lowered).tokens
         prefix = ids[: table.spans[0][0]]
         if prefix and self.span_probe is not None and self.span_probe.cached(prefix):
             reused += len(prefix)
         return len(ids) - reused
 
-    def as_stock(self, call: Generate, lowered: LoweredPrompt) -> LoweredPrompt | None:
+    def as_stock(self, call: Generate, lowered: LoweredPrompt, plan: RecomputePlan | None = None) -> LoweredPrompt | None:
         """The stock prompt of a call in the order given, where reading it computes at most `STOCK_READ_FACTOR`
         times what the span layout `lowered` computes with its spans read from the cache (every span, or with its
         cold ones laid out as context after them): small documents, most of whose blocks the default recompute
@@ -567,7 +571,7 @@ class SpanGenerator:
         `in_context`'s)."""
         if not self.read_in_context or not lowered.has_spans or (call.cold_spans or self.cold_spans) == "isolate":
             return None
-        span = self.span_computes(call, lowered)
+        span = self.span_computes(call, lowered, plan)
         ids, table = lowered.token_ids, lowered.table
         prefix = ids[: table.spans[0][0]]
         # The span layout pads its prefix to a block; the stock prompt's block that holds the prefix's end holds the
@@ -1248,10 +1252,12 @@ class SpanGenerator:
             await self._await_pending([lowered.prepare_prompt(i) for i in cold])
             cold = self.cold_span_indices(lowered, count=False)
         if not cold:
-            stock = None if span_output or lowered.generated_spans else self.as_stock(call, lowered)
+            # The recompute plan the answer runs, worked out once (not for "attention": its probe's pass comes first)
+            plan = self.recompute_plan(call, lowered) if self.recompute_of(call) != "attention" else None
+            stock = None if span_output or lowered.generated_spans else self.as_stock(call, lowered, plan)
             if stock is not None:  # the spans would compute nearly as much as the stock prompt: read that
                 return CallLayout(stock, flattened, "stock", spans=spans)
-            return CallLayout(lowered, flattened, "warm", spans=spans)
+            return CallLayout(lowered, flattened, "warm", spans=spans, plan=plan)
         recomputes = self.recompute_of(call)
         if not recomputes and self.reads_from_tier(lowered, cold):  # the answer's own request loads them
             return CallLayout(lowered, flattened, "tier", spans=spans)
@@ -1439,7 +1445,7 @@ class SpanGenerator:
             prepared, prepare_tokens = sum(1 for c in computed if c > 0), sum(computed)
             read_prepared = sum(read_by_answer(lowered, i, c) for i, c in zip(layout.isolated, computed))
         t_prepared = time.perf_counter()
-        redo, probe = await self.plan(call, lowered)
+        redo, probe = (layout.plan, {}) if layout.plan is not None else await self.plan(call, lowered)
         t_planned = time.perf_counter()
         # One round: the prompt's prefix (where no span is anchored on it and it is not cached), the recompute
         # runs and the call's own requests go to the engine together. Each reads what the ones before it compute

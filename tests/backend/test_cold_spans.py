@@ -177,9 +177,11 @@ def test_small_cached_documents_that_the_default_recomputes_almost_whole_are_rea
         layout = await gen.layout(subset)
         spans_layout = gen._lower(subset)[0]
         counted = gen.span_computes(subset, spans_layout)
-        before = metrics.snapshot()
-        result = await engine.generate(subset)
+        before, planned, plan = metrics.snapshot(), [], gen.recompute_plan
+        with temporarily(gen, recompute_plan=lambda *a, **k: planned.append(1) or plan(*a, **k)):
+            result = await engine.generate(subset)
         calls = {k: v - before[k] for k, v in metrics.snapshot().items() if k in before}
+        calls["recompute_plans"] = len(planned)
         logprobs = await run_with_logprobs(engine, layout.lowered, 5, with_table=layout.lowered.has_spans)
         again = await gen.layout(query(d, "CBD", "Which drawer keeps 1 key?", instruction=other))
         return subset, layout, counted, result, logprobs, again, calls
@@ -205,6 +207,8 @@ def test_small_cached_documents_that_the_default_recomputes_almost_whole_are_rea
         assert layout.mode == "warm" and m.extra["recomputed_tokens"] > 0
         assert calls["span_calls"] == 1 and calls["spans_hit"] == 3 and calls["in_context_calls"] == 0, calls
         assert m.prompt_tokens - m.cached_tokens == counted
+        # The recompute plan is worked out once per call: where the layout counted it, the answer runs that one.
+        assert calls["recompute_plans"] == 1, calls
 
         # The check can fail: with the rule off, the small documents are read as spans, padded, most recomputed.
         with temporarily(gen, STOCK_READ_FACTOR=0.0):
