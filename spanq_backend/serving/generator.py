@@ -468,7 +468,7 @@ class SpanGenerator:
     REMEMBERED_ORDERS = 4096
     # `as_stock`: a call whose spans are all cached reads the stock prompt where that computes at most this many
     # times the tokens the span layout computes. Measured on SmolLM2 (`spanq bench rag --grid`'s subset columns,
-    # docs/benchmarks.md, "Small documents read again: the stock prompt"): at 1.14 times, the spans were 0.90-0.95x
+    # docs/benchmarks.md, "Small documents read again: the stock prompt"): at 1.13 times, the spans were 0.90-0.95x
     # stock's speed; at 1.39, 1.16x; at 1.54, 1.26x (a computed token of the span layout costs more: it attends to
     # the whole prompt, beside moves and recompute requests).
     STOCK_READ_FACTOR = 1.25
