@@ -520,12 +520,7 @@ class SpanGenerator:
         orders = plus_orders(call.input)
         if not orders or any(frozenset(order) not in self._orders for order in orders):
             return None  # documents this generator never read in context: not cached so (and nothing to pay)
-        table, ids = lowered.table, lowered.token_ids
-        reused = sum(end - start for start, end in table.spans)
-        prefix = ids[: table.spans[0][0]]
-        if prefix and probe is not None and probe.cached(prefix):
-            reused += len(prefix)
-        span_computes = len(ids) - reused
+        span_computes = self._least_computes(lowered, self.cached_prefix(lowered))
         node = in_order(call.input, self._orders.get)
         stock, held = seen if seen is not None else (self._stock_layout(call, node), None)
         if stock is None:
@@ -540,22 +535,37 @@ class SpanGenerator:
         self._remember_orders(node)  # read in this order again: the most recent
         return stock
 
-    def span_computes(self, call: Generate, lowered: LoweredPrompt, plan: RecomputePlan | None = None) -> int:
+    def cached_prefix(self, lowered: LoweredPrompt) -> int:
+        """The tokens of the span layout's prefix (before its first span) the cache holds: all of them, or none."""
+        prefix = lowered.token_ids[: lowered.table.spans[0][0]]
+        return len(prefix) if prefix and self.span_probe is not None and self.span_probe.cached(prefix) else 0
+
+    @staticmethod
+    def _least_computes(lowered: LoweredPrompt, cached_prefix: int) -> int:
+        """The tokens the span layout computes with every span read from the cache and nothing recomputed (the
+        least it can), its prefix cached up to `cached_prefix`."""
+        return len(lowered.token_ids) - sum(end - start for start, end in lowered.table.spans) - cached_prefix
+
+    def span_computes(
+        self, call: Generate, lowered: LoweredPrompt, plan: RecomputePlan | None = None, prefix: int | None = None
+    ) -> int:
         """The tokens the span layout `lowered` computes with every span cached: all but the span blocks it reads
         from the cache (those it recomputes in context count: `plan`, else worked out here; `recompute="attention"`
-        counted as `"question"` chooses, the same number of blocks) and a cached prefix."""
-        table, ids = lowered.table, lowered.token_ids
-        reused = sum(end - start for start, end in table.spans)
-        if plan is not None:
-            reused -= plan.tokens
-        elif self.recompute_of(call):
-            reused -= self.recompute_plan(call, lowered).tokens
-        prefix = ids[: table.spans[0][0]]
-        if prefix and self.span_probe is not None and self.span_probe.cached(prefix):
-            reused += len(prefix)
-        return len(ids) - reused
+        counted as `"question"` chooses, the same number of blocks) and a cached prefix (`prefix`, where
+        `cached_prefix` was worked out)."""
+        if plan is None and self.recompute_of(call):
+            plan = self.recompute_plan(call, lowered)
+        prefix = self.cached_prefix(lowered) if prefix is None else prefix
+        return self._least_computes(lowered, prefix) + (plan.tokens if plan is not None else 0)
 
-    def as_stock(self, call: Generate, lowered: LoweredPrompt, plan: RecomputePlan | None = None) -> LoweredPrompt | None:
+    def known_plan(self, call: Generate, lowered: LoweredPrompt) -> RecomputePlan | None:
+        """The recompute plan the answer runs, where it can be worked out before the call's own round (not for
+        `"attention"`: its probe's pass comes first)."""
+        return self.recompute_plan(call, lowered) if self.recompute_of(call) != "attention" else None
+
+    def as_stock(
+        self, call: Generate, lowered: LoweredPrompt, plan: RecomputePlan | None = None, span_output: bool = False
+    ) -> LoweredPrompt | None:
         """The stock prompt of a call in the order given, where reading it computes at most `STOCK_READ_FACTOR`
         times what the span layout `lowered` computes with its spans read from the cache (every span, or with its
         cold ones laid out as context after them): small documents, most of whose blocks the default recompute
@@ -563,22 +573,22 @@ class SpanGenerator:
         recomputed, the partial one computed as context, padding after it). There the span layout's moves,
         recompute requests and padding cost more than the stock prompt's extra tokens, and the stock prompt is
         full attention's answer. None: the span layout. Not where reading in context is off, nor for a call that
-        asks `cold_spans="isolate"` (answers that do not depend on the order given).
+        asks `cold_spans="isolate"` (answers that do not depend on the order given), nor where spans are read or
+        written that the stock prompt lacks (generated outputs, `span_output`).
 
         Counted without tokenizing the stock prompt: it is the span layout's tokens less its padding (the
         documents tokenized together or apart differ by a token or two), and its prefix cache is taken to hold
         only what the span layout's prefix finds (an order this generator read in context before is
         `in_context`'s)."""
-        if not self.read_in_context or not lowered.has_spans or (call.cold_spans or self.cold_spans) == "isolate":
+        if (not self.read_in_context or not lowered.has_spans or span_output or lowered.generated_spans
+                or (call.cold_spans or self.cold_spans) == "isolate"):  # fmt: skip
             return None
-        span = self.span_computes(call, lowered, plan)
-        ids, table = lowered.token_ids, lowered.table
-        prefix = ids[: table.spans[0][0]]
+        prefix = self.cached_prefix(lowered)
+        span = self.span_computes(call, lowered, plan, prefix)
         # The span layout pads its prefix to a block; the stock prompt's block that holds the prefix's end holds the
         # first document's start too: not cached.
-        cached = prefix and self.span_probe is not None and self.span_probe.cached(prefix)
-        held = (len(prefix) - 1) // self.block_size * self.block_size if cached else 0
-        stock = len(ids) - lowered.padded_tokens - held
+        held = (prefix - 1) // self.block_size * self.block_size if prefix else 0
+        stock = len(lowered.token_ids) - lowered.padded_tokens - held
         if stock > self.STOCK_READ_FACTOR * span:
             return None
         # (The call then remembers this order and keeps the documents' tokens, as a cold read in context does.)
@@ -1252,9 +1262,8 @@ class SpanGenerator:
             await self._await_pending([lowered.prepare_prompt(i) for i in cold])
             cold = self.cold_span_indices(lowered, count=False)
         if not cold:
-            # The recompute plan the answer runs, worked out once (not for "attention": its probe's pass comes first)
-            plan = self.recompute_plan(call, lowered) if self.recompute_of(call) != "attention" else None
-            stock = None if span_output or lowered.generated_spans else self.as_stock(call, lowered, plan)
+            plan = self.known_plan(call, lowered)  # worked out once: counted here, run by the answer
+            stock = self.as_stock(call, lowered, plan, span_output)
             if stock is not None:  # the spans would compute nearly as much as the stock prompt: read that
                 return CallLayout(stock, flattened, "stock", spans=spans)
             return CallLayout(lowered, flattened, "warm", spans=spans, plan=plan)
@@ -1278,10 +1287,11 @@ class SpanGenerator:
             call.model_copy(update={"input": spans_first(call.input, lambda t: t not in texts)}),
             align_output=span_output, as_context=frozenset(texts),
         )
-        stock = None if span_output or lowered.generated_spans else self.as_stock(call, relaid)
+        plan = self.known_plan(call, relaid)
+        stock = self.as_stock(call, relaid, plan, span_output)
         if stock is not None:  # the cached spans save too little beside the cold ones: the stock prompt, as given
             return CallLayout(stock, flattened, mode, deferred=prompts, also=extra, spans=spans)
-        return CallLayout(relaid, flattened, mode, deferred=prompts, also=extra, spans=spans)
+        return CallLayout(relaid, flattened, mode, deferred=prompts, also=extra, spans=spans, plan=plan)
 
     def _too_long_for_spans(self, call: Generate) -> CallLayout | None:
         """A call whose span layout does not fit the context window (its padding, up to a block less one token a
