@@ -16,12 +16,23 @@ from typing import Any
 
 from spanq_backend.kv.span_table import SpanTable
 
-__all__ = ["JOIN_TAG", "HashBlock", "span_block_hashes"]
+__all__ = ["JOIN_TAG", "AnchorHash", "HashBlock", "anchor_chain", "span_block_hashes"]
 
 # hash_block(parent_hash or None, block_token_ids, extra_keys or None) -> hash
 HashBlock = Callable[[Any, Sequence[int], Any], Any]
 # extra_keys(start_token, end_token) -> extra keys or None (LoRA name, cache salt, ...), as stock vLLM adds them
 ExtraKeys = Callable[[int, int], Any]
+# anchor_hash(explicit anchor tokens) -> the hash of their last block (`anchor_chain`), where a caller keeps them
+AnchorHash = Callable[[tuple[int, ...]], Any]
+
+
+def anchor_chain(anchor: Sequence[int], block_size: int, hash_block: HashBlock, extras: Callable[[int], Any]) -> Any:
+    """The hash of explicit anchor tokens' last block, as stock vLLM hashes the first blocks of a span's prepare
+    request `[anchor][span]` (`extras(start)`: the extra keys of the block that starts there)."""
+    parent = None
+    for k in range(0, len(anchor), block_size):
+        parent = hash_block(parent, anchor[k : k + block_size], extras(k))
+    return parent
 
 JOIN_TAG = "spanq-join"
 
@@ -32,8 +43,10 @@ def span_block_hashes(
     hash_block: HashBlock,
     done: Sequence[Any] = (),
     extra_keys: ExtraKeys | None = None,
+    anchor_hash: AnchorHash | None = None,
 ) -> list[Any]:
-    """Hashes of the full blocks after the `done` ones (the request's hashes so far)."""
+    """Hashes of the full blocks after the `done` ones (the request's hashes so far); `anchor_hash`: the hashes of
+    explicit anchors where the caller keeps them (each worked out here otherwise, once a call)."""
     bs = table.block_size
     hashes = list(done)
     span_of_block: dict[int, int] = {}
@@ -46,15 +59,14 @@ def span_block_hashes(
 
     explicit: dict[tuple[int, ...], Any] = {}  # explicit anchor tokens -> the hash of their last block
 
-    def anchor_hash(i: int) -> Any:
+    def span_parent(i: int) -> Any:
         anchor = table.anchor_of(i)
         if isinstance(anchor, int):
             return hashes[anchor // bs - 1] if anchor else None
         if anchor not in explicit:
-            parent = None
-            for k in range(0, len(anchor), bs):  # as stock vLLM hashes the prepare request's first blocks
-                parent = hash_block(parent, anchor[k : k + bs], extras(k))
-            explicit[anchor] = parent
+            explicit[anchor] = (
+                anchor_hash(anchor) if anchor_hash is not None else anchor_chain(anchor, bs, hash_block, extras)
+            )
         return explicit[anchor]
 
     for j in range(len(hashes), len(token_ids) // bs):
@@ -63,7 +75,7 @@ def span_block_hashes(
         i = span_of_block.get(j)
         if i is not None:
             start_block = table.spans[i][0] // bs
-            parent = hashes[j - 1] if j > start_block else anchor_hash(i)
+            parent = hashes[j - 1] if j > start_block else span_parent(i)
             # Extra keys as the span's prepare request `[anchor][span]` computes them.
             hashes.append(hash_block(parent, block, extras(lo - table.spans[i][0] + table.anchor_size(i))))
             continue

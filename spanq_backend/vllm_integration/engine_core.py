@@ -20,11 +20,12 @@ import logging
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from spanq_backend.kv.cidra import CidraPlanner, StepPlan
-from spanq_backend.kv.span_hashing import span_block_hashes
+from spanq_backend.kv.span_hashing import AnchorHash, anchor_chain, span_block_hashes
 from spanq_backend.kv.span_table import SpanTable, SpanTableError
 from spanq_backend.vllm_integration.attention_probe import PROBE_PARAM
 from spanq_backend.vllm_integration.cache_probe import BlockPins
@@ -126,6 +127,12 @@ class SpanBlockHasher:
             return kcu.hash_block_tokens(hash_fn, parent, tokens, extra)
 
         self._hash_block = hash_block
+        # The hashes of explicit anchors (`anchor_chain`), by the anchor tokens and the extra keys they were hashed
+        # with: a call's requests (its answer, each recompute run) carry every span's anchor, often a lead-in of
+        # hundreds of tokens each (16 spans: 256 blocks hashed again by every request).
+        self._anchor_chains: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+
+    ANCHOR_CHAINS = 1024  # anchors whose hashes are kept (each key holds its tokens: ~4 KB for 512 of them)
 
     def __call__(self, request: Any) -> list[Any]:
         state = request_spans(request)
@@ -149,11 +156,38 @@ class SpanBlockHasher:
 
         started = time.perf_counter()
         try:
-            new = span_block_hashes(request.all_token_ids, table, self._hash_block, request.block_hashes, extra_keys)
+            new = span_block_hashes(
+                request.all_token_ids, table, self._hash_block, request.block_hashes, extra_keys,
+                self._kept_anchors(request, extra_keys),
+            )
             return self._probe_salted(request, table, new)
         finally:
             HASHING["seconds"] += time.perf_counter() - started
             HASHING["requests"] += 1
+
+    def _kept_anchors(self, request: Any, extra_keys: Any) -> AnchorHash | None:
+        """The hashes of explicit anchors for this request, kept across requests; None where its extra keys depend
+        on each block's own content (multimodal inputs, prompt embeddings): hashed for the request alone. Otherwise
+        vLLM's extra keys are the same for every block but the first (LoRA; the cache salt is the first block's):
+        those two are the key beside the tokens."""
+        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+            return None
+        bs = self.hash_block_size
+        first, rest = extra_keys(0, bs), extra_keys(bs, 2 * bs)
+        kept = self._anchor_chains
+
+        def anchor_hash(anchor: tuple[int, ...]) -> Any:
+            key = (anchor, first, rest)
+            found = kept.get(key)
+            if found is None:
+                found = kept[key] = anchor_chain(anchor, bs, self._hash_block, lambda k: first if k == 0 else rest)
+                while len(kept) > self.ANCHOR_CHAINS:
+                    kept.popitem(last=False)
+            else:
+                kept.move_to_end(key)
+            return found
+
+        return anchor_hash
 
     def _probe_salted(self, request: Any, table: SpanTable, new: list[Any]) -> list[Any]:
         """An attention probe's blocks from its question's on (`attention_probe.PROBE_PARAM`), each hashed again

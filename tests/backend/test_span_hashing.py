@@ -295,6 +295,50 @@ def test_plugin_span_hashes_keep_the_cache_salt(hashing):
     assert salted.block_hashes[blocks_of(table, 1)] != unsalted.block_hashes[blocks_of(table, 1)]
 
 
+def test_anchor_hashes_kept_across_requests_follow_each_requests_salt_and_lora(hashing):
+    """The hasher keeps explicit anchors' hashes across requests (a call's answer and recompute runs each carry
+    every span's anchor): a request finds only what was hashed with its own extra keys. Each span still hashes as
+    its own prepare request `[anchor][span]` with that request's salt or LoRA, whatever came before; a hasher that
+    kept anchors by their tokens alone fails it."""
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.request import Request
+
+    lead_in = tuple(block_tokens(3, 7000))
+    tokens = block_tokens(1, 8000) + SPANS["C"] + TAIL
+    table = SpanTable(BS, ((BS, BS + len(SPANS["C"])),), (lead_in,)).validate(len(tokens))
+    lora = LoRARequest("adapter", 1, "/nonexistent/adapter")
+
+    def req(hasher, ids, salt=None, lora_request=None, table=None):
+        extra = {EXTRA_ARGS_KEY: table.to_extra_args()} if table is not None else None
+        params = SamplingParams(max_tokens=1, extra_args=extra)
+        return Request(f"r{next(_ids)}", list(ids), params, None, cache_salt=salt, block_hasher=hasher,
+                       lora_request=lora_request)
+
+    def check(hasher) -> None:
+        for salt, adapter in ((None, None), ("tenant-1", None), (None, lora), ("tenant-2", lora), (None, None)):
+            got = req(hasher, tokens, salt, adapter, table).block_hashes[blocks_of(table, 0)]
+            prepare = req(hashing.stock, list(lead_in) + SPANS["C"], salt, adapter).block_hashes
+            assert got == prepare[len(lead_in) // BS :], (salt, adapter)
+
+    kept = engine_core.make_hasher_factory(kcu.get_request_block_hasher)(BS, hashing.fn)
+    kept.support = SpanSupport(True)
+    check(kept)
+    assert len(kept._anchor_chains) == 4  # one per distinct (salt, LoRA), the last request found it kept
+
+    by_tokens: dict = {}
+
+    class TokensOnly(type(kept)):  # broken: kept by the anchor's tokens alone
+        def _kept_anchors(self, request, extra_keys):
+            inner = super()._kept_anchors(request, extra_keys)
+            return None if inner is None else (lambda anchor: by_tokens.setdefault(anchor, inner(anchor)))
+
+    broken = TokensOnly(kept.stock, BS, hashing.fn, SpanSupport(True))
+    with pytest.raises(AssertionError):
+        check(broken)
+
+
 def test_plugin_hasher_ignores_a_table_it_cannot_trust(hashing):
     """A table for another block size, or one that does not fit the prompt, is ignored: stock hashes."""
     tokens, _ = layout("AB")
@@ -482,6 +526,14 @@ def test_span_table_round_trips_through_extra_args():
     )
     assert table.anchor_len == 32
     assert [table.span_at(t) for t in (0, 31, 32, 63, 64, 79, 80)] == [None, None, 0, 0, 1, 1, None]
+    # Explicit anchors: one list for the spans that share one (read once), its own for another, a length
+    lead, other = tuple(block_tokens(2, 7000)), tuple(block_tokens(1, 7500))
+    anchored = SpanTable(BS, ((32, 48), (48, 64), (64, 80), (80, 96)), (lead, other, lead, 32))
+    raw = anchored.to_extra_args()
+    assert raw["anchors"][0] is raw["anchors"][2] and raw["anchors"][1] is not raw["anchors"][0]
+    assert SpanTable.from_extra_args({EXTRA_ARGS_KEY: raw}) == anchored
+    copied = {**raw, "anchors": [a if isinstance(a, int) else list(a) for a in raw["anchors"]]}  # as msgpack delivers
+    assert SpanTable.from_extra_args({EXTRA_ARGS_KEY: copied}) == anchored
 
 
 def test_from_extra_args_without_a_table_is_none():
@@ -505,6 +557,8 @@ def test_from_extra_args_without_a_table_is_none():
         {"v": 1, "block_size": BS, "spans": [16]},
         {"v": 1, "block_size": BS, "spans": 16},
         {"v": 1, "block_size": BS, "spans": [["a", 16]]},
+        {"v": 1, "block_size": BS, "spans": [[16, 32]], "anchors": [["a"] * BS]},
+        {"v": 1, "block_size": BS, "spans": [[16, 32]], "anchors": [{"tokens": 1}]},
     ],
 )
 def test_from_extra_args_refuses_malformed_tables(raw):
