@@ -116,7 +116,7 @@ class SpanTable:
                 if isinstance(a, int):
                     return int(a)
                 if id(a) not in read:
-                    read[id(a)] = tuple(map(int, a))
+                    read[id(a)] = _read_anchor(a)
                 return read[id(a)]
 
             return cls(
@@ -126,3 +126,22 @@ class SpanTable:
             )
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise SpanTableError(f"malformed span table: {e}") from e
+
+
+# Anchor token lists read lately (`from_extra_args`), by their values: a call's requests (its answer, each recompute
+# run) carry the same anchors, 512-token lead-ins each where spans are read after one; looking one up costs a tenth
+# of reading it again.
+_READ_ANCHORS: dict[tuple[Any, ...], tuple[int, ...]] = {}
+READ_ANCHORS_KEPT = 1024
+
+
+def _read_anchor(tokens: Any) -> tuple[int, ...]:
+    """Anchor tokens as ints (`int` of each, as read before; a value equal to a kept one reads as it did)."""
+    key = tuple(tokens)
+    found = _READ_ANCHORS.get(key)
+    if found is None:
+        found = tuple(map(int, key))
+        if len(_READ_ANCHORS) >= READ_ANCHORS_KEPT:
+            _READ_ANCHORS.clear()
+        _READ_ANCHORS[key] = found
+    return found
