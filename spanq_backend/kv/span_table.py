@@ -132,16 +132,20 @@ class SpanTable:
 # run) carry the same anchors, 512-token lead-ins each where spans are read after one; looking one up costs a tenth
 # of reading it again.
 _READ_ANCHORS: dict[tuple[Any, ...], tuple[int, ...]] = {}
-READ_ANCHORS_KEPT = 1024
+READ_ANCHOR_TOKENS = 1 << 17  # the tokens kept, at most (~36 bytes each: the key, the ints): then all are dropped
+_read_anchor_tokens = 0
 
 
 def _read_anchor(tokens: Any) -> tuple[int, ...]:
     """Anchor tokens as ints (`int` of each, as read before; a value equal to a kept one reads as it did)."""
+    global _read_anchor_tokens
     key = tuple(tokens)
     found = _READ_ANCHORS.get(key)
     if found is None:
         found = tuple(map(int, key))
-        if len(_READ_ANCHORS) >= READ_ANCHORS_KEPT:
+        if _read_anchor_tokens + len(key) > READ_ANCHOR_TOKENS:
             _READ_ANCHORS.clear()
+            _read_anchor_tokens = 0
         _READ_ANCHORS[key] = found
+        _read_anchor_tokens += len(key)
     return found

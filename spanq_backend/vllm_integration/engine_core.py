@@ -131,8 +131,9 @@ class SpanBlockHasher:
         # with: a call's requests (its answer, each recompute run) carry every span's anchor, often a lead-in of
         # hundreds of tokens each (16 spans: 256 blocks hashed again by every request).
         self._anchor_chains: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self._anchor_tokens = 0  # the tokens of the anchors kept
 
-    ANCHOR_CHAINS = 1024  # anchors whose hashes are kept (each key holds its tokens: ~4 KB for 512 of them)
+    ANCHOR_TOKENS = 1 << 17  # the anchors' tokens kept, at most (the least recently used dropped past it)
 
     def __call__(self, request: Any) -> list[Any]:
         state = request_spans(request)
@@ -181,8 +182,9 @@ class SpanBlockHasher:
             found = kept.get(key)
             if found is None:
                 found = kept[key] = anchor_chain(anchor, bs, self._hash_block, lambda k: first if k == 0 else rest)
-                while len(kept) > self.ANCHOR_CHAINS:
-                    kept.popitem(last=False)
+                self._anchor_tokens += len(anchor)
+                while self._anchor_tokens > self.ANCHOR_TOKENS:
+                    self._anchor_tokens -= len(kept.popitem(last=False)[0][0])
             else:
                 kept.move_to_end(key)
             return found

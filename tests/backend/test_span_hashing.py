@@ -327,6 +327,16 @@ def test_anchor_hashes_kept_across_requests_follow_each_requests_salt_and_lora(h
     check(kept)
     assert len(kept._anchor_chains) == 4  # one per distinct (salt, LoRA), the last request found it kept
 
+    # Bounded by the tokens kept (a client may send anchors of up to 16384 tokens each): the least recently used go
+    kept.ANCHOR_TOKENS = 2 * len(lead_in)
+    for base in (20000, 21000, 22000):
+        other = tuple(block_tokens(3, base))
+        t = SpanTable(BS, table.spans, (other,)).validate(len(tokens))
+        assert req(kept, tokens, table=t).block_hashes[blocks_of(t, 0)] == req(
+            hashing.stock, list(other) + SPANS["C"]).block_hashes[len(other) // BS :]
+    assert kept._anchor_tokens == sum(len(k[0]) for k in kept._anchor_chains) <= kept.ANCHOR_TOKENS
+    assert [k[0][0] for k in kept._anchor_chains] == [21000, 22000]
+
     by_tokens: dict = {}
 
     class TokensOnly(type(kept)):  # broken: kept by the anchor's tokens alone
@@ -534,6 +544,21 @@ def test_span_table_round_trips_through_extra_args():
     assert SpanTable.from_extra_args({EXTRA_ARGS_KEY: raw}) == anchored
     copied = {**raw, "anchors": [a if isinstance(a, int) else list(a) for a in raw["anchors"]]}  # as msgpack delivers
     assert SpanTable.from_extra_args({EXTRA_ARGS_KEY: copied}) == anchored
+
+
+def test_anchor_lists_read_lately_are_kept_within_a_token_budget(monkeypatch):
+    """Anchor token lists are looked up by value once read (a call's requests carry the same ones); however many
+    a client sends, no more than `READ_ANCHOR_TOKENS` of their tokens are kept, and each reads as it did."""
+    from spanq_backend.kv import span_table
+
+    monkeypatch.setattr(span_table, "READ_ANCHOR_TOKENS", 3 * 2 * BS)
+    monkeypatch.setattr(span_table, "_READ_ANCHORS", {})
+    monkeypatch.setattr(span_table, "_read_anchor_tokens", 0)
+    for base in range(10000, 18000, 1000):
+        anchor = block_tokens(2, base)
+        raw = {"v": 1, "block_size": BS, "spans": [[32, 48]], "anchors": [anchor]}
+        assert SpanTable.from_extra_args({EXTRA_ARGS_KEY: raw}).anchors == (tuple(anchor),)
+        assert sum(map(len, span_table._READ_ANCHORS)) == span_table._read_anchor_tokens <= 3 * 2 * BS
 
 
 def test_from_extra_args_without_a_table_is_none():
