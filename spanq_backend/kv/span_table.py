@@ -140,6 +140,8 @@ def _read_anchor(tokens: Any) -> tuple[int, ...]:
     """Anchor tokens as ints (`int` of each, as read before; a value equal to a kept one reads as it did)."""
     global _read_anchor_tokens
     key = tuple(tokens)
+    if len(key) > MAX_ANCHOR_TOKENS:  # refused by `validate`: not kept (nor anything dropped for it)
+        return tuple(map(int, key))
     found = _READ_ANCHORS.get(key)
     if found is None:
         found = tuple(map(int, key))

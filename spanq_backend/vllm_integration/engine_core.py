@@ -174,10 +174,13 @@ class SpanBlockHasher:
         if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
             return None
         bs = self.hash_block_size
-        first, rest = extra_keys(0, bs), extra_keys(bs, 2 * bs)
         kept = self._anchor_chains
+        keys: list[Any] = []  # the first block's extra keys and the rest's, worked out at the first anchor
 
         def anchor_hash(anchor: tuple[int, ...]) -> Any:
+            if not keys:
+                keys.extend((extra_keys(0, bs), extra_keys(bs, 2 * bs)))
+            first, rest = keys
             key = (anchor, first, rest)
             found = kept.get(key)
             if found is None:

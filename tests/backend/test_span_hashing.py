@@ -559,6 +559,12 @@ def test_anchor_lists_read_lately_are_kept_within_a_token_budget(monkeypatch):
         raw = {"v": 1, "block_size": BS, "spans": [[32, 48]], "anchors": [anchor]}
         assert SpanTable.from_extra_args({EXTRA_ARGS_KEY: raw}).anchors == (tuple(anchor),)
         assert sum(map(len, span_table._READ_ANCHORS)) == span_table._read_anchor_tokens <= 3 * 2 * BS
+    # One longer than an anchor may be (refused by `validate`) is read, not kept, and drops nothing
+    held = dict(span_table._READ_ANCHORS)
+    huge = {"v": 1, "block_size": BS, "spans": [[32, 48]], "anchors": [list(range(span_table.MAX_ANCHOR_TOKENS + BS))]}
+    with pytest.raises(SpanTableError, match="at most"):
+        SpanTable.from_extra_args({EXTRA_ARGS_KEY: huge}).validate(64)
+    assert span_table._READ_ANCHORS == held
 
 
 def test_from_extra_args_without_a_table_is_none():
