@@ -27,9 +27,9 @@ out = {"cflags": kernels._cflags(), "cases": []}
 cases = [(d, l, n, r) for d in (torch.float32, torch.bfloat16, torch.float16)
          for l in (KLayout.row_major(bs, hd), KLayout.transposed(bs, hd)) for n in (True, False) for r in (hd, hd // 2)]
 for dtype, layout, neox, rot in cases:  # rot < hd: partial rotary, the last dims stay as they are
-    inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
-    angles = torch.arange(4096, dtype=torch.float32)[:, None] * inv[None]
-    spec = RopeSpec.from_cos_sin_cache(torch.cat([angles.cos(), angles.sin()], -1), rot, hd, neox)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))  # (float64: see test_relocation.plain_spec)
+    angles = torch.arange(4096, dtype=torch.float64)[:, None] * inv[None]
+    spec = RopeSpec.from_cos_sin_cache(torch.cat([angles.cos(), angles.sin()], -1).float(), rot, hd, neox)
     base = [torch.randn(nb, heads, bs, 2 * hd).to(dtype) for _ in range(3)]
     base[0][4, 0, 0, 0] = float("nan")
     fast, slow = [t.clone() for t in base], [t.clone() for t in base]

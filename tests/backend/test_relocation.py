@@ -263,9 +263,13 @@ def write_cache(
 
 
 def plain_spec(n: int = 4096) -> RopeSpec:
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
-    freqs = torch.arange(n, dtype=torch.float32)[:, None] * inv_freq[None]
-    return RopeSpec.from_cos_sin_cache(torch.cat([freqs.cos(), freqs.sin()], -1), HEAD_DIM, HEAD_DIM, True)
+    """A plain RoPE table in float32, as vLLM keeps one. Worked out in float64: a process's first float32 `cos`
+    on this machine's two threads came out ~3e-4 off in some runs (`RopeSpec` refused it, and collection failed:
+    `_Rope()` below builds one when the module is imported); float64's is exact to float32's rounding."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM))
+    freqs = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq[None]
+    table = torch.cat([freqs.cos(), freqs.sin()], -1).float()
+    return RopeSpec.from_cos_sin_cache(table, HEAD_DIM, HEAD_DIM, True)
 
 
 @pytest.fixture(scope="module")
