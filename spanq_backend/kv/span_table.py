@@ -92,8 +92,8 @@ class SpanTable:
     def to_extra_args(self) -> dict[str, Any]:
         out: dict[str, Any] = {"v": 1, "block_size": self.block_size, "spans": [list(s) for s in self.spans]}
         if self.anchors is not None:
-            # One list for the spans that share an anchor (a 512-token lead-in before every document, say):
-            # `from_extra_args` reads it once where it arrives as the same object (the embedded engine).
+            # One list for the spans that share an anchor (a 512-token lead-in before every document, say), not a
+            # copy of it for each span.
             lists: dict[tuple[int, ...], list[int]] = {}
             for a in self.anchors:
                 if not isinstance(a, int) and a not in lists:
@@ -110,19 +110,12 @@ class SpanTable:
             if raw.get("v") != 1:
                 raise SpanTableError(f"unsupported span table version {raw.get('v')!r}")
             anchors = raw.get("anchors")
-            read: dict[int, tuple[int, ...]] = {}  # each anchor list read once (by identity: `raw` holds it)
-
-            def anchor(a: Any) -> Anchor:
-                if isinstance(a, int):
-                    return int(a)
-                if id(a) not in read:
-                    read[id(a)] = _read_anchor(a)
-                return read[id(a)]
-
             return cls(
                 int(raw["block_size"]),
                 tuple((int(s), int(e)) for s, e in raw["spans"]),
-                tuple(anchor(a) for a in anchors) if anchors is not None else None,
+                tuple(int(a) if isinstance(a, int) else _read_anchor(a) for a in anchors)
+                if anchors is not None
+                else None,
             )
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise SpanTableError(f"malformed span table: {e}") from e

@@ -536,7 +536,7 @@ def test_span_table_round_trips_through_extra_args():
     )
     assert table.anchor_len == 32
     assert [table.span_at(t) for t in (0, 31, 32, 63, 64, 79, 80)] == [None, None, 0, 0, 1, 1, None]
-    # Explicit anchors: one list for the spans that share one (read once), its own for another, a length
+    # Explicit anchors: one list for the spans that share one, its own for another, a length
     lead, other = tuple(block_tokens(2, 7000)), tuple(block_tokens(1, 7500))
     anchored = SpanTable(BS, ((32, 48), (48, 64), (64, 80), (80, 96)), (lead, other, lead, 32))
     raw = anchored.to_extra_args()
