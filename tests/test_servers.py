@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import ending_with_the_tests
+from tests.servers import cmdline, ending_with_the_tests
 
 _TESTS_PROCESS = """
 import subprocess, sys, time
@@ -32,27 +33,55 @@ def _alive(pid: int) -> bool:
     return status != "Z"
 
 
-@pytest.mark.parametrize("guarded", [True, False])
-def test_a_server_started_for_tests_ends_when_the_test_process_is_killed(tmp_path, guarded):
-    """A test process killed (SIGKILL: no fixture teardown) takes its servers with it; without `setpriv
-    --pdeathsig` (the harness before), the server, in its own session, outlives it."""
+def _state(pid: int) -> str:
+    """What the failure message needs: the process's command line and its signal masks."""
+    try:
+        status = [ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith(("State", "Sig"))]
+        return f"{cmdline(pid)!r} {status}"
+    except OSError:
+        return "(gone)"
+
+
+# `setpriv` run a second late, as a loaded machine might: the test process is killed inside the window between
+# Popen's return and `setpriv` setting the parent-death signal unless the harness waits for it.
+_SLOW_SETPRIV = "#!/bin/sh\nsleep 1\nexec {real} \"$@\"\n"
+
+
+@pytest.mark.parametrize("harness", ["guarded", "no parent-death signal", "not waiting for setpriv"])
+def test_a_server_started_for_tests_ends_when_the_test_process_is_killed(tmp_path, harness):
+    """A test process killed (SIGKILL: no fixture teardown) right after it started a server takes the server with it.
+    Two broken harnesses fail: without `setpriv --pdeathsig` (the harness before) the server, in its own session,
+    outlives it; and so it does when `Started` returns before `setpriv` has set the signal (the CI failure of
+    2026-12-07: `setpriv` still starting as the test process died)."""
     if ending_with_the_tests(["x"]) == ["x"]:
         pytest.skip("no setpriv on this machine: servers are stopped by the fixtures only")
     script = _TESTS_PROCESS.format(repo=str(Path(__file__).resolve().parents[1]), log=str(tmp_path / "log"))
-    if not guarded:  # the broken harness: no parent-death signal
+    if harness == "no parent-death signal":
         script = script.replace("from tests.servers import Started",
                                 "import tests.servers as s; s.ending_with_the_tests = list; Started = s.Started")
-    tests = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    elif harness == "not waiting for setpriv":
+        script = script.replace("from tests.servers import Started",
+                                "import tests.servers as s; s.until_guarded = lambda proc: None; "
+                                "Started = s.Started")
+    slow = tmp_path / "bin" / "setpriv"
+    slow.parent.mkdir()
+    slow.write_text(_SLOW_SETPRIV.format(real=shutil.which("setpriv")))
+    slow.chmod(0o755)
+    env = {**os.environ, "PATH": f"{slow.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    tests = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     assert tests.stdout is not None
     server = int(tests.stdout.readline())
     try:
         assert _alive(server)
         tests.send_signal(signal.SIGKILL)
         tests.wait(timeout=10)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + (10 if harness == "guarded" else 2.5)  # (the slow setpriv done by then)
         while _alive(server) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _alive(server) is not guarded, "the server outlived the killed test process" if guarded else ""
+        if harness == "guarded":
+            assert not _alive(server), f"the server outlived the killed test process: {_state(server)}"
+        else:
+            assert _alive(server), "a broken harness's server ended with the test process"
     finally:
         if _alive(server):
             os.killpg(server, signal.SIGKILL)
