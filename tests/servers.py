@@ -197,11 +197,13 @@ def start_supervised(model: Path | str, log: Path, *args: str) -> Supervised:
     """`supervise` running `spanq serve --model MODEL ARGS...` in vLLM's default engine mode (the engine core in a
     process of its own), as `SpanReplica` starts it; returns once the server's process exists, not once it
     answers (`Supervised.healthy`)."""
+    from spanq_backend.cluster.supervise import PARENT_ENV
     from spanq_backend.serving.processes import processes
 
     port = free_port()
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default, as a replica runs
+    env[PARENT_ENV] = str(os.getpid())  # as a replica names itself to its supervisor
     command = [sys.executable, "-m", "spanq_backend.cluster.supervise",
                sys.executable, "-m", "spanq_integrations.cli", "serve", "--model", str(model),
                "--host", "127.0.0.1", "--port", str(port), *args]  # fmt: skip

@@ -42,6 +42,7 @@ from typing import Any
 from fastapi import Request  # module level: FastAPI resolves the route's annotations here
 
 from spanq_backend.cluster.connect import connect
+from spanq_backend.cluster.supervise import PARENT_ENV
 from spanq_backend.serving.cluster_options import ROUTINGS, TIER_COST, add_cluster_arguments
 from spanq_backend.serving.processes import (
     adopt_orphans,
@@ -156,6 +157,7 @@ class SpanReplica:
             rank = getattr(context.rank, "local_rank", 0) or 0
             env["VLLM_CPU_OMP_THREADS_BIND"] = core_lists[rank % len(core_lists)]
         self.cores = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+        env[PARENT_ENV] = str(os.getpid())  # (the supervisor ends at once if this replica died before it was up)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # In the cluster's log folder where it gave one (a local Ray: `serve_cluster` removes it when it ends);

@@ -1,6 +1,6 @@
 """Run one command as the leader of its own process group, and take the whole group down with it.
 
-    python -m spanq_backend.cluster.supervise COMMAND [ARGS...]
+    SPANQ_SUPERVISE_PARENT=<the starter's pid> python -m spanq_backend.cluster.supervise COMMAND [ARGS...]
 
 A cluster replica starts its `spanq serve` through this: the server's vLLM engine core is a process of its own,
 and when the server dies (killed, crashed, or while the engine is still starting) nothing else would stop that
@@ -21,6 +21,7 @@ from typing import Any
 from spanq_backend.serving.processes import end_all, identities, processes
 
 GRACE_S = 20.0
+PARENT_ENV = "SPANQ_SUPERVISE_PARENT"  # the pid of the process that starts this one, set by it
 
 
 def end_group(grace_s: float = GRACE_S) -> None:
@@ -36,8 +37,8 @@ def end_group(grace_s: float = GRACE_S) -> None:
 
 
 def _term_with_parent(parent: int | None = None) -> None:  # pragma: no cover - also runs between fork and exec
-    """SIGTERM to this process when its parent dies (Linux). With `parent` (in a child, before exec): if that
-    parent is already gone, no signal would come, and the child ends here."""
+    """SIGTERM to this process when its parent dies (Linux). With `parent` (the pid it was started by): if that
+    parent is already gone, no signal would come, and the process ends here."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -53,7 +54,11 @@ def main(argv: list[str]) -> int:
         return 2
     with contextlib.suppress(PermissionError):
         os.setsid()  # a new group, led by this process (already so if the caller made one)
-    _term_with_parent()  # SIGTERM here when the process that started this one dies
+    # SIGTERM here when the process that started this one dies. That process names itself in PARENT_ENV (a replica
+    # does): if it died before this line (killed while the interpreter started, ~0.1 s), no signal would ever come,
+    # and this process ends here instead of running the command with nothing to end it.
+    parent = os.environ.pop(PARENT_ENV, "")
+    _term_with_parent(int(parent) if parent.isdigit() else None)
 
     def on_signal(signum: int, _frame: Any) -> None:
         end_group()

@@ -289,6 +289,62 @@ def test_supervise_ends_its_whole_group_also_what_joins_it_while_it_stops(tmp_pa
     assert gone == "gone: [True, True, True]" and 0.9 <= float(took) < 10, run.stdout
 
 
+STARTER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from spanq_backend.cluster.supervise import PARENT_ENV
+    from spanq_backend.serving.processes import processes
+
+    env = dict(os.environ)
+    if sys.argv[1] != "not named":  # as a replica starts its supervisor
+        env[PARENT_ENV] = str(os.getpid())
+    supervisor = subprocess.Popen([sys.executable, "-m", "spanq_backend.cluster.supervise",
+                                   sys.executable, "-c", "import time; time.sleep(300)"], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # (not the test's pipe)
+    print(supervisor.pid, flush=True)
+    if sys.argv[1] == "dies once it runs":  # the command started: the supervisor is up
+        while not processes(parent=supervisor.pid):
+            time.sleep(0.01)
+    os._exit(0)  # killed, as Ray kills a replica: nothing stops the supervisor
+""")
+
+
+@pytest.mark.parametrize("starter", ["dies at once", "dies once it runs", "not named"])
+def test_a_supervisor_whose_starter_dies_ends_with_its_command_even_before_it_was_up(starter):
+    """A replica killed right after it started its supervisor (Ray stopping a deploy, the cluster command ended): the
+    supervisor, its interpreter still starting, had not yet asked for its parent-death signal, so none came, and it
+    ran its server for good. It ends now, with what it started, whenever its starter died: the starter names itself
+    (`PARENT_ENV`). A supervisor not told its starter (the broken form) outlives one that dies at once."""
+    run = subprocess.run([sys.executable, "-c", STARTER, starter], check=False, capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    supervisor = int(run.stdout)
+
+    def group() -> list[int]:  # the supervisor (its group is the test's until it is up) and the group it leads
+        pids = (int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit())
+        return [p for p in pids if (_group_of(p) == supervisor) or (p == supervisor and _group_of(p))]
+
+    try:
+        deadline = time.monotonic() + (15 if starter != "not named" else 3)
+        while (alive := group()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if starter == "not named":
+            assert alive, "a supervisor not told its starter ended with it"
+        else:
+            assert not alive, f"left running after its starter died: {[cmdline(p) for p in alive]}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(supervisor, signal.SIGKILL)
+
+
+def _group_of(pid: int) -> int:
+    """`pid`'s process group, or 0 when it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return 0
+    return 0 if fields[0] == "Z" else int(fields[2])
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_the_cluster_command_stopped_while_its_replicas_start_ends_everything_it_started(tiny_model, tmp_path):
