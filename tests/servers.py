@@ -73,22 +73,18 @@ def ending_with_the_tests(command: Sequence[str]) -> list[str]:
     teardown stops it otherwise). A server runs in its own session, so nothing else ends it: a test run killed
     once left its two session servers and their engines (6 GB) running for an hour. By `setpriv --pdeathsig`
     (util-linux), where the machine has it; the process keeps the pid `setpriv` had. (The signal follows the
-    thread that started the server: these are started by pytest's main thread.)"""
-    return ["setpriv", "--pdeathsig", "TERM", "--", *command] if shutil.which("setpriv") else list(command)
+    thread that started the server: these are started by pytest's main thread.)
 
-
-def until_guarded(proc: subprocess.Popen) -> None:
-    """Return once `setpriv` (`ending_with_the_tests`) has set `proc`'s parent-death signal. Popen returns as soon as
-    `setpriv` runs, before it sets it: a test process killed in that moment left its server running (19 of 100
-    kills right after Popen, on this idle 2-core machine; twice in the suite's CI runs). `setpriv` sets it, then execs
-    the command, so it is set once the process's command line no longer holds `--pdeathsig`."""
-    if not ending_with_the_tests([]):
-        return
-    deadline = time.monotonic() + 30
-    while b"--pdeathsig" in cmdline(proc.pid).split(b"\0") and proc.poll() is None:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"pid {proc.pid} still in setpriv after 30 s")
-        time.sleep(0.001)
+    `setpriv` asks for the signal a moment after Popen returns: a test process killed in that moment sent none, and
+    its server ran on (19 of 100 kills right after Popen on this idle 2-core machine; CI failed so twice). So a
+    shell between `setpriv` and the command checks, once the signal is asked for, that this process is still its
+    parent, and ends if not, as `supervise` does. (A wait in Popen's caller for `setpriv` to be done lost the same
+    race beside servers starting: the process's command line reads empty while an exec replaces it, and its name is
+    still the caller's as Popen returns.)"""
+    if not shutil.which("setpriv"):
+        return list(command)
+    check = f'[ "$PPID" = {os.getpid()} ] || exit 143; exec "$@"'
+    return ["setpriv", "--pdeathsig", "TERM", "--", "sh", "-c", check, "sh", *command]
 
 
 class Started:
@@ -107,7 +103,6 @@ class Started:
                 ending_with_the_tests(in_background(self.command) if ahead else self.command), stdout=out,
                 stderr=subprocess.STDOUT, env=dict(env) if env else None, start_new_session=True,
             )  # fmt: skip
-        until_guarded(self.proc)
 
 
 @contextlib.contextmanager
@@ -237,7 +232,6 @@ class Ahead:
         with open(self.folder / "stdout", "wb") as out, open(self.folder / "stderr", "wb") as err:
             self.proc = subprocess.Popen(ending_with_the_tests(in_background(self.command)), stdout=out, stderr=err,
                                          cwd=cwd, env=dict(env) if env else None, start_new_session=True)  # fmt: skip
-        until_guarded(self.proc)
 
     def result(self, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         """The finished run (a failure to finish in `timeout` seconds fails the test)."""
