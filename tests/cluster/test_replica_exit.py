@@ -297,12 +297,24 @@ STARTER = textwrap.dedent("""
     env = dict(os.environ)
     if sys.argv[1] != "not named":  # as a replica starts its supervisor
         env[PARENT_ENV] = str(os.getpid())
-    supervisor = subprocess.Popen([sys.executable, "-m", "spanq_backend.cluster.supervise",
+    # (half a second late, as on a loaded machine: the starter is gone before the supervisor runs; `exec` keeps the
+    # pid and the parent)
+    supervisor = subprocess.Popen(["sh", "-c", 'sleep 0.5; exec "$@"', "sh",
+                                   sys.executable, "-m", "spanq_backend.cluster.supervise",
                                    sys.executable, "-c", "import time; time.sleep(300)"], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # (not the test's pipe)
     print(supervisor.pid, flush=True)
+    def command_runs():  # the supervisor's command, not the shell's `sleep 0.5`
+        for pid in processes(parent=supervisor.pid):
+            try:
+                if b"sleep(300)" in open(f"/proc/{pid}/cmdline", "rb").read():
+                    return True
+            except OSError:
+                pass
+        return False
+
     if sys.argv[1] == "dies once it runs":  # the command started: the supervisor is up
-        while not processes(parent=supervisor.pid):
+        while not command_runs():
             time.sleep(0.01)
     os._exit(0)  # killed, as Ray kills a replica: nothing stops the supervisor
 """)
