@@ -47,12 +47,16 @@ def _state(pid: int) -> str:
 _SLOW_SETPRIV = "#!/bin/sh\nsleep 1\nexec {real} \"$@\"\n"
 
 
-@pytest.mark.parametrize("harness", ["guarded", "no parent-death signal", "no parent check"])
-def test_a_server_started_for_tests_ends_when_the_test_process_is_killed(tmp_path, harness):
-    """A test process killed (SIGKILL: no fixture teardown) right after it started a server takes the server with it.
-    Two broken harnesses fail: without `setpriv --pdeathsig` (the harness before) the server, in its own session,
-    outlives it; and so it does with `setpriv` alone, killed before `setpriv` asked for the signal (the CI failure of
-    2026-12-07), where nothing checks afterwards that the test process is still there."""
+@pytest.mark.parametrize(("harness", "killed"), [
+    ("guarded", "once it runs"), ("guarded", "as it starts"),
+    ("no parent-death signal", "once it runs"), ("no parent check", "as it starts"),
+])  # fmt: skip
+def test_a_server_started_for_tests_ends_when_the_test_process_is_killed(tmp_path, harness, killed):
+    """A test process killed (SIGKILL: no fixture teardown) takes its server with it: once the server runs, and
+    right after it started one (`setpriv` still starting). Two broken harnesses fail: without `setpriv --pdeathsig`
+    (the harness before) the server, in its own session, outlives it; and so it does with `setpriv` alone, killed
+    before `setpriv` asked for the signal (the CI failure of 2026-12-07), where nothing checks afterwards that the
+    test process is still there."""
     if ending_with_the_tests(["x"]) == ["x"]:
         pytest.skip("no setpriv on this machine: servers are stopped by the fixtures only")
     script = _TESTS_PROCESS.format(repo=str(Path(__file__).resolve().parents[1]), log=str(tmp_path / "log"))
@@ -64,16 +68,24 @@ def test_a_server_started_for_tests_ends_when_the_test_process_is_killed(tmp_pat
                                 "import tests.servers as s; "
                                 "s.ending_with_the_tests = lambda c: ['setpriv', '--pdeathsig', 'TERM', '--', *c]; "
                                 "Started = s.Started")
-    slow = tmp_path / "bin" / "setpriv"
-    slow.parent.mkdir()
-    slow.write_text(_SLOW_SETPRIV.format(real=shutil.which("setpriv")))
-    slow.chmod(0o755)
-    env = {**os.environ, "PATH": f"{slow.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = dict(os.environ)
+    if killed == "as it starts":
+        slow = tmp_path / "bin" / "setpriv"
+        slow.parent.mkdir()
+        slow.write_text(_SLOW_SETPRIV.format(real=shutil.which("setpriv")))
+        slow.chmod(0o755)
+        env["PATH"] = f"{slow.parent}{os.pathsep}{os.environ.get('PATH', '')}"
     tests = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     assert tests.stdout is not None
     server = int(tests.stdout.readline())
     try:
         assert _alive(server)
+        if killed == "once it runs":
+            deadline = time.monotonic() + 30
+            runs = sys.executable.encode() + b"\0-c\0"  # the server itself, past setpriv and the shell's check
+            while not cmdline(server).startswith(runs) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert cmdline(server).startswith(runs), cmdline(server)
         tests.send_signal(signal.SIGKILL)
         tests.wait(timeout=10)
         deadline = time.monotonic() + (10 if harness == "guarded" else 2.5)  # (the slow setpriv done by then)
