@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from spanq_backend.serving.processes import descendants
+from spanq_backend.serving.processes import descendants, identities, processes
 from spanq_integrations.query.spnl_json import to_json
 from tests.backend.test_span_support import docs, query
 from tests.servers import START_TIMEOUT_S, Supervised, cmdline, log_tail, start_supervised, wait_for
@@ -293,6 +293,7 @@ STARTER = textwrap.dedent("""
     import os, subprocess, sys, time
     from spanq_backend.cluster.supervise import PARENT_ENV
     from spanq_backend.serving.processes import processes
+    from tests.servers import cmdline
 
     env = dict(os.environ)
     if sys.argv[1] != "not named":  # as a replica starts its supervisor
@@ -304,17 +305,8 @@ STARTER = textwrap.dedent("""
                                    sys.executable, "-c", "import time; time.sleep(300)"], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # (not the test's pipe)
     print(supervisor.pid, flush=True)
-    def command_runs():  # the supervisor's command, not the shell's `sleep 0.5`
-        for pid in processes(parent=supervisor.pid):
-            try:
-                if b"sleep(300)" in open(f"/proc/{pid}/cmdline", "rb").read():
-                    return True
-            except OSError:
-                pass
-        return False
-
-    if sys.argv[1] == "dies once it runs":  # the command started: the supervisor is up
-        while not command_runs():
+    if sys.argv[1] == "dies once it runs":  # the command started (not the shell's `sleep 0.5`): the supervisor is up
+        while not any(b"sleep(300)" in cmdline(p) for p in processes(parent=supervisor.pid)):
             time.sleep(0.01)
     os._exit(0)  # killed, as Ray kills a replica: nothing stops the supervisor
 """)
@@ -332,8 +324,7 @@ def test_a_supervisor_whose_starter_dies_ends_with_its_command_even_before_it_wa
     supervisor = int(run.stdout)
 
     def group() -> list[int]:  # the supervisor (its group is the test's until it is up) and the group it leads
-        pids = (int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit())
-        return [p for p in pids if (_group_of(p) == supervisor) or (p == supervisor and _group_of(p))]
+        return sorted({*identities([supervisor]), *processes(group=supervisor)})
 
     try:
         deadline = time.monotonic() + (15 if starter != "not named" else 3)
@@ -346,15 +337,6 @@ def test_a_supervisor_whose_starter_dies_ends_with_its_command_even_before_it_wa
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(supervisor, signal.SIGKILL)
-
-
-def _group_of(pid: int) -> int:
-    """`pid`'s process group, or 0 when it is gone or a zombie."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
-    except (OSError, IndexError):
-        return 0
-    return 0 if fields[0] == "Z" else int(fields[2])
 
 
 @pytest.mark.vllm
